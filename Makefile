@@ -1,0 +1,25 @@
+# The README's two commands: `make train` and `make test`. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.5 you already have.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install train test lint
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml train_accel.py --config configs/cpu_small.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

@@ -1,0 +1,209 @@
+"""The one training config: a dataclass whose fields are also the YAML keys and the CLI flags.
+
+Precedence: dataclass defaults < run-config file (``--config configs/x.yaml``) < command line.
+Topology (processes, precision, compile, FSDP/DeepSpeed) lives only in the accelerate YAML, never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value or key; the message says what was wrong and how to fix it."""
+
+
+@dataclass
+class TrainConfig:
+    # --- model and data ---
+    preset: str = field(default="gpt2-124m", metadata={"help": "model preset from modeling.config.PRESETS"})
+    block_size: int | None = field(
+        default=None, metadata={"help": "context length; defaults to the preset's and may not exceed it"}
+    )
+    data_dir: str = field(default="data/default", metadata={"help": "folder with manifest.json and shards"})
+    data_source: str = field(
+        default="default",
+        metadata={"help": "book source prepared into data_dir on first use when it has no manifest"},
+    )
+    num_workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank"})
+    # --- batch and budget (the token budget is the source of truth) ---
+    micro_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass per device"})
+    total_batch_tokens: int = field(
+        default=131_072,
+        metadata={"help": "tokens per optimizer step over all ranks; sets gradient accumulation"},
+    )
+    max_steps: int = field(default=2000, metadata={"help": "optimizer steps to train"})
+    max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
+    # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2D+ tensors only"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"})
+    seed: int = field(default=1337, metadata={"help": "seed for init, data order and sampling"})
+    # --- evaluation, logging, checkpoints ---
+    out_dir: str = field(default="runs/default", metadata={"help": "run folder for logs, checkpoints, export"})
+    log_interval: int = field(default=10, metadata={"help": "steps between logged metrics"})
+    eval_interval: int = field(default=250, metadata={"help": "steps between val-loss evals; 0 disables"})
+    eval_batches: int = field(default=20, metadata={"help": "val micro-batches per rank per eval"})
+    sample_interval: int = field(default=500, metadata={"help": "steps between text samples; 0 disables"})
+    sample_prompt: str = field(default="ROMEO:", metadata={"help": "prompt for text samples"})
+    sample_tokens: int = field(default=64, metadata={"help": "new tokens per text sample"})
+    checkpoint_interval: int = field(default=500, metadata={"help": "steps between checkpoints; 0: end only"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "newest step checkpoints kept on disk"})
+    resume: str = field(default="", metadata={"help": "'auto' (newest complete checkpoint) or a checkpoint path"})
+    trackers: str = field(default="", metadata={"help": "comma list of extra accelerate trackers, e.g. tensorboard"})
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "per-device peak TFLOP/s for MFU; default: table or measured"}
+    )
+    export_hf: bool = field(default=True, metadata={"help": "write a transformers folder at the end"})
+
+    def __post_init__(self) -> None:
+        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_batches")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {self.block_size}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ConfigError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def total_steps(self) -> int:
+        """Optimizer steps to run: from the token budget when one is given, else max_steps."""
+        if self.max_tokens is None:
+            return self.max_steps
+        return -(-self.max_tokens // self.total_batch_tokens)
+
+
+def grad_accum_steps(total_batch_tokens: int, micro_batch_size: int, block_size: int, world_size: int) -> int:
+    """Micro-steps per optimizer step, so that every step sees exactly ``total_batch_tokens`` tokens."""
+    tokens_per_micro_step = micro_batch_size * block_size * world_size
+    if total_batch_tokens % tokens_per_micro_step:
+        nearest = max(1, round(total_batch_tokens / tokens_per_micro_step)) * tokens_per_micro_step
+        raise ConfigError(
+            f"total_batch_tokens={total_batch_tokens} is not a multiple of micro_batch_size × block_size × "
+            f"processes = {micro_batch_size} × {block_size} × {world_size} = {tokens_per_micro_step}; "
+            f"use e.g. total_batch_tokens={nearest}"
+        )
+    return total_batch_tokens // tokens_per_micro_step
+
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """Field name -> (base type, whether None is allowed): `int | None` -> (int, True)."""
+    out = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        out[name] = (next(a for a in args if a is not type(None)) if optional else hint, optional)
+    return out
+
+
+def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
+    """Check a YAML value's type (ints are fine where floats are expected)."""
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name} may not be empty (null)")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and not isinstance(value, bool) or kind is not bool and isinstance(value, bool):
+        raise ConfigError(f"{name} must be {kind.__name__}, got {value!r}")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    names = [f.name for f in fields(TrainConfig)]
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    return ConfigError(f"unknown config key '{key}' in {source}{hint}")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a run-config YAML into a dict of TrainConfig fields, with one clear error per problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run config {path} does not exist; see configs/ for examples")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"run config {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"run config {path} must be a mapping of key: value, got {type(values).__name__}")
+    types_ = _field_types()
+    for key in values:
+        if key not in types_:
+            raise _unknown_key(key, str(path))
+    return {key: _coerce(key, value, *types_[key]) for key, value in values.items()}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_optional(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null", "") else kind(text)
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Pretrain a GPT on books. Launch with `accelerate launch --config_file accelerate_configs/X.yaml`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a typo must be an error, not a silent prefix match
+    )
+    parser.add_argument("--config", help="run-config YAML of TrainConfig fields (applied before the flags)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    types_ = _field_types()
+    for f in fields(TrainConfig):
+        kind, optional = types_[f.name]
+        parse = _parse_bool if kind is bool else kind
+        if optional:
+            parse = _parse_optional(kind)
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
+        parser.add_argument(*flags, dest=f.name, type=parse, default=argparse.SUPPRESS, help=f.metadata["help"])
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
+    """CLI + optional run-config file -> (TrainConfig, print_only)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        raise _unknown_key(flag.lstrip("-"), "the command line")
+    overrides = vars(args)
+    config_path = overrides.pop("config")
+    print_only = overrides.pop("print_config")
+    values = load_yaml(config_path) if config_path else {}
+    values.update(overrides)
+    return TrainConfig(**values), print_only
+
+
+def config_to_yaml(config: TrainConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
