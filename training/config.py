@@ -34,19 +34,21 @@ class TrainConfig:
         default="default",
         metadata={"help": "book source prepared into data_dir on first use when it has no manifest"},
     )
-    num_workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank"})
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
     # --- batch and budget (the token budget is the source of truth) ---
     micro_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass per device"})
     total_batch_tokens: int = field(
         default=131_072,
         metadata={"help": "tokens per optimizer step over all ranks; sets gradient accumulation"},
     )
-    max_steps: int = field(default=2000, metadata={"help": "optimizer steps to train"})
+    max_steps: int = field(
+        default=200, metadata={"help": "optimizer steps to train (default: ~15 epochs of the default corpus)"}
+    )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
     # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak"})
-    warmup_steps: int = field(default=100, metadata={"help": "linear warmup steps"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2D+ tensors only"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
@@ -54,13 +56,13 @@ class TrainConfig:
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and sampling"})
     # --- evaluation, logging, checkpoints ---
     out_dir: str = field(default="runs/default", metadata={"help": "run folder for logs, checkpoints, export"})
-    log_interval: int = field(default=10, metadata={"help": "steps between logged metrics"})
-    eval_interval: int = field(default=250, metadata={"help": "steps between val-loss evals; 0 disables"})
+    log_interval: int = field(default=5, metadata={"help": "steps between logged metrics"})
+    eval_interval: int = field(default=25, metadata={"help": "steps between val-loss evals; 0 disables"})
     eval_batches: int = field(default=20, metadata={"help": "val micro-batches per rank per eval"})
-    sample_interval: int = field(default=500, metadata={"help": "steps between text samples; 0 disables"})
+    sample_interval: int = field(default=100, metadata={"help": "steps between text samples; 0 disables"})
     sample_prompt: str = field(default="ROMEO:", metadata={"help": "prompt for text samples"})
     sample_tokens: int = field(default=64, metadata={"help": "new tokens per text sample"})
-    checkpoint_interval: int = field(default=500, metadata={"help": "steps between checkpoints; 0: end only"})
+    checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints; 0: end only"})
     keep_checkpoints: int = field(default=2, metadata={"help": "newest step checkpoints kept on disk"})
     resume: str = field(default="", metadata={"help": "'auto' (newest complete checkpoint) or a checkpoint path"})
     trackers: str = field(default="", metadata={"help": "comma list of extra accelerate trackers, e.g. tensorboard"})

@@ -1,0 +1,327 @@
+"""Read prepared shards for training: manifest checks, memmapped windows, a resumable loader.
+
+No `datasets` import here on purpose: training machines only need numpy and torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data_prep import DataPrepError
+from data_prep.tokenizer import TOKENIZER_NAME, TOKENIZER_SHA256
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DTYPE = "uint16"
+VERIFY_MODES = ("none", "size", "sha256")
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    split: str
+    num_tokens: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    data_dir: Path
+    format_version: int
+    fingerprint: str
+    tokenizer_name: str
+    tokenizer_sha256: str
+    vocab_size: int
+    eot_id: int
+    dtype: str
+    source: str
+    params: dict[str, Any]
+    splits: dict[str, dict[str, int]]
+    shards: list[Shard]
+    documents: list[dict[str, Any]]
+
+    def shards_of(self, split: str) -> list[Shard]:
+        return [s for s in self.shards if s.split == split]
+
+    def num_tokens(self, split: str) -> int:
+        return sum(s.num_tokens for s in self.shards_of(split))
+
+
+def prepare_command(data_dir: str | Path, source: str = "default") -> str:
+    return f"python -m data_prep.prepare --source {shlex.quote(source)} --out {shlex.quote(str(data_dir))}"
+
+
+def load_manifest(data_dir: str | Path, verify: str = "size") -> Manifest:
+    """Read `data_dir/manifest.json` and check it and its shards (`verify`: none, size or sha256)."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise DataPrepError(
+            f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing); create it with:\n"
+            f"  {prepare_command(data_dir)}"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        tok = raw["tokenizer"]
+        manifest = Manifest(
+            data_dir=data_dir,
+            format_version=raw["format_version"],
+            fingerprint=raw["fingerprint"],
+            tokenizer_name=tok["name"],
+            tokenizer_sha256=tok["sha256"],
+            vocab_size=tok["vocab_size"],
+            eot_id=tok["eot_id"],
+            dtype=raw["dtype"],
+            source=raw["source"],
+            params=raw["params"],
+            splits=raw["splits"],
+            shards=[Shard(**s) for s in raw["shards"]],
+            documents=raw["documents"],
+        )
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON, missing or unexpected fields
+        raise DataPrepError(
+            f"{path} is not a valid manifest ({type(e).__name__}: {e}); re-run:\n  {prepare_command(data_dir)}"
+        ) from None
+    _check(manifest, verify)
+    return manifest
+
+
+def _check(m: Manifest, verify: str) -> None:
+    redo = f"re-run:\n  {prepare_command(m.data_dir, m.source)}"
+    if m.format_version != FORMAT_VERSION or m.dtype != DTYPE:
+        raise DataPrepError(
+            f"{m.data_dir} was prepared in format {m.format_version}/{m.dtype}, this code reads "
+            f"{FORMAT_VERSION}/{DTYPE}; {redo}"
+        )
+    if (m.tokenizer_name, m.tokenizer_sha256) != (TOKENIZER_NAME, TOKENIZER_SHA256):
+        raise DataPrepError(
+            f"{m.data_dir} was tokenized with {m.tokenizer_name!r} (ranks sha256 {m.tokenizer_sha256[:12]}...) "
+            f"but training uses {TOKENIZER_NAME!r} ({TOKENIZER_SHA256[:12]}...); {redo}"
+        )
+    if verify == "none":
+        return
+    for shard in m.shards:
+        path = m.data_dir / shard.file
+        size = path.stat().st_size if path.is_file() else None
+        if size != 2 * shard.num_tokens:
+            found = "missing" if size is None else f"{size} bytes"
+            raise DataPrepError(
+                f"shard {path} is {found} but the manifest expects {2 * shard.num_tokens} bytes "
+                f"(truncated or altered); {redo}"
+            )
+        if verify == "sha256" and file_sha256(path) != shard.sha256:
+            raise DataPrepError(f"shard {path} does not match its sha256 in the manifest (altered); {redo}")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class WindowDataset(Dataset):
+    """Non-overlapping (x, y) windows of `block_size` tokens (y = x shifted by one) over shards.
+
+    A window needs block_size + 1 tokens and never crosses a shard boundary, so a shard of n
+    tokens holds (n - 1) // block_size windows.
+    """
+
+    def __init__(self, paths: list[Path], num_tokens: list[int], block_size: int) -> None:
+        self.paths = [str(p) for p in paths]
+        self.block_size = block_size
+        counts = [max(0, (n - 1) // block_size) for n in num_tokens]
+        self.starts = np.cumsum([0, *counts])  # first window index of each shard
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.__getitems__([index])
+        return x[0], y[0]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole micro-batch in one go (DataLoader prefers this to one __getitem__ per window)."""
+        batch = torch.from_numpy(np.stack([self._window(i) for i in indices]).astype(np.int64))
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def _window(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if self._maps is None:  # opened lazily so each DataLoader worker maps the files itself
+            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        offset = (index - int(self.starts[shard])) * self.block_size
+        return self._maps[shard][offset : offset + self.block_size + 1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}  # memmaps don't travel to worker processes
+
+
+def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch  # WindowDataset.__getitems__ already returns the stacked micro-batch
+
+
+class _RankBatches:
+    """Batch sampler: one rank's window indices from (epoch, start) onwards.
+
+    It must not refer back to the TokenLoader: DataLoader workers caught in such a reference
+    cycle only shut down after a 5 s timeout each.
+    """
+
+    def __init__(
+        self,
+        num_windows: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool,
+        infinite: bool,
+    ) -> None:
+        self.num_windows, self.micro_batch_size, self.seed = num_windows, micro_batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.infinite = shuffle, infinite
+        self.batches_per_epoch = num_windows // (world_size * micro_batch_size)
+        self.epoch = self.start = 0  # where the next iteration begins; set by the TokenLoader
+
+    def epoch_batches(self, epoch: int) -> torch.Tensor:
+        """(batches_per_epoch, micro_batch_size) window indices of this rank for `epoch`."""
+        if self.shuffle:
+            key = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+            order = torch.randperm(self.num_windows, generator=generator)
+        else:
+            order = torch.arange(self.num_windows)
+        steps = order[: self.batches_per_epoch * self.world_size * self.micro_batch_size]
+        return steps.view(self.batches_per_epoch, self.world_size, self.micro_batch_size)[:, self.rank]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.epoch, self.start
+        while True:
+            yield from self.epoch_batches(epoch)[start:].tolist()
+            if not self.infinite:
+                return
+            epoch, start = epoch + 1, 0
+
+
+class TokenLoader:
+    """Micro-batches of (x, y) int64 windows for one rank, resumable at the exact batch.
+
+    Each epoch one global permutation (by seed and epoch) of all windows is cut into steps of
+    world_size * micro_batch_size windows; rank r takes the r-th micro-batch of every step and
+    the incomplete last step is dropped, so all ranks get the same number of batches.
+    An infinite loader is one endless stream; a finite one starts a new pass (epoch) at every
+    `iter()`, except right after `load_state_dict`, which resumes the saved pass.
+    Only one iterator may be in use at a time. Do not pass it through `accelerator.prepare`:
+    it already shards across ranks.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        block_size: int,
+        micro_batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        infinite: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        verify: str = "size",
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if block_size < 1 or micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need block_size >= 1, micro_batch_size >= 1 and 0 <= rank < world_size, got "
+                f"{block_size=}, {micro_batch_size=}, {rank=}, {world_size=}"
+            )
+        self.manifest = load_manifest(data_dir, verify=verify)
+        self.split, self.block_size, self.micro_batch_size = split, block_size, micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.infinite = shuffle, infinite
+        shards = self.manifest.shards_of(split)
+        self.dataset = WindowDataset(
+            [self.manifest.data_dir / s.file for s in shards], [s.num_tokens for s in shards], block_size
+        )
+        per_step = world_size * micro_batch_size
+        if len(self.dataset) < per_step:
+            raise DataPrepError(
+                f"split {split!r} of {data_dir} has {len(self.dataset)} windows of {block_size} tokens "
+                f"({self.manifest.num_tokens(split)} tokens in {len(shards)} shards), but one step of "
+                f"world_size * micro_batch_size = {per_step} windows needs at least {per_step * block_size + 1} "
+                f"tokens in it; prepare more books (or a larger --val-fraction for val), or lower "
+                f"block_size / micro_batch_size / the number of processes"
+            )
+        self._sampler = _RankBatches(len(self.dataset), micro_batch_size, rank, world_size, seed, shuffle, infinite)
+        self.epoch = 0
+        self._delivered = 0  # batches handed to the caller in this epoch (not merely prefetched)
+        self._resume_pending = False
+        self._loader = DataLoader(
+            self.dataset,
+            batch_sampler=self._sampler,
+            collate_fn=_as_batch,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=num_workers > 0,
+        )
+
+    def __len__(self) -> int:
+        return self._sampler.batches_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.infinite and not self._resume_pending and self._delivered > 0:
+            self.epoch, self._delivered = self.epoch + 1, 0
+        self._resume_pending = False
+        self._sampler.epoch, self._sampler.start = self.epoch, self._delivered
+        for batch in self._loader:
+            self._delivered += 1
+            if self.infinite and self._delivered == len(self):
+                self.epoch, self._delivered = self.epoch + 1, 0
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batches_delivered": self._delivered,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "block_size": self.block_size,
+            "micro_batch_size": self.micro_batch_size,
+            "shuffle": self.shuffle,
+            "num_windows": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume right after the last batch delivered when `state` was taken."""
+        mine = self.state_dict()
+        keys = ("seed", "world_size", "block_size", "micro_batch_size", "shuffle", "num_windows")
+        diffs = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
+        if diffs:
+            raise DataPrepError(
+                f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; resume with "
+                f"the same data, seed, world size and batch shape, or start a fresh run"
+            )
+        if not 0 <= state["batches_delivered"] <= len(self):
+            raise DataPrepError(f"checkpoint position {state['batches_delivered']} is outside 0..{len(self)}")
+        self.epoch, self._delivered = int(state["epoch"]), int(state["batches_delivered"])
+        self._resume_pending = True

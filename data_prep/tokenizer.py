@@ -1,0 +1,76 @@
+"""The GPT-2 BPE tokenizer (tiktoken), usable offline.
+
+Lookup order: our cached copy of the BPE ranks, then tiktoken's own "gpt2" (network or
+TIKTOKEN_CACHE_DIR), then provisioning the ranks from the `openai-whisper` sdist on PyPI,
+which ships them byte-identical to tiktoken's r50k_base.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import tarfile
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+
+from data_prep import DataPrepError
+from data_prep.assets import atomic_write_bytes, cache_dir, sdist
+
+TOKENIZER_NAME = "gpt2"
+# sha256 of the BPE ranks in tiktoken's file format (identical for gpt2 and r50k_base).
+TOKENIZER_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+EOT_ID = 50256
+VOCAB_SIZE = 50257
+# tiktoken's own GPT-2 split pattern (tiktoken_ext/openai_public.py, r50k_pat_str).
+_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# The PyPI sdist that ships the GPT-2 ranks: (name, version, sha256 of the archive).
+WHISPER_SDIST = ("openai-whisper", "20250625", "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96")
+_WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
+
+
+def ranks_path() -> Path:
+    """Where the provisioned BPE ranks file lives (copy it here by hand on air-gapped machines)."""
+    return cache_dir() / "tokenizer" / "gpt2.tiktoken"
+
+
+@functools.cache
+def get_encoding() -> tiktoken.Encoding:
+    """The GPT-2 encoding; raises DataPrepError saying how to provision it if nothing works."""
+    path = ranks_path()
+    if path.is_file() and _sha256(path.read_bytes()) == TOKENIZER_SHA256:
+        return _from_ranks_file(str(path))
+    try:
+        return tiktoken.get_encoding(TOKENIZER_NAME)
+    except Exception as tiktoken_error:  # network errors come in many types (requests, OSError, ...)
+        try:
+            _provision_ranks()
+        except DataPrepError as provision_error:
+            raise DataPrepError(
+                f"cannot load the GPT-2 tokenizer: tiktoken could not fetch it ({type(tiktoken_error).__name__}), "
+                f"and {provision_error}\n(or extract {_WHISPER_MEMBER} from that archive to {path})"
+            ) from provision_error
+    return _from_ranks_file(str(path))
+
+
+def _provision_ranks() -> None:
+    archive = sdist(*WHISPER_SDIST)  # sha256-pinned, so the member is known to be there and right
+    with tarfile.open(archive) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/" + _WHISPER_MEMBER))
+        atomic_write_bytes(ranks_path(), tar.extractfile(member).read())
+
+
+def _from_ranks_file(path: str) -> tiktoken.Encoding:
+    ranks = tiktoken.load.load_tiktoken_bpe(path, expected_hash=TOKENIZER_SHA256)
+    return tiktoken.Encoding(
+        name=TOKENIZER_NAME,
+        pat_str=_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT_ID},
+        explicit_n_vocab=VOCAB_SIZE,
+    )
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,181 @@
+"""Loader: manifest checks, windows, rank disjointness and exact resume."""
+
+import json
+import shutil
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep import DataPrepError
+from data_prep.loader import TokenLoader, WindowDataset, load_manifest
+
+BLOCK = 64
+
+
+def _copy(prepared: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(prepared, tmp_path / "data"))
+
+
+def _rows(batches) -> Counter:
+    return Counter(tuple(row) for x, _ in batches for row in x.tolist())
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+
+
+def test_windows_are_shifted_pairs_inside_one_shard(prepared_books):
+    manifest = load_manifest(prepared_books)
+    shards = manifest.shards_of("train")
+    ds = WindowDataset([prepared_books / s.file for s in shards], [s.num_tokens for s in shards], BLOCK)
+    assert len(ds) == sum((s.num_tokens - 1) // BLOCK for s in shards)
+    first_of_shard2 = sum((s.num_tokens - 1) // BLOCK for s in shards[:2])
+    shard2 = np.fromfile(prepared_books / shards[2].file, dtype=np.uint16).astype(np.int64)
+    x, y = ds[first_of_shard2 + 3]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (BLOCK,)
+    assert x.tolist() == shard2[3 * BLOCK : 4 * BLOCK].tolist()
+    assert y.tolist() == shard2[3 * BLOCK + 1 : 4 * BLOCK + 1].tolist()
+    x, y = ds[first_of_shard2 - 1]  # the last window of shard 1 ends inside shard 1
+    shard1 = np.fromfile(prepared_books / shards[1].file, dtype=np.uint16).astype(np.int64)
+    start = ((shards[1].num_tokens - 1) // BLOCK - 1) * BLOCK
+    assert y.tolist() == shard1[start + 1 : start + BLOCK + 1].tolist()
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_two_ranks_cover_each_window_once_per_epoch(prepared_books):
+    ranks = [
+        TokenLoader(prepared_books, "train", BLOCK, 4, rank=r, world_size=2, seed=3, infinite=False) for r in (0, 1)
+    ]
+    assert len(ranks[0]) == len(ranks[1]) == len(ranks[0].dataset) // 8
+    epochs = [list(loader) for loader in ranks]
+    assert [len(e) for e in epochs] == [len(ranks[0])] * 2
+    for x, y in epochs[0][:3]:
+        assert x.shape == y.shape == (4, BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
+    everything = Counter(tuple(ranks[0].dataset[i][0].tolist()) for i in range(len(ranks[0].dataset)))
+    seen = _rows(epochs[0]) + _rows(epochs[1])
+    assert sum(seen.values()) == 8 * len(ranks[0])
+    assert len(everything) - len(seen) < 8  # only the incomplete last step is dropped
+    assert all(count <= everything[row] for row, count in seen.items())  # nothing twice
+    assert not (_rows(epochs[0]) & _rows(epochs[1]))
+
+
+def test_infinite_loader_reshuffles_each_epoch(prepared_books):
+    loader = TokenLoader(prepared_books, "train", BLOCK, 8, seed=1)
+    it = iter(loader)
+    first = list(islice(it, len(loader)))
+    assert loader.epoch == 1
+    second = list(islice(it, len(loader)))
+    assert loader.epoch == 2
+    assert not _same(first, second)
+    assert len(_rows(first) - _rows(second)) < 8  # the same windows, up to the dropped remainder
+    again = list(islice(TokenLoader(prepared_books, "train", BLOCK, 8, seed=1), len(loader)))
+    assert _same(first, again)
+
+
+def test_val_loader_gives_the_same_first_batches_every_time(prepared_books):
+    val = TokenLoader(prepared_books, "val", BLOCK, 8, shuffle=False, infinite=False)
+    first = list(islice(val, 3))
+    assert _same(first, list(islice(val, 3)))
+    full = list(val)
+    assert len(full) == len(val) and _same(full[:3], first)
+    x, _ = full[0]
+    assert x[0].tolist() == val.dataset[0][0].tolist() and x[1].tolist() == val.dataset[1][0].tolist()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_yields_exactly_the_remaining_batches(prepared_books, num_workers):
+    def make() -> TokenLoader:
+        return TokenLoader(prepared_books, "train", BLOCK, 8, rank=1, world_size=2, seed=7, num_workers=num_workers)
+
+    reference = make()
+    n = len(reference)
+    expected = list(islice(iter(reference), n + 5))  # crosses into the next epoch
+    for stop in (3, n - 1, n + 2):
+        loader = make()
+        it = iter(loader)
+        _ = [next(it) for _ in range(stop)]  # workers have prefetched past this point
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert (state["epoch"], state["batches_delivered"]) == divmod(stop, n)
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert _same(list(islice(iter(resumed), n + 5 - stop)), expected[stop:])
+
+
+def test_finite_loader_resumes_mid_pass_then_starts_a_new_one(prepared_books):
+    loader = TokenLoader(prepared_books, "val", BLOCK, 4, shuffle=False, infinite=False)
+    full = list(loader)
+    it = iter(loader)
+    _ = [next(it) for _ in range(2)]
+    resumed = TokenLoader(prepared_books, "val", BLOCK, 4, shuffle=False, infinite=False)
+    resumed.load_state_dict(loader.state_dict())
+    assert _same(list(resumed), full[2:])
+    assert _same(list(resumed), full)
+
+
+def test_resume_with_different_shape_is_refused(prepared_books):
+    state = TokenLoader(prepared_books, "train", BLOCK, 8, world_size=2).state_dict()
+    other = TokenLoader(prepared_books, "train", BLOCK, 4, world_size=1)
+    with pytest.raises(
+        DataPrepError, match=r"cannot resume the train loader: the checkpoint has world_size=2 \(now 1\)"
+    ):
+        other.load_state_dict(state)
+
+
+def test_accelerate_checkpointing_round_trip(prepared_books, tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    loader = TokenLoader(prepared_books, "train", BLOCK, 8, seed=5)
+    accelerator.register_for_checkpointing(loader)
+    it = iter(loader)
+    _ = [next(it) for _ in range(4)]
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    expected = [next(it) for _ in range(3)]
+    loader.load_state_dict(TokenLoader(prepared_books, "train", BLOCK, 8, seed=5).state_dict())  # back to start
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert _same(list(islice(iter(loader), 3)), expected)
+
+
+def test_too_small_split_says_how_many_tokens_are_needed(prepared_books):
+    with pytest.raises(DataPrepError, match=r"split 'val' .* has 1 windows of 20000 tokens .* needs at least 80001"):
+        TokenLoader(prepared_books, "val", 20_000, 2, world_size=2)
+
+
+def test_missing_dataset_prints_the_prepare_command(tmp_path):
+    with pytest.raises(DataPrepError, match=f"python -m data_prep.prepare --source default --out {tmp_path / 'nope'}"):
+        TokenLoader(tmp_path / "nope", "train", BLOCK, 8)
+
+
+def test_truncated_or_altered_shard_is_named(prepared_books, tmp_path):
+    data = _copy(prepared_books, tmp_path)
+    shard = data / "train_001.bin"
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-2])
+    with pytest.raises(DataPrepError, match=r"shard .*train_001.bin is 79998 bytes but the manifest expects 80000"):
+        TokenLoader(data, "train", BLOCK, 8)
+    with pytest.raises(DataPrepError, match=r"re-run:\n  python -m data_prep.prepare --source default:hamlet"):
+        load_manifest(data)
+    shard.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
+    load_manifest(data)  # same size: only the sha256 check can tell
+    with pytest.raises(DataPrepError, match=r"shard .*train_001.bin does not match its sha256 .*re-run"):
+        TokenLoader(data, "train", BLOCK, 8, verify="sha256")
+    shard.unlink()
+    with pytest.raises(DataPrepError, match=r"train_001.bin is missing"):
+        load_manifest(data)
+
+
+def test_manifest_from_another_tokenizer_is_refused(prepared_books, tmp_path):
+    data = _copy(prepared_books, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"].update(name="cl100k_base", sha256="0" * 64)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataPrepError, match="tokenized with 'cl100k_base'.* but training uses 'gpt2'.*re-run"):
+        TokenLoader(data, "train", BLOCK, 8)
+    (data / "manifest.json").write_text("{not json")
+    with pytest.raises(DataPrepError, match="is not a valid manifest"):
+        load_manifest(data)

