@@ -141,10 +141,13 @@ def main() -> None:
         f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank)"
     )
 
+    if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
+        accelerator.log({"val_loss": evaluate(model, val_loader, cfg.eval_batches, accelerator)}, step=0)
     train_iter = iter(train_loader)
     bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_local_main_process)
     start_step = progress.step
     train_time, steps_timed = 0.0, 0  # training time since the last log; evals, samples and saves excluded
+    first_step_s: float | None = None
     for step in range(start_step, total_steps):
         t_step = time.perf_counter()
         # One optimizer step = grad_accum micro-batches; accumulate() skips the DDP all-reduce until the last.
@@ -164,6 +167,8 @@ def main() -> None:
         progress.tokens_seen += cfg.total_batch_tokens
         bar.update(1)
         last = progress.step == total_steps
+        if step == start_step:
+            first_step_s = time.perf_counter() - t_main
 
         if progress.step % cfg.log_interval == 0 or last:
             train_loss = accelerator.reduce(loss_sum / grad_accum, "mean").item()  # the one host sync per log
@@ -182,8 +187,8 @@ def main() -> None:
                 "epoch": train_loader.epoch,
                 **memory_stats(device),
             }
-            if step == start_step:
-                metrics["time_to_first_step_s"] = time.perf_counter() - t_main
+            if first_step_s is not None:  # launch to first optimizer step: data, model build, compile
+                metrics["time_to_first_step_s"], first_step_s = first_step_s, None
             accelerator.log(metrics, step=progress.step)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{metrics['mfu']:.1%}")
             train_time, steps_timed = 0.0, 0
