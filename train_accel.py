@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from data_prep import DataPrepError
 from data_prep.loader import TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
-from training.checkpoint import TrainProgress, list_checkpoints, resolve_resume, save_checkpoint
-from training.config import ConfigError, config_to_yaml, grad_accum_steps, parse_config
+from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume, save_checkpoint
+from training.config import DEFAULT_DATA_DIR, ConfigError, config_to_yaml, grad_accum_steps, parse_config
+from training.distributed import build_accelerator
+from training.hub import HubError, push, require_token, write_model_card
 from training.metrics import JSONLTracker, memory_stats, peak_tflops, plot_losses
 from training.optim import build_optimizer, build_scheduler
+from training.signals import StopRequest
 
 
 @torch.no_grad()
@@ -48,6 +53,9 @@ def main() -> None:
         print(config_to_yaml(cfg), end="")
         return
     run_dir = Path(cfg.out_dir)
+    ensure_writable(run_dir)
+    if cfg.push_to_hub:
+        require_token()  # fail now, not after days of training
     model_config = get_preset(cfg.preset)
     if cfg.block_size is not None:
         if cfg.block_size > model_config.block_size:
@@ -57,32 +65,31 @@ def main() -> None:
         model_config = dataclasses.replace(model_config, block_size=cfg.block_size)
     block_size = model_config.block_size
 
-    # Accelerator: precision, compile and distribution come from the launch YAML. cpu= lets a MULTI_GPU YAML
-    # (torchrun, N processes) run real gloo DDP on a machine without CUDA.
-    use_cpu = not torch.cuda.is_available()
-    world_size = PartialState(cpu=use_cpu).num_processes
-    grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, block_size, world_size)
+    # Accelerator: precision, compile and distribution come from the launch YAML.
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
-    accelerator = Accelerator(
-        cpu=use_cpu,
-        gradient_accumulation_steps=grad_accum,
+    accelerator = build_accelerator(
+        micro_batch_size=cfg.micro_batch_size,
+        grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
+    world_size = accelerator.num_processes
+    grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, block_size, world_size)
+    accelerator.gradient_accumulation_steps = grad_accum
     device = accelerator.device
     set_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
 
     # Data: prepared shards are the contract with data_prep; the default corpus is prepared on first use.
-    if not (Path(cfg.data_dir) / "manifest.json").exists():
+    if cfg.data_dir == DEFAULT_DATA_DIR and not (Path(cfg.data_dir) / "manifest.json").exists():
         with accelerator.main_process_first():
             if accelerator.is_main_process:
                 from data_prep.prepare import prepare  # imports `datasets`, needed only to build shards
 
-                accelerator.print(f"{cfg.data_dir} has no manifest: preparing source '{cfg.data_source}' there")
-                prepare(cfg.data_source, cfg.data_dir)
+                accelerator.print(f"{cfg.data_dir} has no manifest: preparing the default corpus there")
+                prepare("default", cfg.data_dir)
     manifest = load_manifest(cfg.data_dir)
     if manifest.vocab_size > model_config.vocab_size:
         raise ConfigError(
@@ -143,12 +150,13 @@ def main() -> None:
 
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log({"val_loss": evaluate(model, val_loader, cfg.eval_batches, accelerator)}, step=0)
+    stop = StopRequest()
     train_iter = iter(train_loader)
     bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_local_main_process)
-    start_step = progress.step
     train_time, steps_timed = 0.0, 0  # training time since the last log; evals, samples and saves excluded
-    first_step_s: float | None = None
-    for step in range(start_step, total_steps):
+    start_step = progress.step
+    bad_steps = 0  # consecutive steps skipped for non-finite gradients
+    while progress.step < total_steps:
         t_step = time.perf_counter()
         # One optimizer step = grad_accum micro-batches; accumulate() skips the DDP all-reduce until the last.
         loss_sum = torch.zeros((), device=device)
@@ -160,20 +168,33 @@ def main() -> None:
                 accelerator.backward(loss)
             loss_sum += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        progress.tokens_seen += cfg.total_batch_tokens
+        # The one host sync per step: are the (all-reduced) gradients finite, and did any rank get a signal?
+        status = torch.stack([~torch.isfinite(grad_norm), torch.tensor(bool(stop), device=device)]).float()
+        nonfinite, stopping = (v > 0 for v in accelerator.reduce(status, "sum").tolist())
+        if nonfinite:  # skip the update, keep the weights; abort when it keeps happening
+            optimizer.zero_grad(set_to_none=True)
+            bad_steps += 1
+            accelerator.print(
+                f"step {progress.step + 1}: non-finite loss/gradients, update skipped ({bad_steps} in a row)"
+            )
+            if bad_steps >= cfg.max_bad_steps:
+                raise TrainingAborted(cfg.max_bad_steps, progress.step, list_checkpoints(run_dir))
+            continue
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        bad_steps = 0
         progress.step += 1
-        progress.tokens_seen += cfg.total_batch_tokens
         bar.update(1)
         last = progress.step == total_steps
-        if step == start_step:
-            first_step_s = time.perf_counter() - t_main
+        if progress.step == start_step + 1:  # launch to first optimizer step: data, model build, compile
+            accelerator.log({"time_to_first_step_s": time.perf_counter() - t_main}, step=progress.step)
 
+        train_time += time.perf_counter() - t_step
+        steps_timed += 1
         if progress.step % cfg.log_interval == 0 or last:
-            train_loss = accelerator.reduce(loss_sum / grad_accum, "mean").item()  # the one host sync per log
-            train_time += time.perf_counter() - t_step
-            steps_timed += 1
+            train_loss = accelerator.reduce(loss_sum / grad_accum, "mean").item()
             tokens_per_sec = cfg.total_batch_tokens * steps_timed / train_time
             metrics = {
                 "train_loss": train_loss,
@@ -187,15 +208,11 @@ def main() -> None:
                 "epoch": train_loader.epoch,
                 **memory_stats(device),
             }
-            if first_step_s is not None:  # launch to first optimizer step: data, model build, compile
-                metrics["time_to_first_step_s"], first_step_s = first_step_s, None
             accelerator.log(metrics, step=progress.step)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{metrics['mfu']:.1%}")
             train_time, steps_timed = 0.0, 0
-        else:
-            train_time += time.perf_counter() - t_step
-            steps_timed += 1
 
+        val_loss = None
         if cfg.eval_interval and (progress.step % cfg.eval_interval == 0 or last):
             val_loss = evaluate(model, val_loader, cfg.eval_batches, accelerator)
             accelerator.log({"val_loss": val_loss}, step=progress.step)
@@ -204,20 +221,32 @@ def main() -> None:
         if cfg.sample_interval and (progress.step % cfg.sample_interval == 0 or last) and accelerator.is_main_process:
             write_sample(accelerator, model, cfg.sample_prompt, cfg.sample_tokens, run_dir, progress.step)
 
-        if (cfg.checkpoint_interval and progress.step % cfg.checkpoint_interval == 0) or last:
-            save_checkpoint(accelerator, run_dir, progress.step, cfg.keep_checkpoints)
+        if (cfg.checkpoint_interval and progress.step % cfg.checkpoint_interval == 0) or last or stopping:
+            meta = {"step": progress.step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
+            saved = save_checkpoint(accelerator, run_dir, progress.step, cfg.keep_checkpoints, meta)
+        if stopping and not last:
+            accelerator.print(
+                f"stopped at step {progress.step} by a signal; checkpoint {saved}. "
+                f"To continue, run the same command with --resume auto"
+            )
+            accelerator.end_training()
+            return
     bar.close()
 
-    # The run folder's deliverables: a transformers-loadable export and the loss curve.
+    # The run folder's deliverables: a transformers-loadable export with its model card, the loss curve.
     if accelerator.is_main_process:
-        if cfg.export_hf:
-            export_dir = export_hf(
-                accelerator.unwrap_model(model, keep_torch_compile=False), run_dir / "export", get_encoding()
-            )
-            accelerator.print(f"transformers export: {export_dir}")
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png)")
+    if cfg.export_hf:
+        state_dict = accelerator.get_state_dict(model)  # full weights (gathered from shards): every rank calls it
+        if accelerator.is_main_process:
+            export_model = GPT(model_config)
+            export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
+            export_hf(export_model, run_dir / "export", get_encoding())
+            write_model_card(run_dir, cfg.push_to_hub or None)
+    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
     accelerator.end_training()
+    if cfg.push_to_hub and accelerator.is_main_process:
+        accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
 
 
 @torch.no_grad()
@@ -239,5 +268,26 @@ def write_sample(
     accelerator.print(f"sample @ step {step}: {text!r}")
 
 
+class TrainingAborted(RuntimeError):
+    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path]) -> None:
+        last_good = str(checkpoints[-1]) if checkpoints else None
+        super().__init__(
+            f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}; aborting. "
+            f"Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
+            + (f", then continue with --resume {last_good}" if last_good else "")
+        )
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, DataPrepError, HubError, TrainingAborted, FileNotFoundError, NotADirectoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except torch.OutOfMemoryError as err:
+        print(
+            f"error: out of memory ({str(err).splitlines()[0]}); lower --micro-batch-size (total_batch_tokens stays, "
+            "accumulation grows) or find the largest that fits with `python -m bench.ladder`",
+            file=sys.stderr,
+        )
+        sys.exit(1)

@@ -5,6 +5,7 @@ A folder without the `.tmp` suffix is complete by construction, so `--resume aut
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -27,6 +28,20 @@ class TrainProgress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+
+
+def ensure_writable(run_dir: str | Path) -> None:
+    """Fail before training, not at the first checkpoint, when the run folder can't be written."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise NotADirectoryError(
+            f"out_dir {run_dir} is not writable ({err.strerror}); choose another --out-dir"
+        ) from None
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -57,11 +72,12 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int) -> Path:
-    """`accelerator.save_state` into step-N.tmp, then rename to step-N and drop all but the newest `keep`.
+def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict) -> Path:
+    """`accelerator.save_state` into step-N.tmp, then rename to step-N and prune (see `prune_checkpoints`).
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
-    custom_checkpoint_<i>.pkl per registered object (training progress, data loader position).
+    custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
+    meta.json (step, tokens seen, val loss when evaluated at this step).
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -71,6 +87,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
             final.rename(stale)
@@ -78,7 +95,23 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
             shutil.rmtree(stale)
         else:
             tmp.rename(final)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+        prune_checkpoints(run_dir, keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def _val_loss(checkpoint: Path) -> float | None:
+    meta = checkpoint / "meta.json"
+    return json.loads(meta.read_text()).get("val_loss") if meta.is_file() else None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints and the one with the best val loss; returns the kept."""
+    found = list_checkpoints(run_dir)
+    scored = [p for p in found if _val_loss(p) is not None]
+    best = min(scored, key=_val_loss) if scored else None
+    kept = found[-keep:] if keep > 0 else []
+    for old in found:
+        if old not in kept and old != best:
+            shutil.rmtree(old)
+    return [p for p in found if p in kept or p == best]

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
+
 
 class ConfigError(ValueError):
     """A bad config value or key; the message says what was wrong and how to fix it."""
@@ -29,10 +31,9 @@ class TrainConfig:
     block_size: int | None = field(
         default=None, metadata={"help": "context length; defaults to the preset's and may not exceed it"}
     )
-    data_dir: str = field(default="data/default", metadata={"help": "folder with manifest.json and shards"})
-    data_source: str = field(
-        default="default",
-        metadata={"help": "book source prepared into data_dir on first use when it has no manifest"},
+    data_dir: str = field(
+        default=DEFAULT_DATA_DIR,
+        metadata={"help": f"folder with manifest.json and shards; {DEFAULT_DATA_DIR} is prepared on first use"},
     )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
     # --- batch and budget (the token budget is the source of truth) ---
@@ -53,6 +54,9 @@ class TrainConfig:
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"})
+    max_bad_steps: int = field(
+        default=5, metadata={"help": "consecutive non-finite-gradient steps skipped before the run aborts"}
+    )
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and sampling"})
     # --- evaluation, logging, checkpoints ---
     out_dir: str = field(default="runs/default", metadata={"help": "run folder for logs, checkpoints, export"})
@@ -70,9 +74,19 @@ class TrainConfig:
         default=None, metadata={"help": "per-device peak TFLOP/s for MFU; default: table or measured"}
     )
     export_hf: bool = field(default=True, metadata={"help": "write a transformers folder at the end"})
+    push_to_hub: str = field(
+        default="", metadata={"help": "Hub repo id (you/name) to push the export and model card to at the end"}
+    )
 
     def __post_init__(self) -> None:
-        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_batches")
+        positive = (
+            "micro_batch_size",
+            "total_batch_tokens",
+            "max_steps",
+            "log_interval",
+            "eval_batches",
+            "max_bad_steps",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

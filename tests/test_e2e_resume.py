@@ -1,0 +1,164 @@
+"""Never lose a run: SIGKILL + `--resume auto` is exact, partial checkpoints are ignored, SIGTERM saves and exits 0,
+non-finite gradients are skipped and then abort cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from training.checkpoint import list_checkpoints
+from training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+TINY = [
+    "--preset", "tiny-cpu", "--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0",
+    "--export-hf", "false", "--eval-interval", "0", "--log-interval", "1", "--micro-batch-size", "4",
+    "--total-batch-tokens", "512", "--lr", "3e-3", "--warmup-steps", "2",
+]  # fmt: skip
+
+
+def train_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> list[str]:
+    launcher = [sys.executable]
+    if accelerate_config:  # through the real launcher; None runs the script directly (one process)
+        launcher = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config)]
+    return [
+        *launcher,
+        str(REPO / "train_accel.py"),
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(run_dir),
+        *TINY,
+        *args,
+    ]
+
+
+def run(cmd: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step") or 0 for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def start_and_wait(cmd: list[str], run_dir: Path, until_step: int) -> subprocess.Popen:
+    """Start a run in its own process group and return once it has logged `until_step` (still running)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while logged_steps(run_dir) < until_step:
+        assert proc.poll() is None, f"run ended before step {until_step}:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "run too slow"
+        time.sleep(0.05)
+    return proc
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and all its descendants at once, like a preempted node (torchrun's workers run in
+    sessions of their own, so killing the launcher's process group would miss them)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= children
+        grew = bool(children)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r}
+
+
+@pytest.mark.parametrize("accelerate_config", ["cpu_fp32.yaml", "cpu_ddp2.yaml"])
+def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config):
+    """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise)."""
+    args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(train_cmd(accelerate_config, straight, prepared_books, *args))
+
+    proc = start_and_wait(train_cmd(accelerate_config, killed, prepared_books, *args), killed, until_step=5)
+    kill_tree(proc.pid)  # the launcher and every rank
+    proc.wait()
+    time.sleep(1)  # let the killed ranks' pipes close
+    assert logged_steps(killed) < 12
+    newest = list_checkpoints(killed)[-1]
+    resumed = run(train_cmd(accelerate_config, killed, prepared_books, *args, "--resume", "auto"))
+    assert f"resumed from {newest} at step {int(newest.name.split('-')[1])}" in resumed.stdout
+
+    assert losses_by_step(killed) == losses_by_step(straight)  # exact float equality, every step
+    a, b = (
+        load_file(straight / "checkpoints/step-00000012/model.safetensors"),
+        load_file(killed / "checkpoints/step-00000012/model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_auto_ignores_a_checkpoint_killed_mid_write(prepared_books, tmp_path):
+    """A kill during save leaves step-N.tmp; --resume auto uses the previous complete checkpoint and finishes."""
+    run_dir = tmp_path / "run"
+    run(train_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--checkpoint-interval", "2"))
+    complete = list_checkpoints(run_dir)[-1]
+    partial = run_dir / "checkpoints" / "step-00000006.tmp"  # what a SIGKILL inside save_state leaves behind
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\x00" * 100)
+    resumed = run(train_cmd(None, run_dir, prepared_books, "--max-steps", "8", "--checkpoint-interval", "2",
+                            "--resume", "auto"))  # fmt: skip
+    assert f"resumed from {complete} at step 4" in resumed.stdout
+    assert [p.name for p in list_checkpoints(run_dir)][-1] == "step-00000008"
+    assert not partial.exists()  # the stale temp folder was cleaned when step 6 was saved for real
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
+    proc = start_and_wait(cmd, run_dir, until_step=3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    step = logged_steps(run_dir)
+    assert 3 <= step < 500
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"]
+    assert f"stopped at step {step} by a signal" in out and "--resume auto" in out
+    meta = json.loads((list_checkpoints(run_dir)[0] / "meta.json").read_text())
+    assert meta["step"] == step and meta["tokens_seen"] == step * 512
+
+
+def test_nonfinite_gradients_are_skipped_then_abort_keeping_the_checkpoint(prepared_books, tmp_path):
+    """lr 1e30 blows the weights up after step 1, so every later gradient is NaN: skip K times, then abort."""
+    run_dir = tmp_path / "run"
+    result = run(
+        train_cmd(None, run_dir, prepared_books, "--max-steps", "20", "--lr", "1e30", "--warmup-steps", "0",
+                  "--checkpoint-interval", "1", "--max-bad-steps", "3"),
+        expect_rc=1,
+    )  # fmt: skip
+    assert result.stdout.count("update skipped") == 3
+    good = run_dir / "checkpoints" / "step-00000001"
+    assert "non-finite loss/gradients in 3 consecutive steps after step 1" in result.stderr
+    assert f"--resume {good}" in result.stderr
+    assert list_checkpoints(run_dir) == [good]
+    assert all(torch.isfinite(t).all() for t in load_file(good / "model.safetensors").values())
