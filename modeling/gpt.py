@@ -1,0 +1,182 @@
+"""The GPT-2 model, read top to bottom: attention, MLP, block, model (after nanoGPT's model.py).
+
+Parameter names are GPT-2's own (wte, wpe, h.N.ln_1, attn.c_attn, ...), so converting to and from
+transformers' GPT2LMHeadModel is a transpose and a vocab slice (see hf_export.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.fused_ce import fused_linear_cross_entropy
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        # q, k and v for all heads in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # is_causal masks inside the fused kernel, so no (T, T) mask buffer is stored or read.
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"; exact erf GELU would break HF parity
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: the residual stream itself is never normalized, which keeps deep stacks stable."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),  # learned positions, as in GPT-2
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
+        self.transformer.wte.weight = self.lm_head.weight
+
+        # GPT-2 init: N(0, 0.02) everywhere, zero biases, LayerNorm at (1, 0); the projections that write
+        # into the residual stream are scaled by 1/sqrt(2 * n_layer) (two per block) so the stream's
+        # variance does not grow with depth.
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def from_preset(cls, name: str) -> GPT:
+        return cls(get_preset(name))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def hidden_states(self, idx: Tensor) -> Tensor:
+        """Final (ln_f-normalized) hidden states (B, T, n_embd) for token ids idx (B, T)."""
+        seq_len = idx.shape[1]
+        if seq_len > self.config.block_size:
+            raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(seq_len, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """(logits over the padded vocab (B, T, vocab_size), None) without targets; (None, mean loss) with
+        targets (B, T), where -100 marks positions to ignore. Training never builds the full logits tensor."""
+        x = self.hidden_states(idx)
+        if targets is None:
+            return self.lm_head(x), None
+        return None, fused_linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Append max_new_tokens sampled ids to idx (B, T) and return it. temperature 0 is greedy; top_k keeps
+        the k likeliest ids. Padded ids (>= REAL_VOCAB_SIZE) are never emitted. Call model.eval() first."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size :]  # learned positions end at block_size
+            # Only the last position is sampled from, so only it goes through the (big) head.
+            logits = self.lm_head(self.hidden_states(idx_cond)[:, -1, :]).float()  # (B, vocab_size)
+            logits[:, REAL_VOCAB_SIZE:] = float("-inf")
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth] = float("-inf")
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count, the tied wte/lm_head matrix counted once. exclude_embeddings subtracts only the
+        position embeddings (nanoGPT's convention): the token embedding is also the output head."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs (forward + backward) per token at full context, for MFU: 6 * N + 12 * L * T * C
+        (PaLM appendix B, nanoGPT's estimate_mfu). N = num_params(exclude_embeddings=True): every weight
+        and bias including the tied head (a matmul), without the position table (a lookup). The second term
+        is attention's q.k scores and weighted sum of v: 2 x 2*T*C FLOPs per token per layer forward, x3 with
+        backward. (T = block_size, so shorter sequences overstate it slightly.)"""
+        c = self.config
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.block_size * c.n_embd
+
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: decay every tensor with 2+ dims (matmul weights and the tied embedding),
+        not biases or LayerNorm gains. Each group has a "name" ("decay" / "no_decay") for logging, e.g.
+        f'{g["name"]}: {len(g["params"])} tensors, {sum(p.numel() for p in g["params"]):,} params'."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"name": "decay", "params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]

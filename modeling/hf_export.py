@@ -1,0 +1,147 @@
+"""Our GPT <-> transformers' GPT2LMHeadModel, and an export folder that loads offline with
+`GPT2LMHeadModel.from_pretrained(folder)` / `AutoModelForCausalLM` and `AutoTokenizer.from_pretrained(folder)`.
+
+The parameter names are the same on both sides; two things differ:
+- GPT-2's Conv1D stores its weight as (in, out), the transpose of nn.Linear's (out, in);
+- our embedding/head is padded to vocab_size (50,304) rows, GPT-2 has the 50,257 real ids. Export drops the
+  padded rows; import fills them with zeros (their logit is then 0, and generate() never samples them).
+Every conversion checks every key and shape against the model it feeds, so a silent mismatch is impossible.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import tiktoken
+import torch
+from torch import Tensor
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
+from modeling.config import REAL_VOCAB_SIZE, GPTConfig
+from modeling.gpt import GPT
+
+EOT_ID = 50256  # <|endoftext|>: GPT-2's document separator, also its bos/eos
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix, listed under both names
+
+
+def hf_config(config: GPTConfig) -> GPT2Config:
+    """The GPT2Config of the same shape: real vocab, tanh GELU ("gelu_new"), LayerNorm eps 1e-5, tied head."""
+    return GPT2Config(
+        vocab_size=REAL_VOCAB_SIZE,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        activation_function="gelu_new",
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=EOT_ID,
+        eos_token_id=EOT_ID,
+        tie_word_embeddings=True,
+    )
+
+
+def _check_keys_and_shapes(state_dict: dict[str, Tensor], expected: dict[str, Tensor], what: str) -> None:
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    wrong = [
+        f"{k}: {tuple(state_dict[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state_dict and state_dict[k].shape != v.shape
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"state dict does not match {what}: missing {missing}, unexpected {unexpected}, wrong shapes {wrong}"
+        )
+
+
+def _check_exportable(config: GPTConfig) -> None:
+    if not config.bias:
+        raise ValueError("GPT-2 has biases in every Linear and LayerNorm: only bias=True models can be exported")
+    if config.vocab_size < REAL_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {config.vocab_size} < {REAL_VOCAB_SIZE}: not a GPT-2 tokenizer model")
+
+
+def _meta_state_dict(model_cls: type[torch.nn.Module], config: GPTConfig | GPT2Config) -> dict[str, Tensor]:
+    with torch.device("meta"):  # shapes only, no memory, no init cost
+        return model_cls(config).state_dict()
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, Tensor]:
+    """model's weights as GPT2LMHeadModel's state dict (Conv1D weights transposed, vocab cut to 50,257)."""
+    _check_exportable(model.config)
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key in VOCAB_ROWS:
+            tensor = tensor[:REAL_VOCAB_SIZE]
+        elif key.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        out[key] = tensor.detach().contiguous()
+    _check_keys_and_shapes(out, _meta_state_dict(GPT2LMHeadModel, hf_config(model.config)), "GPT2LMHeadModel")
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """A GPT2LMHeadModel state dict as one for GPT(config): transposed back, vocab padded with zero rows."""
+    _check_exportable(config)
+    state_dict = dict(state_dict)
+    # Saved checkpoints keep a tied matrix once; our GPT, like transformers, has it under both names.
+    if "lm_head.weight" not in state_dict and "transformer.wte.weight" in state_dict:
+        state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
+    _check_keys_and_shapes(state_dict, _meta_state_dict(GPT2LMHeadModel, hf_config(config)), "GPT2LMHeadModel")
+    if not torch.equal(state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight: our GPT needs a tied head")
+    out = {}
+    for key, tensor in state_dict.items():
+        if key in VOCAB_ROWS:
+            tensor = torch.cat([tensor, tensor.new_zeros(config.vocab_size - REAL_VOCAB_SIZE, config.n_embd)])
+        elif key.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        out[key] = tensor.contiguous()
+    _check_keys_and_shapes(out, _meta_state_dict(GPT, config), "GPT")
+    return out
+
+
+def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding | None = None) -> Path:
+    """Write a transformers folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
+    tokenizer_config.json) for model and the GPT-2 tiktoken encoding (default data_prep's); returns out_dir."""
+    if encoding is None:
+        from data_prep.tokenizer import get_encoding  # the project's offline-provisioned GPT-2 BPE
+
+        encoding = get_encoding()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_model = GPT2LMHeadModel(hf_config(model.config))
+    hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
+    hf_model.save_pretrained(out_dir)  # safetensors
+    with tempfile.TemporaryDirectory() as tmp:  # the converter also leaves a tiktoken copy we do not ship
+        convert_tiktoken_to_fast(encoding, tmp)
+        tokenizer = GPT2TokenizerFast(
+            tokenizer_file=str(Path(tmp) / "tokenizer.json"), model_max_length=model.config.block_size
+        )
+    tokenizer.save_pretrained(out_dir)  # class "GPT2Tokenizer", bos/eos/unk <|endoftext|>, as the Hub's gpt2
+    return out_dir
+
+
+def load_hf(folder: str | Path) -> GPT:
+    """A GPT (vocab padded to 50,304) from a transformers GPT-2 folder, such as export_hf writes."""
+    hf_model = GPT2LMHeadModel.from_pretrained(folder)
+    c = hf_model.config
+    # What our GPT hard-codes; a folder that differs would load without error and compute something else.
+    found = (c.vocab_size, c.activation_function, c.layer_norm_epsilon, c.n_inner or 4 * c.n_embd)
+    wanted = (REAL_VOCAB_SIZE, "gelu_new", 1e-5, 4 * c.n_embd)
+    if found != wanted:
+        raise ValueError(
+            f"{folder}: (vocab_size, activation_function, layer_norm_epsilon, n_inner) = {found}, our GPT is {wanted}"
+        )
+    config = GPTConfig(
+        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, dropout=c.resid_pdrop
+    )
+    model = GPT(config)
+    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), config), strict=True)
+    return model

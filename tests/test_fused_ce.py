@@ -1,0 +1,69 @@
+"""modeling.fused_ce: the chunked linear + cross-entropy equals F.cross_entropy over the full logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling.fused_ce import fused_linear_cross_entropy
+
+N, E, V = 300, 32, 1000
+
+
+def make_inputs(dtype: torch.dtype, ignored_every: int | None = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, E, generator=g, dtype=dtype)
+    weight = torch.randn(V, E, generator=g, dtype=dtype) * 0.3
+    targets = torch.randint(0, V, (N,), generator=g)
+    if ignored_every:
+        targets[::ignored_every] = -100
+    return h, weight, targets
+
+
+def loss_and_grads(loss_fn, h, weight, targets, scale: float = 1.0):
+    h, weight = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = loss_fn(h, weight, targets)
+    (scale * loss).backward()
+    return loss.detach(), h.grad, weight.grad
+
+
+def plain(h, weight, targets):
+    return F.cross_entropy(h @ weight.t(), targets)
+
+
+@pytest.mark.parametrize("chunk_rows", [64, 128, 1024])  # ragged last chunk, several chunks, one chunk
+def test_matches_cross_entropy_fp32_with_ignored_rows(chunk_rows):
+    h, weight, targets = make_inputs(torch.float32)
+    fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=chunk_rows)
+    # a grad_output other than 1 (loss scaling, gradient accumulation) must scale the stored grads
+    got, want = loss_and_grads(fused, h, weight, targets, 3.0), loss_and_grads(plain, h, weight, targets, 3.0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_ignored_rows_get_zero_gradient():
+    h, weight, targets = make_inputs(torch.float32)
+    _, grad_h, _ = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)
+    assert grad_h[targets == -100].abs().max() == 0
+    assert grad_h[targets != -100].abs().min() > 0
+
+
+def test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy():
+    h, weight, targets = make_inputs(torch.float32)
+    targets[:] = -100
+    loss, grad_h, grad_w = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)
+    want_loss, want_h, want_w = loss_and_grads(plain, h, weight, targets)
+    assert want_loss.isnan() and loss.isnan()
+    assert torch.equal(grad_h, want_h) and torch.equal(grad_w, want_w)  # all zeros
+
+
+def test_bf16_autocast_close_to_autocast_cross_entropy():
+    h, weight, targets = make_inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=128)
+        got = loss_and_grads(fused, h, weight, targets)
+        want = loss_and_grads(plain, h, weight, targets)
+    # fp32 master grads, like autocast's plain path
+    assert got[0].dtype == got[1].dtype == got[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=1e-2)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert (g - w).norm() / w.norm() < 2e-2

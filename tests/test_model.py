@@ -1,0 +1,193 @@
+"""modeling.config and modeling.gpt: presets, shapes, init, loss, generation, optimizer groups, compile."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling.config import PRESETS, REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.gpt import GPT, CausalSelfAttention
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)
+
+
+def tiny_model(config: GPTConfig = TINY) -> GPT:
+    torch.manual_seed(0)
+    return GPT(config)
+
+
+def random_ids(batch: int, length: int, vocab: int = REAL_VOCAB_SIZE, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- config ------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_preset_names_closest_and_lists_valid():
+    with pytest.raises(ValueError) as err:
+        get_preset("gpt2-125m")
+    message = str(err.value)
+    assert "'gpt2-125m'" in message and "Did you mean 'gpt2-124m'" in message
+    assert all(name in message for name in PRESETS)
+
+
+def test_get_preset_returns_a_copy():
+    get_preset("tiny-cpu").n_layer = 99
+    assert get_preset("tiny-cpu").n_layer == 2
+
+
+def test_small_cpu_is_the_benchmark_shape():
+    c = get_preset("small-cpu")
+    assert (c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size) == (4, 4, 256, 256, 50304)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"n_embd": 30, "n_head": 4}, "divisible by n_head"), ({"n_layer": 0}, "n_layer must be positive"),
+     ({"dropout": 1.0}, "dropout")],
+)  # fmt: skip
+def test_config_rejects_bad_shapes(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("gpt2-124m", 124_475_904), ("gpt2-350m", 354_871_296), ("gpt2-774m", 774_090_240),
+     ("gpt2-1558m", 1_557_686_400)],
+)  # fmt: skip
+def test_gpt2_parameter_counts_with_tied_padded_vocab(name, expected):
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = GPT.from_preset(name)
+    assert model.num_params() == expected
+    assert model.num_params(exclude_embeddings=True) == expected - model.config.block_size * model.config.n_embd
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+
+def test_sdpa_attention_equals_explicit_masked_softmax():
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(TINY).double().eval()
+    x = torch.randn(3, 16, 32, dtype=torch.float64)
+    B, T, C, nh = 3, 16, 32, TINY.n_head
+    q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // nh)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(attn(x), expected, atol=1e-12, rtol=1e-12)
+
+
+def test_tied_head_and_gpt2_init():
+    model = GPT(get_preset("tiny-cpu"))
+    assert model.transformer.wte.weight is model.lm_head.weight
+    residual = 0.02 / math.sqrt(2 * model.config.n_layer)
+    for block in model.transformer.h:
+        for proj in (block.attn.c_proj, block.mlp.c_proj):
+            assert proj.weight.std().item() == pytest.approx(residual, rel=0.1)
+            assert proj.bias.abs().max() == 0
+    assert block.mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_forward_is_causal_and_logits_cover_padded_vocab():
+    model = tiny_model().eval()
+    idx = random_ids(2, 16)
+    logits, loss = model(idx)
+    assert loss is None and logits.shape == (2, 16, 50304)
+    changed = idx.clone()
+    changed[:, 10:] = 7  # the future must not change the past
+    torch.testing.assert_close(model(changed)[0][:, :10], logits[:, :10])
+
+
+def test_loss_equals_cross_entropy_over_padded_logits_with_ignore_index():
+    model = tiny_model().eval()
+    idx, targets = random_ids(2, 16), random_ids(2, 16, seed=1)
+    targets[0, :5] = -100
+    logits, _ = model(idx)
+    _, loss = model(idx, targets)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+def test_loss_at_init_is_uniform_and_one_adamw_step_lowers_it():
+    model = GPT(get_preset("tiny-cpu"))
+    idx, targets = random_ids(4, 64), random_ids(4, 64, seed=1)
+    _, loss = model(idx, targets)
+    assert loss.item() == pytest.approx(math.log(REAL_VOCAB_SIZE), abs=0.3)
+    optimizer = torch.optim.AdamW(model.optimizer_groups(weight_decay=0.1), lr=1e-3)
+    loss.backward()
+    optimizer.step()
+    assert model(idx, targets)[1].item() < loss.item() - 0.01
+
+
+def test_too_long_input_is_rejected():
+    with pytest.raises(ValueError, match="exceeds block_size 16"):
+        tiny_model()(random_ids(1, 17))
+
+
+def test_optimizer_groups_decay_matrices_only_and_cover_each_parameter_once():
+    model = tiny_model()
+    decay, no_decay = model.optimizer_groups(weight_decay=0.1)
+    assert (decay["name"], decay["weight_decay"], no_decay["name"], no_decay["weight_decay"]) == (
+        "decay", 0.1, "no_decay", 0.0
+    )  # fmt: skip
+    # wte (= lm_head) and wpe, then c_attn, attn.c_proj, c_fc, mlp.c_proj per layer
+    assert len(decay["params"]) == 2 + 4 * TINY.n_layer and all(p.dim() == 2 for p in decay["params"])
+    # ln_1, ln_2 (weight + bias) and 4 Linear biases per layer, then ln_f
+    assert len(no_decay["params"]) == 8 * TINY.n_layer + 2 and all(p.dim() == 1 for p in no_decay["params"])
+    grouped = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert grouped == model.num_params()
+
+
+def test_flops_per_token_small_cpu():
+    with torch.device("meta"):
+        model = GPT.from_preset("small-cpu")
+    n = model.num_params(exclude_embeddings=True)  # ~16.0M, 12.9M of them the tied head
+    assert model.flops_per_token() == 6 * n + 12 * 4 * 256 * 256
+    assert model.flops_per_token() == pytest.approx(99.3e6, rel=0.01)
+
+
+# --- generation --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, None), (1.0, 5), (2.0, 50_000)])
+def test_generate_never_emits_padded_ids(temperature, top_k):
+    model = tiny_model().eval()
+    with torch.no_grad():  # every hidden state becomes all ones, and the padded head rows score it highest
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[REAL_VOCAB_SIZE:] = 100.0
+    prompt = random_ids(2, 3)
+    assert (model(prompt)[0].argmax(-1) >= REAL_VOCAB_SIZE).all()  # unmasked, the pads would win
+    out = model.generate(prompt, 20, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 23) and torch.equal(out[:, :3], prompt)
+    assert out.max() < REAL_VOCAB_SIZE
+
+
+def test_generate_crops_context_and_is_reproducible():
+    model = tiny_model().eval()
+    prompt = random_ids(1, TINY.block_size)  # already full: every step must crop
+    sample = lambda seed: model.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(seed))
+    assert sample(0).shape == (1, TINY.block_size + 5)
+    assert torch.equal(sample(0), sample(0))
+    greedy = model.generate(prompt, 1, temperature=0)
+    assert greedy[0, -1] == model(prompt)[0][0, -1, :REAL_VOCAB_SIZE].argmax()
+
+
+# --- torch.compile -----------------------------------------------------------------------------------------------
+
+
+def test_compiled_forward_backward_matches_eager():
+    config = dataclasses.replace(TINY, vocab_size=512)  # small head: this test pays for one inductor compile
+    eager = tiny_model(config)
+    compiled_model = tiny_model(config)
+    idx, targets = random_ids(4, 16, vocab=512), random_ids(4, 16, vocab=512, seed=1)
+    targets[0, :3] = -100
+    _, eager_loss = eager(idx, targets)
+    eager_loss.backward()
+    _, compiled_loss = torch.compile(compiled_model)(idx, targets)
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
