@@ -54,6 +54,7 @@ def test_cpu_yaml_trains_tiny_model_bf16_compiled(prepared_books, tmp_path):
     weights = final_weights(run)
     assert {t.dtype for t in weights.values()} == {torch.float32}  # autocast, not a bf16 cast of the weights
     assert (run / "loss.png").stat().st_size > 0 and "--- step 60 ---" in (run / "samples.txt").read_text()
+    assert "| optimizer steps | 60 |" in (run / "export" / "README.md").read_text()  # the model card
 
     from transformers import GPT2LMHeadModel
 

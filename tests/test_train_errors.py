@@ -1,0 +1,88 @@
+"""Bad input to train_accel.py: one clear error (what and how to fix), exit 1, nothing on disk damaged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def snapshot(*folders: Path) -> dict[str, str]:
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+        for folder in folders
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def workspace(prepared_books, tmp_path):
+    """A private copy of the prepared data and a run folder that already holds an earlier run's files."""
+    data = tmp_path / "data"
+    shutil.copytree(prepared_books, data)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000002" / "model.safetensors").write_bytes(b"earlier run")
+    (run_dir / "metrics.jsonl").write_text('{"step": 2, "train_loss": 9.0}\n')
+    return data, run_dir
+
+
+def fails(*args: str) -> str:
+    cmd = [sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--peak-tflops", "1", *args]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr
+
+
+def corrupt_shard(data: Path) -> None:
+    shard = sorted(data.glob("train_*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+def other_vocab_manifest(data: Path) -> None:
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] = 100_277  # e.g. cl100k counts
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+
+def other_tokenizer_manifest(data: Path) -> None:
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"].update(name="cl100k_base", sha256="0" * 64)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+
+CASES = {
+    "malformed_yaml": (None, ["--config", "{tmp}/bad.yaml"], r"not valid YAML at line 3"),
+    "unknown_key": (None, ["--lerning-rate", "1e-3"], r"unknown config key 'lerning-rate'"),
+    "missing_data_dir": (None, ["--data-dir", "{tmp}/nowhere"], r"python -m data_prep.prepare --source default --out"),
+    "truncated_shard": (corrupt_shard, [], r"shard .*train_000.bin is .* bytes .*truncated or altered"),
+    "vocab_mismatch": (other_vocab_manifest, [], r"100277-id vocabulary but the tiny-cpu model has 50304"),
+    "other_tokenizer": (other_tokenizer_manifest, [], r"tokenized with 'cl100k_base'"),
+    "block_size_over_preset": (None, ["--block-size", "128"], r"block_size=128 exceeds the tiny-cpu preset's 64"),
+    "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path, case):
+    data, run_dir = workspace
+    (tmp_path / "bad.yaml").write_text("preset: tiny-cpu\nlr: [1e-3, \n")
+    damage, args, message = CASES[case]
+    if damage:
+        damage(data)
+    before = snapshot(data, run_dir)
+    args = [a.format(tmp=tmp_path) for a in args]
+    stderr = fails("--data-dir", str(data), "--out-dir", str(run_dir), *args)
+    assert stderr.startswith("error: ")
+    assert re.search(message, stderr), stderr
+    assert snapshot(data, run_dir) == before
