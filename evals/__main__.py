@@ -1,0 +1,93 @@
+"""Score a run folder or an HF-format export on the eval tasks and print a Markdown table.
+
+    python -m evals --run runs/x [--tasks hellaswag,lambada] [--limit N] [--checkpoint PATH] [--batch-size 32]
+    python -m evals --model runs/x/export --tasks hellaswag
+    accelerate launch --config_file accelerate_configs/cpu_ddp2.yaml -m evals --run runs/x   # ranks split the work
+
+A run folder is scored at its newest checkpoint (or --checkpoint), else at its export/ folder. Precision
+comes from --mixed-precision, else the accelerate launch config; plain `python -m` runs in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from data_prep.tokenizer import get_encoding
+from evals import EvalError
+from evals.loading import load_model
+from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m evals", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run folder (config.yaml + checkpoints/ or export/)")
+    source.add_argument("--model", help="HF-format export folder (e.g. runs/x/export)")
+    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of: {', '.join(TASKS)}")
+    parser.add_argument("--limit", type=_positive_int, help="score only the first N examples of each task")
+    parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, help="sequences per forward")
+    parser.add_argument(
+        "--mixed-precision", choices=["no", "bf16", "fp16"], help="autocast dtype (default: the launch config's)"
+    )
+    parser.add_argument("--json", help="also write the metrics and per-example predictions to this JSON file")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.checkpoint and not args.run:
+            raise EvalError("--checkpoint needs --run (the run folder holds the model's config.yaml)")
+        tasks = parse_tasks(args.tasks)
+        model, source = load_model(args.run, args.checkpoint, args.model)
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
+        model.to(accelerator.device)
+        encoding = get_encoding()
+        runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}
+    except EvalError as err:
+        sys.exit(f"error: {err}")
+    if accelerator.is_main_process:
+        precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+        print(f"{source} | {accelerator.num_processes} process(es), {precision}\n")
+        print(markdown_table(runs))
+        if args.json:
+            Path(args.json).write_text(json.dumps(to_json(source, runs), indent=1) + "\n")
+
+
+def markdown_table(runs: dict[str, TaskRun]) -> str:
+    lines = ["| task | metric | value | examples |", "| --- | --- | ---: | ---: |"]
+    for task, run in runs.items():
+        n = len(run.examples)
+        for name, value in run.metrics.items():
+            metric = name.removeprefix(f"{task}_")
+            shown = f"{value:.2f}" if metric == "ppl" else f"{value:.4f} ({round(value * n)} correct)"
+            lines.append(f"| {task} | {metric} | {shown} | {n} |")
+    return "\n".join(lines)
+
+
+def to_json(source: str, runs: dict[str, TaskRun]) -> dict:
+    return {
+        "source": source,
+        "metrics": {name: value for run in runs.values() for name, value in run.metrics.items()},
+        "examples": {task: len(run.examples) for task, run in runs.items()},
+        "predictions": {task: {k: v.tolist() for k, v in run.predictions.items()} for task, run in runs.items()},
+    }
+
+
+if __name__ == "__main__":
+    main()

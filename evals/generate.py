@@ -1,0 +1,76 @@
+"""Sample text from a trained model.
+
+    python -m evals.generate --run runs/x --prompt "ROMEO:" [--max-new-tokens 100] [--temperature 0.8]
+                             [--top-k 50] [--seed 0] [--checkpoint PATH]
+    python -m evals.generate --model runs/x/export --prompt "Once upon a time"
+
+An empty prompt starts from <|endoftext|>, i.e. the start of a new document; --temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from data_prep.tokenizer import EOT_ID, get_encoding
+from evals import EvalError
+from evals.loading import load_model
+
+
+def generate_text(
+    model: torch.nn.Module,
+    prompt: str,
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    """The prompt followed by `max_new_tokens` sampled tokens, decoded; the same seed gives the same text.
+
+    temperature 0 is greedy decoding; top_k None samples from the whole vocabulary."""
+    if max_new_tokens <= 0:
+        raise EvalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise EvalError(f"--temperature must be >= 0 (0 is greedy decoding), got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise EvalError(f"--top-k must be positive (0 on the command line: no cut-off), got {top_k}")
+    encoding = get_encoding()
+    device = next(model.parameters()).device
+    tokens = encoding.encode_ordinary(prompt) or [EOT_ID]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([tokens], device=device), max_new_tokens, temperature=temperature, top_k=top_k,
+            generator=generator,
+        )  # fmt: skip
+    return prompt + encoding.decode(out[0, len(tokens) :].tolist())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run folder (newest checkpoint, else its export/)")
+    source.add_argument("--model", help="HF-format export folder")
+    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0: all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        if args.checkpoint and not args.run:
+            raise EvalError("--checkpoint needs --run (the run folder holds the model's config.yaml)")
+        model, _ = load_model(args.run, args.checkpoint, args.model)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
+    except EvalError as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

