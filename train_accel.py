@@ -22,11 +22,15 @@ from tqdm.auto import tqdm
 from data_prep import DataPrepError
 from data_prep.loader import TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
+from evals import EvalError
+from evals.data import load_examples
+from evals.plot import plot_evals
+from evals.runner import evaluate_tasks, parse_tasks
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume, save_checkpoint
-from training.config import DEFAULT_DATA_DIR, ConfigError, config_to_yaml, grad_accum_steps, parse_config
+from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps, parse_config
 from training.distributed import build_accelerator
 from training.hub import HubError, push, require_token, write_model_card
 from training.metrics import JSONLTracker, memory_stats, peak_tflops, plot_losses
@@ -35,15 +39,19 @@ from training.signals import StopRequest
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val_loader: TokenLoader, batches: int, accelerator: Accelerator) -> float:
-    """Mean val loss over the first `batches` val micro-batches of every rank (a fixed set, so evals compare)."""
+def evaluate(model: torch.nn.Module, val_loader: TokenLoader, cfg: TrainConfig, accelerator: Accelerator) -> dict:
+    """Val loss over the first `eval_batches` val micro-batches of every rank (a fixed set, so evals compare),
+    plus the `eval_tasks` benchmark scores; the same numbers on every rank."""
     model.eval()
     losses = []
-    for _, (x, y) in zip(range(batches), val_loader):
+    for _, (x, y) in zip(range(cfg.eval_batches), val_loader):
         _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
         losses.append(loss)
     model.train()
-    return accelerator.reduce(torch.stack(losses).mean(), "mean").item()
+    metrics = {"val_loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+    if cfg.eval_tasks:
+        metrics.update(evaluate_tasks(model, accelerator, cfg.eval_tasks, cfg.eval_limit, get_encoding()))
+    return metrics
 
 
 def main() -> None:
@@ -91,6 +99,10 @@ def main() -> None:
                 accelerator.print(f"{cfg.data_dir} has no manifest: preparing the default corpus there")
                 prepare("default", cfg.data_dir)
     manifest = load_manifest(cfg.data_dir)
+    if cfg.eval_tasks:  # provision and verify benchmark data now, not at the first eval
+        with accelerator.local_main_process_first():
+            for task in parse_tasks(cfg.eval_tasks):
+                load_examples(task, cfg.eval_limit)
     if manifest.vocab_size > model_config.vocab_size:
         raise ConfigError(
             f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the {cfg.preset} model "
@@ -149,7 +161,7 @@ def main() -> None:
     )
 
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
-        accelerator.log({"val_loss": evaluate(model, val_loader, cfg.eval_batches, accelerator)}, step=0)
+        accelerator.log(evaluate(model, val_loader, cfg, accelerator), step=0)
     stop = StopRequest()
     train_iter = iter(train_loader)
     bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_local_main_process)
@@ -214,9 +226,10 @@ def main() -> None:
 
         val_loss = None
         if cfg.eval_interval and (progress.step % cfg.eval_interval == 0 or last):
-            val_loss = evaluate(model, val_loader, cfg.eval_batches, accelerator)
-            accelerator.log({"val_loss": val_loss}, step=progress.step)
-            accelerator.print(f"step {progress.step}: val loss {val_loss:.4f}")
+            evals = evaluate(model, val_loader, cfg, accelerator)
+            accelerator.log(evals, step=progress.step)
+            accelerator.print(f"step {progress.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+            val_loss = evals["val_loss"]
 
         if cfg.sample_interval and (progress.step % cfg.sample_interval == 0 or last) and accelerator.is_main_process:
             write_sample(accelerator, model, cfg.sample_prompt, cfg.sample_tokens, run_dir, progress.step)
@@ -236,6 +249,8 @@ def main() -> None:
     # The run folder's deliverables: a transformers-loadable export with its model card, the loss curve.
     if accelerator.is_main_process:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        if cfg.eval_tasks:
+            plot_evals(run_dir / "metrics.jsonl", run_dir / "evals.png")
     if cfg.export_hf:
         state_dict = accelerator.get_state_dict(model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
@@ -278,10 +293,21 @@ class TrainingAborted(RuntimeError):
         )
 
 
+# Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
+USER_ERRORS = (ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, FileNotFoundError, NotADirectoryError)
+
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataPrepError, HubError, TrainingAborted, FileNotFoundError, NotADirectoryError) as err:
+    except (
+        ConfigError,
+        DataPrepError,
+        EvalError,
+        HubError,
+        TrainingAborted,
+        FileNotFoundError,
+        NotADirectoryError,
+    ) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except torch.OutOfMemoryError as err:

@@ -45,10 +45,13 @@ def test_cpu_yaml_trains_tiny_model_bf16_compiled(prepared_books, tmp_path):
         "cpu.yaml", run, prepared_books, "--max-steps", "60", "--micro-batch-size", "8",
         "--total-batch-tokens", "1024", "--lr", "3e-3", "--warmup-steps", "5", "--eval-interval", "30",
         "--eval-batches", "4", "--log-interval", "10", "--sample-interval", "60", "--export-hf", "true",
+        "--eval-tasks", "hellaswag", "--eval-limit", "8",
     )  # fmt: skip
     assert "bf16 precision, dynamo INDUCTOR" in result.stdout
     val = {r["step"]: r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r}
     assert sorted(val) == [0, 30, 60]
+    scores = [r["hellaswag_acc_norm"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
+    assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)  # benchmark scored at every eval
     assert val[0] > 10.0  # ~ln(50257) at init
     assert val[60] < val[0] - 2.0, val
     weights = final_weights(run)

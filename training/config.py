@@ -63,6 +63,10 @@ class TrainConfig:
     log_interval: int = field(default=5, metadata={"help": "steps between logged metrics"})
     eval_interval: int = field(default=25, metadata={"help": "steps between val-loss evals; 0 disables"})
     eval_batches: int = field(default=20, metadata={"help": "val micro-batches per rank per eval"})
+    eval_tasks: str = field(
+        default="", metadata={"help": "benchmarks scored at every eval, e.g. hellaswag,lambada (see evals/)"}
+    )
+    eval_limit: int | None = field(default=None, metadata={"help": "first N examples per eval task (None: all)"})
     sample_interval: int = field(default=100, metadata={"help": "steps between text samples; 0 disables"})
     sample_prompt: str = field(default="ROMEO:", metadata={"help": "prompt for text samples"})
     sample_tokens: int = field(default=64, metadata={"help": "new tokens per text sample"})

@@ -60,11 +60,12 @@ def render_model_card(run_dir: str | Path) -> str:
             f"({splits['train']['num_tokens']:,} tokens), {splits['val']['num_documents']} val documents "
             f"({splits['val']['num_tokens']:,} tokens), GPT-2 BPE"
         )
-    val_line = (
-        f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {min(r['val_loss'] for r in val):.4f} |\n"
-        if val
-        else ""
-    )
+    val_line = score_lines = ""
+    if val:
+        best_val = min(r["val_loss"] for r in val)
+        val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
+        scores = {k: v for k, v in val[-1].items() if k.startswith(("hellaswag", "lambada"))}
+        score_lines = "".join(f"| {name.replace('_', ' ')} (final) | {value:.4f} |\n" for name, value in scores.items())
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -89,7 +90,7 @@ A GPT-2-architecture model pretrained from scratch on public-domain books with b
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
 | learning rate | {config["lr"]} peak, cosine to {config["min_lr_ratio"]}×, {config["warmup_steps"]} warmup steps |
 | final train loss | {last["train_loss"]:.4f} |
-{val_line}| throughput (median) | {throughput:,.0f} tokens/s |
+{val_line}{score_lines}| throughput (median) | {throughput:,.0f} tokens/s |
 
 ![loss curve](loss.png)
 
