@@ -9,7 +9,6 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume, save_checkpoint
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps, parse_config
-from training.distributed import build_accelerator
+from training.distributed import build_accelerator, clip_grad_norm, finish, generation_model
 from training.hub import HubError, push, require_token, write_model_card
 from training.metrics import JSONLTracker, memory_stats, peak_tflops, plot_losses
 from training.optim import build_optimizer, build_scheduler
@@ -127,7 +126,9 @@ def main() -> None:
         optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
     )
     flops_per_token = model.flops_per_token()
+    num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    sampler = generation_model(accelerator, model)
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, train_loader)
 
@@ -144,7 +145,7 @@ def main() -> None:
         "world_size": world_size,
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": str(accelerator.state.dynamo_plugin.backend),
-        "params": accelerator.unwrap_model(model).num_params(),
+        "params": num_params,
         "peak_tflops_per_device": peak,
         "peak_tflops_source": peak_source,
     }
@@ -179,7 +180,7 @@ def main() -> None:
                 _, loss = model(x, y)
                 accelerator.backward(loss)
             loss_sum += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        grad_norm = clip_grad_norm(accelerator, model, cfg.grad_clip)
         progress.tokens_seen += cfg.total_batch_tokens
         # The one host sync per step: are the (all-reduced) gradients finite, and did any rank get a signal?
         status = torch.stack([~torch.isfinite(grad_norm), torch.tensor(bool(stop), device=device)]).float()
@@ -231,8 +232,9 @@ def main() -> None:
             accelerator.print(f"step {progress.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
             val_loss = evals["val_loss"]
 
-        if cfg.sample_interval and (progress.step % cfg.sample_interval == 0 or last) and accelerator.is_main_process:
-            write_sample(accelerator, model, cfg.sample_prompt, cfg.sample_tokens, run_dir, progress.step)
+        # Every rank samples: with sharded weights (FSDP2, ZeRO-3) generate() gathers them collectively.
+        if cfg.sample_interval and (progress.step % cfg.sample_interval == 0 or last):
+            write_sample(accelerator, sampler, cfg.sample_prompt, cfg.sample_tokens, run_dir, progress.step)
 
         if (cfg.checkpoint_interval and progress.step % cfg.checkpoint_interval == 0) or last or stopping:
             meta = {"step": progress.step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
@@ -242,7 +244,7 @@ def main() -> None:
                 f"stopped at step {progress.step} by a signal; checkpoint {saved}. "
                 f"To continue, run the same command with --resume auto"
             )
-            accelerator.end_training()
+            finish(accelerator)
             return
     bar.close()
 
@@ -259,27 +261,28 @@ def main() -> None:
             export_hf(export_model, run_dir / "export", get_encoding())
             write_model_card(run_dir, cfg.push_to_hub or None)
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
-    accelerator.end_training()
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
+    finish(accelerator)
 
 
 @torch.no_grad()
 def write_sample(
     accelerator: Accelerator, model: torch.nn.Module, prompt: str, tokens: int, run_dir: Path, step: int
 ) -> None:
-    """Greedy-free sample (temperature 1, top-k 50) from the prompt, appended to samples.txt."""
+    """Greedy-free sample (temperature 1, top-k 50) from the prompt, appended to samples.txt.
+    model: the module from training.distributed.generation_model."""
     encoding = get_encoding()
-    raw = accelerator.unwrap_model(model, keep_torch_compile=False)
-    raw.eval()
+    model.eval()
     idx = torch.tensor([encoding.encode(prompt)], device=accelerator.device)
     generator = torch.Generator(device=accelerator.device).manual_seed(step)
     with accelerator.autocast():
-        out = raw.generate(idx, tokens, temperature=1.0, top_k=50, generator=generator)
-    raw.train()
+        out = model.generate(idx, tokens, temperature=1.0, top_k=50, generator=generator)
+    model.train()
     text = encoding.decode(out[0].tolist())
-    with (run_dir / "samples.txt").open("a") as f:
-        f.write(f"--- step {step} ---\n{text}\n")
+    if accelerator.is_main_process:
+        with (run_dir / "samples.txt").open("a") as f:
+            f.write(f"--- step {step} ---\n{text}\n")
     accelerator.print(f"sample @ step {step}: {text!r}")
 
 

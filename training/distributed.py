@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -41,21 +42,28 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
             kwargs["cpu"] = True  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo
     accelerator = Accelerator(**kwargs)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        _set_deepspeed_values(accelerator, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
+        _configure_deepspeed(accelerator, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
     return accelerator
 
 
-def _set_deepspeed_values(accelerator: Accelerator, **values: float) -> None:
-    """Fill the DeepSpeed config's 'auto' (or missing) entries with the training config's values; a YAML or
-    DeepSpeed JSON that sets one of them differently is an error, since the training config owns them."""
+def _configure_deepspeed(accelerator: Accelerator, **known: float) -> None:
+    """The batch and clipping entries of the DeepSpeed config belong to the training config. The known ones are
+    filled in where 'auto' (or missing) and must agree where set; accumulation (and so train_batch_size) is
+    derived from total_batch_tokens after the Accelerator exists, and prepare() fills it in only if 'auto'."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    for key, value in values.items():
+    for key in ("gradient_accumulation_steps", "train_batch_size"):
+        if ds_config.get(key, "auto") != "auto":
+            raise ValueError(
+                f"the DeepSpeed config sets {key}={ds_config[key]}; leave it out (or 'auto'): "
+                "train_accel.py derives it from --total-batch-tokens"
+            )
+    for key, value in known.items():
         if ds_config.get(key, "auto") == "auto":
             ds_config[key] = value
         elif ds_config[key] != value:
             raise ValueError(
                 f"the DeepSpeed config sets {key}={ds_config[key]} but the training config says {value}; "
-                f"set it in the training config and leave it 'auto' (or out) in the DeepSpeed config"
+                "set it in the training config and leave it out (or 'auto') in the DeepSpeed config"
             )
 
 
@@ -69,10 +77,30 @@ def clip_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     return torch.as_tensor(norm, dtype=torch.float32, device=accelerator.device)
 
 
-def enable_generate(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Let the prepared model's generate() run under FSDP2, which gathers its sharded parameters only around
-    forward(); a no-op for the other engines. Call it once, after prepare(). With sharded weights (FSDP2,
-    ZeRO-3) generate() then gathers them with collectives, so every rank must call it, not just the main one."""
-    raw = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if isinstance(raw, FSDPModule):
-        register_fsdp_forward_method(raw, "generate")
+def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The module to call generate() on, for the prepared model. Call it once, after prepare().
+
+    FSDP2 gathers the root's sharded parameters (embeddings, head) only around forward(), so generate() is
+    registered as a forward method of the FSDP root, which is the torch.compile wrapper when compiled
+    (generate itself then runs eagerly). Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3)
+    generate() gathers them with collectives: every rank must call it, not just the main one."""
+    root = accelerator.unwrap_model(model, keep_torch_compile=True)
+    if isinstance(root, FSDPModule):
+        register_fsdp_forward_method(root, "generate")
+        return root
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def finish(accelerator: Accelerator) -> None:
+    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last.
+
+    On gloo (CPU runs with 2+ processes) the process then exits at once with status 0: gloo's threads can abort
+    the interpreter's teardown after a complete run ("terminate called without an active exception", status 1;
+    seen in about 1 FSDP run in 5), which would fail a finished job. Everything is written by then; skipping
+    the teardown loses nothing."""
+    on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    accelerator.end_training()
+    if on_gloo:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

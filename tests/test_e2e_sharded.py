@@ -1,0 +1,181 @@
+"""FSDP2, DeepSpeed ZeRO-2/3 and a 2-machine launch through the real `accelerate launch`, on CPU over gloo.
+
+Every run trains the tiny preset in fp32 on the same 6 global batches of 1,024 tokens (2 processes × micro-batch
+4 × accumulation 2), so each engine's per-step losses must match the DDP run's (cpu_ddp2.yaml). Sharding is
+checked in the checkpoints, where a silent fallback to DDP would show: accelerate writes DDP weights whole.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import checkpoint_dir
+from training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+STEPS, HALF = 6, 3
+TINY_PARAMS = 3_323_648  # GPT(get_preset("tiny-cpu")).num_params()
+COMMON = [
+    "--preset", "tiny-cpu", "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--max-steps", str(STEPS),
+    "--lr", "3e-3", "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--sample-interval", "0",
+    "--checkpoint-interval", str(HALF), "--keep-checkpoints", "2", "--peak-tflops", "1", "--num-workers", "0",
+]  # fmt: skip
+# Different engines on the same batches: summation order differs (all-reduce vs reduce-scatter, flat buffers).
+ENGINE_TOL = dict(rtol=1e-4, atol=1e-4)
+# A resumed run replays the same arithmetic as the run it was saved from.
+RESUME_TOL = dict(rtol=0.0, atol=1e-6)
+
+
+def launch_cmd(
+    accelerate_config: str, run_dir: Path, data_dir: Path, *args: str, launch_args: Sequence[str] = ()
+) -> list[str]:
+    return [
+        ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config), *launch_args,
+        str(REPO / "train_accel.py"), "--data-dir", str(data_dir), "--out-dir", str(run_dir), *COMMON, *args,
+    ]  # fmt: skip
+
+
+def check(result: subprocess.CompletedProcess | subprocess.Popen, cmd: list[str], out: str, err: str) -> None:
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}"
+
+
+def launch(accelerate_config: str, run_dir: Path, data_dir: Path, *args: str) -> str:
+    """Run to completion; the launcher's stdout."""
+    cmd = launch_cmd(accelerate_config, run_dir, data_dir, *args)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    check(result, cmd, result.stdout, result.stderr)
+    return result.stdout
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r}
+
+
+def assert_losses_close(got: dict[int, float], want: dict[int, float], **tol: float) -> None:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    torch.testing.assert_close(torch.tensor([got[s] for s in want]), torch.tensor(list(want.values())), **tol)
+
+
+def export_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(run_dir / "export").state_dict()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(prepared_books, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ddp") / "run"
+    launch("cpu_ddp2.yaml", run, prepared_books, "--export-hf", "true")
+    return run
+
+
+@pytest.fixture(scope="module", params=["cpu_fsdp2.yaml", "cpu_zero2.yaml", "cpu_zero3.yaml"])
+def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(config, straight run, run resumed from the straight run's step-HALF checkpoint)."""
+    config = request.param
+    if "zero" in config:
+        pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
+    straight, resumed = root / "straight", root / "resumed"
+    out = launch(config, straight, prepared_books, "--sample-interval", str(HALF), "--sample-tokens", "4")
+    assert f"{TINY_PARAMS:,} params | 2 process(es) on cpu" in out and "2 accumulation × 2 = 1,024" in out
+    half = checkpoint_dir(straight, HALF)
+    launch(config, resumed, prepared_books, "--resume", str(half), "--export-hf", "true")
+    return config, straight, resumed
+
+
+def test_sharded_engines_match_ddp_per_step(sharded, ddp_run):
+    _, straight, _ = sharded
+    assert_losses_close(losses(straight), losses(ddp_run), **ENGINE_TOL)
+    assert losses(ddp_run)[STEPS] < losses(ddp_run)[1] - 0.5  # and it trained
+
+
+def test_parameters_are_really_sharded(sharded):
+    """Each rank's checkpoint holds half of the state; DDP (the silent fallback) writes model.safetensors whole."""
+    config, straight, _ = sharded
+    ckpt = checkpoint_dir(straight, HALF)
+    assert not (ckpt / "model.safetensors").exists()
+    if config == "cpu_fsdp2.yaml":
+        # FSDP2 parameters are DTensors sharded on dim 0: two row-halves, one in each rank's .distcp file.
+        meta = dcp.FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata()
+        weight = meta.state_dict_metadata["model.transformer.h.0.mlp.c_fc.weight"]
+        assert [list(c.sizes) for c in weight.chunks] == [[weight.size[0] // 2, weight.size[1]]] * 2
+        files = {info.relative_path for idx, info in meta.storage_data.items() if idx.fqn.startswith("model.")}
+        assert files == {"__0_0.distcp", "__1_0.distcp"}
+        return
+    # ZeRO: each rank saves its partition of the fp32 master weights (ZeRO-2 and 3 alike) ...
+    parts = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    assert len(parts) == 2
+    for part in parts:
+        state = torch.load(part, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        flat = state["fp32_flat_groups"] if config == "cpu_zero3.yaml" else state["single_partition_of_fp32_groups"]
+        assert sum(t.numel() for t in flat) == TINY_PARAMS // 2
+    # ... and under ZeRO-3 no rank holds a parameter whole: the saved module tensors are empty placeholders.
+    if config == "cpu_zero3.yaml":
+        for rank in (0, 1):
+            path = ckpt / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+            assert module and all(t.numel() == 0 for t in module.values())
+
+
+def test_every_rank_samples_and_the_main_one_writes(sharded):
+    """generate() with sharded weights gathers them with collectives, so all ranks must take part."""
+    _, straight, _ = sharded
+    headers = [line for line in (straight / "samples.txt").read_text().splitlines() if line.startswith("---")]
+    assert headers == [f"--- step {HALF} ---", f"--- step {STEPS} ---"]
+
+
+def test_resume_continues_with_identical_losses(sharded):
+    _, straight, resumed = sharded
+    second_half = {s: v for s, v in losses(straight).items() if s > HALF}
+    assert_losses_close(losses(resumed), second_half, **RESUME_TOL)
+
+
+def test_export_gathers_full_weights_loadable_in_transformers(sharded, ddp_run):
+    """The resumed run's export (every rank gathers, the main process writes) == the DDP run's export."""
+    _, _, resumed = sharded
+    got, want = export_state(resumed), export_state(ddp_run)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path, ddp_run):
+    """Two `accelerate launch` commands, machine_rank 0 and 1 of num_machines 2 on 127.0.0.1, one process each:
+    world size 2 over the network rendezvous, the same losses as 2-process DDP on one machine."""
+    run = tmp_path / "run"
+    port = ["--main_process_port", str(free_port())]  # both machines' YAMLs name one port; a free one here
+    cmds = [
+        launch_cmd(f"2node_cpu_rank{rank}.yaml", run, prepared_books, "--checkpoint-interval", "0", launch_args=port)
+        for rank in (0, 1)
+    ]
+    machine1 = subprocess.Popen(cmds[1], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        machine0 = subprocess.run(cmds[0], cwd=REPO, capture_output=True, text=True, timeout=600)
+        out1, err1 = machine1.communicate(timeout=120)
+    finally:
+        if machine1.poll() is None:
+            machine1.kill()
+            machine1.communicate()
+    check(machine0, cmds[0], machine0.stdout, machine0.stderr)
+    check(machine1, cmds[1], out1, err1)
+    for out in (machine0.stdout, out1):  # each machine's local main process reports the global world
+        assert "2 process(es) on cpu" in out
+    assert_losses_close(losses(run), losses(ddp_run), **ENGINE_TOL)

@@ -1,0 +1,63 @@
+"""The memory table's arithmetic against a hand computation for gpt2-124m on 8 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from modeling.config import get_preset
+from modeling.gpt import GPT
+from training.memory_table import GIB, activation_bytes, count_params, main, state_bytes
+
+# 124,475,904 = wte 50,304×768 + wpe 1,024×768 + 12 blocks × (12·768² + 13·768) + ln_f 2×768 (head tied to wte)
+P = 124_475_904
+
+
+def test_parameter_count_from_the_preset():
+    assert P == 50_304 * 768 + 1_024 * 768 + 12 * (12 * 768**2 + 13 * 768) + 2 * 768
+    assert count_params(get_preset("gpt2-124m")) == P
+    # the meta-device count is the real model's
+    assert count_params(get_preset("tiny-cpu")) == GPT(get_preset("tiny-cpu")).num_params()
+
+
+@pytest.mark.parametrize(
+    "engine, weights, grads, optimizer",
+    [
+        # DDP: fp32 weights 4 B, fp32 grads 4 B, AdamW moments 8 B, all on every GPU
+        ("DDP", 497_903_616, 497_903_616, 995_807_232),
+        # FSDP2: the same 16 B per parameter, each part split 8 ways
+        ("FSDP2", 62_237_952, 62_237_952, 124_475_904),
+        # ZeRO-2: bf16 weights 2 B whole; bf16 grads 2 B and fp32 master + moments 12 B split 8 ways
+        ("ZeRO-2", 248_951_808, 31_118_976, 186_713_856),
+        # ZeRO-3: 2 + 2 + 12 B, all split 8 ways
+        ("ZeRO-3", 31_118_976, 31_118_976, 186_713_856),
+    ],
+)
+def test_state_bytes_per_gpu_by_hand(engine, weights, grads, optimizer):
+    got = state_bytes(P, engine, gpus=8)
+    assert got == {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+
+def test_one_gpu_every_engine_holds_16_bytes_per_parameter():
+    for engine in ("DDP", "FSDP2", "ZeRO-2", "ZeRO-3"):
+        assert state_bytes(P, engine, gpus=1)["total"] == 16 * P
+
+
+def test_activations_by_hand():
+    # 36 B × T 1,024 × B 16 × C 768 × 12 blocks
+    assert activation_bytes(get_preset("gpt2-124m"), micro_batch_size=16) == 5_435_817_984
+
+
+def test_cli_prints_the_markdown_rows(capsys):
+    main(["--presets", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "16"])
+    out = capsys.readouterr().out
+    assert "| preset | params | engine | weights | grads | optimizer | states total | activations |" in out
+    ddp_total = 16 * P / GIB  # 1.855 GiB
+    assert f"| gpt2-124m | 124.5M | DDP | 0.46 | 0.46 | 0.93 | {ddp_total:.2f} | 5.1 |" in out
+    assert "| gpt2-124m | 124.5M | ZeRO-3 | 0.03 | 0.03 | 0.17 | 0.23 | 5.1 |" in out
+    assert out.count("| gpt2-124m |") == 4
+
+
+def test_cli_rejects_unknown_presets(capsys):
+    with pytest.raises(SystemExit):
+        main(["--presets", "gpt2-125m"])
+    assert "Did you mean 'gpt2-124m'?" in capsys.readouterr().err

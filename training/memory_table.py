@@ -1,0 +1,121 @@
+"""Per-GPU memory of each preset's training state under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, as Markdown.
+
+    python -m training.memory_table [--gpus 8] [--micro-batch-size 16] [--presets gpt2-774m,gpt2-1558m]
+
+Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.yaml) and our AdamW:
+- DDP: fp32 weights (bf16 autocast), fp32 gradients and AdamW's two fp32 moments, all whole on every GPU.
+- FSDP2: the same fp32 weights, gradients and moments, each split over the GPUs (bf16 is the compute copy).
+- ZeRO-2 / ZeRO-3 (DeepSpeed bf16 mode): bf16 weights (whole / split) and bf16 gradients (split); the optimizer
+  holds the fp32 master weights and both moments, split: the ZeRO paper's 2 + 2 + 12 bytes per parameter.
+Not counted: transient buffers (FSDP2's all-gathered bf16 blocks, ZeRO-3's gathered layers, DDP's gradient
+buckets, autocast's bf16 weight copies, the fused loss's fp32 head gradient), the CUDA context and allocator
+fragmentation: budget a few GiB more. No engine shards activations: their column is an estimate (see
+activation_bytes), the same for all four; lower --micro-batch-size (accumulation keeps the batch) to cut it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from modeling.config import PRESETS, GPTConfig, get_preset
+from modeling.gpt import GPT
+from training.config import TrainConfig
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class State:
+    """One part of the training state: bytes per parameter, and whether the engine splits it over the GPUs."""
+
+    bytes_per_param: int
+    sharded: bool
+
+    def per_gpu(self, params: int, gpus: int) -> float:
+        return self.bytes_per_param * params / (gpus if self.sharded else 1)
+
+
+@dataclass(frozen=True)
+class Engine:
+    weights: State
+    grads: State
+    optimizer: State  # AdamW's exp_avg and exp_avg_sq (8 B), plus the fp32 master weights where kept apart (4 B)
+
+
+ENGINES: dict[str, Engine] = {
+    "DDP": Engine(weights=State(4, False), grads=State(4, False), optimizer=State(8, False)),
+    "FSDP2": Engine(weights=State(4, True), grads=State(4, True), optimizer=State(8, True)),
+    "ZeRO-2": Engine(weights=State(2, False), grads=State(2, True), optimizer=State(12, True)),
+    "ZeRO-3": Engine(weights=State(2, True), grads=State(2, True), optimizer=State(12, True)),
+}
+
+
+def count_params(config: GPTConfig) -> int:
+    """The model's parameter count (tied embedding counted once), built on the meta device: no memory, no init."""
+    with torch.device("meta"):
+        return GPT(config).num_params()
+
+
+def state_bytes(params: int, engine: str, gpus: int) -> dict[str, float]:
+    """Bytes each GPU holds for weights, gradients and optimizer state, and their total."""
+    layout = ENGINES[engine]
+    out = {name: getattr(layout, name).per_gpu(params, gpus) for name in ("weights", "grads", "optimizer")}
+    out["total"] = sum(out.values())
+    return out
+
+
+def activation_bytes(config: GPTConfig, micro_batch_size: int) -> int:
+    """Activations saved for backward per GPU, one micro-batch at full context: 36·T·B·C bytes per block.
+
+    36 is what autograd saves per token and channel for our Block under bf16 autocast, measured with
+    torch.autograd.graph.saved_tensors_hooks (Korthikanti et al. 2022 count 34 for an all-16-bit block; our
+    residual stream and LayerNorm inputs stay fp32). SDPA's fused kernels keep no T×T scores and the fused loss
+    no logits, so nothing grows with T² or the vocabulary. No activation checkpointing."""
+    return 36 * config.block_size * micro_batch_size * config.n_embd * config.n_layer
+
+
+def markdown_table(presets: list[str], gpus: int, micro_batch_size: int) -> str:
+    lines = [
+        f"Per-GPU memory (GiB) with {gpus} GPUs, bf16 mixed precision, AdamW; activations (estimated, the same "
+        f"for every engine) at micro-batch {micro_batch_size} × full context.",
+        "",
+        "| preset | params | engine | weights | grads | optimizer | states total | activations |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for preset in presets:
+        config = get_preset(preset)
+        params = count_params(config)
+        activations = activation_bytes(config, micro_batch_size) / GIB
+        for engine in ENGINES:
+            b = state_bytes(params, engine, gpus)
+            lines.append(
+                f"| {preset} | {params / 1e6:,.1f}M | {engine} | {b['weights'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
+                f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (the total over machines)")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=TrainConfig.micro_batch_size, help="sequences per GPU per forward"
+    )
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma list of presets (default: all)")
+    args = parser.parse_args(argv)
+    if args.gpus < 1 or args.micro_batch_size < 1:
+        parser.error("--gpus and --micro-batch-size must be >= 1")
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    for preset in presets:
+        try:
+            get_preset(preset)
+        except ValueError as err:
+            parser.error(str(err))  # names the valid presets
+    print(markdown_table(presets, args.gpus, args.micro_batch_size))
+
+
+if __name__ == "__main__":
+    main()
