@@ -166,8 +166,8 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token at full context, for MFU: 6 * N + 12 * L * T * C
         (PaLM appendix B, nanoGPT's estimate_mfu). N = num_params(exclude_embeddings=True): every weight
         and bias including the tied head (a matmul), without the position table (a lookup). The second term
-        is attention's q.k scores and weighted sum of v: 2 x 2*T*C FLOPs per token per layer forward, x3 with
-        backward. (T = block_size, so shorter sequences overstate it slightly.)"""
+        is attention's q.k scores and weighted sum of v (T = block_size): 2 x 2*T*C FLOPs per token per layer
+        forward, x3 with backward."""
         c = self.config
         return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.block_size * c.n_embd
 

@@ -30,7 +30,8 @@ def plain(h, weight, targets):
     return F.cross_entropy(h @ weight.t(), targets)
 
 
-@pytest.mark.parametrize("chunk_rows", [64, 128, 1024])  # ragged last chunk, several chunks, one chunk
+# 16 is raised to ceil(300 / MAX_CHUNKS) = 38; 64 leaves a ragged last chunk; 1024 is a single chunk
+@pytest.mark.parametrize("chunk_rows", [16, 64, 1024])
 def test_matches_cross_entropy_fp32_with_ignored_rows(chunk_rows):
     h, weight, targets = make_inputs(torch.float32)
     fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=chunk_rows)
@@ -45,6 +46,19 @@ def test_ignored_rows_get_zero_gradient():
     _, grad_h, _ = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)
     assert grad_h[targets == -100].abs().max() == 0
     assert grad_h[targets != -100].abs().min() > 0
+
+
+def test_no_grad_computes_the_loss_only_and_a_frozen_head_gets_no_grad():
+    h, weight, targets = make_inputs(torch.float32)
+    h.requires_grad_()
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(h, weight.requires_grad_(), targets)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, plain(h, weight, targets).detach())
+    weight.requires_grad_(False)
+    fused_linear_cross_entropy(h, weight, targets).backward()
+    want_h = torch.autograd.grad(plain(h, weight, targets), h)[0]
+    torch.testing.assert_close(h.grad, want_h, atol=1e-5, rtol=1e-5)
 
 
 def test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy():
