@@ -118,9 +118,8 @@ def main() -> None:
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = GPT(model_config)
-    optimizer = build_optimizer(
-        model.optimizer_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type
-    )
+    param_groups = model.optimizer_groups(cfg.weight_decay)
+    optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
         optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
@@ -151,14 +150,14 @@ def main() -> None:
     }
     accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     accelerator.print(
         f"{cfg.preset}: {run_info['params']:,} params | {world_size} process(es) on {device.type}, "
         f"{accelerator.mixed_precision} precision, dynamo {run_info['dynamo_backend']} | "
         f"{cfg.micro_batch_size} × {block_size} tokens × {grad_accum} accumulation × {world_size} = "
         f"{cfg.total_batch_tokens:,} tokens/step | {total_steps} steps | "
-        f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank)"
+        f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank) | "
+        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
     )
 
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
