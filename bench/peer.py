@@ -1,0 +1,117 @@
+"""The external peer: build-nanogpt's GPT (karpathy/build-nanogpt, train_gpt2.py), trained the way its script does.
+
+    python -m bench.peer --peer-dir /path/to/build-nanogpt [--preset small-cpu --micro-batch-size 8]
+
+Nothing is copied or downloaded: the model classes are read from the peer's own train_gpt2.py at run time.
+That script runs its whole training loop (fineweb shards, DDP set-up) at import, so only its top-level class
+definitions and imports are executed (via ast); its own local modules (hellaswag.py, eval only) are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from modeling.config import GPTConfig
+
+SCRIPT = "train_gpt2.py"
+MODULE_NAME = "build_nanogpt_train_gpt2"
+# Its training loop's settings (train_gpt2.py): configure_optimizers(weight_decay=0.1, learning_rate=6e-4),
+# clip_grad_norm_(1.0), the vocab padded to 50,304, bf16 autocast.
+WEIGHT_DECAY, LR, GRAD_CLIP, VOCAB_SIZE = 0.1, 6e-4, 1.0, 50304
+
+StepFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def peer_script(peer_dir: str | Path | None) -> Path | None:
+    """The peer's train_gpt2.py, or None when no such file is there."""
+    if peer_dir is None:
+        return None
+    path = Path(peer_dir) / SCRIPT
+    return path if path.is_file() else None
+
+
+def load_peer(script: Path) -> types.ModuleType:
+    """A module holding only train_gpt2.py's classes (GPT, GPTConfig, ...) and the imports they need."""
+    tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
+    local_modules = {p.stem for p in script.parent.glob("*.py")}
+
+    def keep(node: ast.stmt) -> bool:
+        if isinstance(node, ast.ClassDef):
+            return True
+        if isinstance(node, ast.Import):
+            return not any(alias.name.split(".")[0] in local_modules for alias in node.names)
+        if isinstance(node, ast.ImportFrom):
+            return (node.module or "").split(".")[0] not in local_modules
+        return False
+
+    module = types.ModuleType(MODULE_NAME)
+    module.__file__ = str(script)
+    # configure_optimizers reads this global, which the (skipped) DDP set-up of the script defines.
+    module.master_process = False
+    sys.modules[MODULE_NAME] = module  # dataclasses resolves annotations through sys.modules
+    code = compile(ast.Module(body=[n for n in tree.body if keep(n)], type_ignores=[]), str(script), "exec")
+    exec(code, module.__dict__)
+    return module
+
+
+@contextmanager
+def peer_matmul_precision() -> Iterator[None]:
+    """The script's torch.set_float32_matmul_precision('high'), undone afterwards so our rungs don't see it."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def build_peer_step(
+    peer: types.ModuleType, config: GPTConfig, device: torch.device, compile_backend: str | None
+) -> tuple[StepFn, nn.Module]:
+    """One optimizer step of the peer's training loop at grad_accum 1 (zero_grad, bf16 autocast forward,
+    backward, clip 1.0, lr set per group, AdamW step) and its raw model. compile_backend None runs it eagerly."""
+    peer_config = peer.GPTConfig(
+        block_size=config.block_size,
+        vocab_size=VOCAB_SIZE,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+    )
+    model = peer.GPT(peer_config).to(device)
+    optimizer = model.configure_optimizers(weight_decay=WEIGHT_DECAY, learning_rate=LR, device_type=device.type)
+    train_model = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+    model.train()
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        optimizer.zero_grad()
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            _, loss = train_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(train_model.parameters(), GRAD_CLIP)
+        for group in optimizer.param_groups:
+            group["lr"] = LR
+        optimizer.step()
+        return loss.detach()
+
+    return step, model
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ladder's CLI with no rungs: only the peer rows (eager and compiled), same table, JSON and PNG."""
+    # Imported here: the ladder imports this module for its peer rows.
+    from bench import ladder
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    ladder.main(["--rungs", "none", *args], prog="python -m bench.peer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The speed ladder at a tiny size: every rung reported (a number or n/a), results written; the rung variants and
+the peer loader are honest."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import peer
+from bench.ladder import RUNGS, Recipe, flops_per_token, reference_model
+from modeling.config import get_preset
+from modeling.gpt import GPT
+from modeling.reference import ReferenceGPT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
+    """The CLI end to end at tiny-cpu: 1 warm-up + 1 timed step per row, no batch search (its cap is 1x), so
+    only rungs 8, 9 and 11 compile. Peer dir absent: skipped with a message."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "bench.ladder", "--preset", "tiny-cpu", "--device", "cpu", "--micro-batch-size", "2",
+        "--warmup", "1", "--steps", "1", "--max-batch-factor", "1", "--peak-tflops", "1",
+        "--data-dir", str(prepared_books), "--out", str(out), "--peer-dir", str(tmp_path / "no-peer"),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert "peer: skipped (no train_gpt2.py in" in result.stdout
+
+    # The table is printed last: one row per rung, each with a tok/s number or n/a.
+    table = result.stdout[result.stdout.index("| rung | change |") :]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3].strip() for line in table.splitlines()[2:] if line[:1] == "|"
+    }
+    assert sorted(rows, key=int) == [str(r.index) for r in RUNGS]
+    for rung, tok_s in rows.items():
+        assert tok_s == "n/a" or re.fullmatch(r"[\d,]+", tok_s), (rung, tok_s)
+    assert {rung for rung, tok_s in rows.items() if tok_s == "n/a"} == {"2", "4", "12"}  # TF32, pinning, DDP
+
+    report = json.loads((out / "ladder.json").read_text())
+    assert report["command"].startswith("python -m bench.ladder --preset tiny-cpu")
+    assert {"device", "cpu_model", "threads", "torch", "accelerate"} <= report.keys()
+    measured = [r for r in report["rows"] if r["status"] == "ok"]
+    assert all(r["tok_s"] > 0 and r["step_ms"] > 0 and r["mfu"] > 0 for r in measured)
+    assert all(math.isclose(r["first_loss"], math.log(50257), abs_tol=0.5) for r in measured)  # all train from init
+    assert all(r["compile_s"] is not None for r in measured if int(r["label"]) >= 8)
+    assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "ladder.md").read_text().startswith("| rung | change |")
+
+
+def test_reference_variants_compute_the_same_loss():
+    """Rungs 1 and 6 change kernels, not math: same weights, same loss and gradients as the baseline model."""
+    config = get_preset("tiny-cpu")
+    x, y = torch.randint(0, 50257, (2, 2, config.block_size))
+    models = []
+    for recipe in (Recipe(), Recipe(stored_mask=False, native_norm_gelu=True)):
+        torch.manual_seed(0)
+        models.append(reference_model(recipe, config))
+    baseline, variant = models
+    assert not any(isinstance(m, type(baseline.final_norm)) for m in variant.modules())
+    losses = [m.loss(x, y) for m in models]
+    torch.testing.assert_close(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(baseline.out_head.weight.grad, variant.out_head.weight.grad)
+
+
+def test_flops_per_token_counts_tied_and_untied_heads():
+    config = get_preset("tiny-cpu")
+    assert flops_per_token(GPT(config), config) == GPT(config).flops_per_token()
+    reference = ReferenceGPT(config)  # untied: tok_emb is a lookup, out_head a matmul
+    matmul_params = sum(p.numel() for p in reference.parameters()) - 50257 * 64 - 64 * 64
+    assert flops_per_token(reference, config) == 6 * matmul_params + 12 * 2 * 64 * 64
+
+
+def test_peer_loader_runs_only_classes_and_imports(tmp_path):
+    """A stand-in train_gpt2.py whose top level would train (here: raise) and import a local eval module."""
+    (tmp_path / "hellaswag.py").write_text("raise RuntimeError('local eval module imported')\n")
+    (tmp_path / peer.SCRIPT).write_text(
+        "import math\nfrom hellaswag import render_example\n\n"
+        "class GPTConfig:\n    size = math.pi\n\n"
+        "raise RuntimeError('training loop ran')\n"
+    )
+    assert peer.peer_script(tmp_path / "absent") is None
+    module = peer.load_peer(peer.peer_script(tmp_path))
+    assert module.GPTConfig.size == math.pi and not hasattr(module, "render_example")
+
+
+@pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")
+def test_real_peer_trains_one_step():
+    config = get_preset("tiny-cpu")
+    module = peer.load_peer(peer.peer_script(os.environ["BENCH_PEER_DIR"]))
+    step, model = peer.build_peer_step(module, config, torch.device("cpu"), compile_backend=None)
+    x, y = torch.randint(0, 50257, (2, 2, config.block_size))
+    before = model.lm_head.weight.detach().clone()
+    assert math.isclose(step(x, y).item(), math.log(50304), abs_tol=0.5)
+    assert not torch.equal(before, model.lm_head.weight)
