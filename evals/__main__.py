@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
-from evals.loading import load_model
+from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 
 
@@ -28,10 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m evals", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="run folder (config.yaml + checkpoints/ or export/)")
-    source.add_argument("--model", help="HF-format export folder (e.g. runs/x/export)")
-    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+    add_model_args(parser)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of: {', '.join(TASKS)}")
     parser.add_argument("--limit", type=_positive_int, help="score only the first N examples of each task")
     parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, help="sequences per forward")
@@ -51,10 +48,8 @@ def _positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        if args.checkpoint and not args.run:
-            raise EvalError("--checkpoint needs --run (the run folder holds the model's config.yaml)")
         tasks = parse_tasks(args.tasks)
-        model, source = load_model(args.run, args.checkpoint, args.model)
+        model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
         model.to(accelerator.device)
         encoding = get_encoding()

@@ -16,7 +16,7 @@ import torch
 
 from data_prep.tokenizer import EOT_ID, get_encoding
 from evals import EvalError
-from evals.loading import load_model
+from evals.loading import add_model_args, load_model_from_args
 
 
 def generate_text(
@@ -52,10 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m evals.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="run folder (newest checkpoint, else its export/)")
-    source.add_argument("--model", help="HF-format export folder")
-    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+    add_model_args(parser)
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -63,9 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        if args.checkpoint and not args.run:
-            raise EvalError("--checkpoint needs --run (the run folder holds the model's config.yaml)")
-        model, _ = load_model(args.run, args.checkpoint, args.model)
+        model, _ = load_model_from_args(args)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
         print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
     except EvalError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -14,6 +15,21 @@ from training.checkpoint import list_checkpoints
 from training.config import ConfigError, TrainConfig, load_yaml
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers' key prefixes
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--run / --model / --checkpoint: where the model to evaluate or sample from comes from."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run folder (newest checkpoint, else its export/)")
+    source.add_argument("--model", help="HF-format export folder (e.g. runs/x/export)")
+    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+
+
+def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
+    """The model named by `add_model_args`' flags, and where it came from."""
+    if args.checkpoint and not args.run:
+        raise EvalError("--checkpoint needs --run (the run folder holds the model's config.yaml)")
+    return load_model(args.run, args.checkpoint, args.model)
 
 
 def load_model(
