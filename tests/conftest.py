@@ -3,8 +3,11 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from data_prep.prepare import prepare
+from modeling.config import GPTConfig
+from modeling.gpt import GPT
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
@@ -16,3 +19,16 @@ def prepared_books(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "books"
     prepare(BOOKS_SOURCE, out, shard_tokens=40_000, val_fraction=0.1)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt() -> GPT:
+    """A 2-layer, 32-wide GPT (padded vocab) in eval mode whose LayerNorms and biases are non-trivial, so a
+    mis-mapped one would show in a conversion test."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)).eval()
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return gpt
