@@ -32,7 +32,14 @@ from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps, parse_config
 from training.distributed import build_accelerator, clip_grad_norm, finish, generation_model
 from training.hub import HubError, push, require_token, write_model_card
-from training.metrics import JSONLTracker, memory_stats, peak_tflops, plot_losses
+from training.metrics import (
+    JSONLTracker,
+    cpu_precision_hint,
+    memory_stats,
+    peak_tflops,
+    plot_losses,
+    precision_name,
+)
 from training.optim import build_optimizer, build_scheduler
 from training.signals import StopRequest
 
@@ -138,6 +145,10 @@ def main() -> None:
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
+    if device.type == "cpu" and peak_source.startswith("measured") and accelerator.is_main_process:
+        hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
+        if hint:
+            accelerator.print(hint)
     run_info = {
         **dataclasses.asdict(cfg),
         "grad_accum_steps": grad_accum,
@@ -153,7 +164,7 @@ def main() -> None:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     accelerator.print(
         f"{cfg.preset}: {run_info['params']:,} params | {world_size} process(es) on {device.type}, "
-        f"{accelerator.mixed_precision} precision, dynamo {run_info['dynamo_backend']} | "
+        f"{precision_name(accelerator.mixed_precision)}, dynamo {run_info['dynamo_backend']} | "
         f"{cfg.micro_batch_size} × {block_size} tokens × {grad_accum} accumulation × {world_size} = "
         f"{cfg.total_batch_tokens:,} tokens/step | {total_steps} steps | "
         f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank) | "

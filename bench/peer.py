@@ -74,10 +74,15 @@ def peer_matmul_precision() -> Iterator[None]:
 
 
 def build_peer_step(
-    peer: types.ModuleType, config: GPTConfig, device: torch.device, compile_backend: str | None
+    peer: types.ModuleType,
+    config: GPTConfig,
+    device: torch.device,
+    compile_backend: str | None,
+    autocast: bool = True,
 ) -> tuple[StepFn, nn.Module]:
     """One optimizer step of the peer's training loop at grad_accum 1 (zero_grad, bf16 autocast forward,
-    backward, clip 1.0, lr set per group, AdamW step) and its raw model. compile_backend None runs it eagerly."""
+    backward, clip 1.0, lr set per group, AdamW step) and its raw model. compile_backend None runs it eagerly;
+    autocast False drops its bf16 autocast (plain fp32: not its recipe, a like-for-like check against ours)."""
     peer_config = peer.GPTConfig(
         block_size=config.block_size,
         vocab_size=VOCAB_SIZE,
@@ -92,7 +97,7 @@ def build_peer_step(
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         optimizer.zero_grad()
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             _, loss = train_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(train_model.parameters(), GRAD_CLIP)

@@ -16,8 +16,9 @@ YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 
 # name -> (distributed_type, machines, processes in total, mixed precision, dynamo backend or None)
 CLAIMS: dict[str, tuple[DistributedType, int, int, str, str | None]] = {
-    "cpu.yaml": (DistributedType.NO, 1, 1, "bf16", "INDUCTOR"),
-    "cpu_fp32.yaml": (DistributedType.NO, 1, 1, "no", None),
+    "cpu.yaml": (DistributedType.NO, 1, 1, "no", "INDUCTOR"),
+    "cpu_bf16.yaml": (DistributedType.NO, 1, 1, "bf16", "INDUCTOR"),
+    "cpu_eager.yaml": (DistributedType.NO, 1, 1, "no", None),
     "cpu_ddp2.yaml": (DistributedType.MULTI_GPU, 1, 2, "no", None),
     "cpu_fsdp2.yaml": (DistributedType.FSDP, 1, 2, "no", None),
     "cpu_zero2.yaml": (DistributedType.DEEPSPEED, 1, 2, "no", None),
@@ -54,7 +55,7 @@ def test_yaml_loads_and_says_what_it_claims(name):
     assert config.mixed_precision == precision
     assert config.dynamo_config.get("dynamo_backend") == dynamo
     # use_cpu makes `accelerate launch` start a single process whatever num_processes says
-    assert config.use_cpu == (name in ("cpu.yaml", "cpu_fp32.yaml"))
+    assert config.use_cpu == (name in ("cpu.yaml", "cpu_bf16.yaml", "cpu_eager.yaml"))
 
 
 @pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import peer
-from bench.ladder import RUNGS, Recipe, flops_per_token, reference_model
+from bench.ladder import RUNGS, Recipe, Result, flops_per_token, reference_model, target_lines
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
@@ -72,6 +72,17 @@ def test_reference_variants_compute_the_same_loss():
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(baseline.out_head.weight.grad, variant.out_head.weight.grad)
+
+
+def test_targets_compare_with_the_peer_as_published_and_report_the_fp32_peer_without_a_target():
+    row = lambda label, tok_s, **kw: Result(label, f"row {label} {tok_s}", "", tok_s=tok_s, **kw)
+    rows = [row("0", 1000.0), row("11", 2000.0), row("peer", 1100.0), row("peer", 1500.0, as_published=False)]
+    assert target_lines(rows) == [
+        "full recipe / rung 0: 2.00x (target >= 5.0x): NOT met",
+        "full recipe / best peer (row peer 1100.0): 1.82x (target >= 1.5x): met",
+        "full recipe / peer at rung 11's precision (row peer 1500.0): 1.33x (no target: not the peer's own recipe)",
+    ]
+    assert target_lines(rows[:1] + rows[2:]) == []  # no full-recipe row, nothing to compare
 
 
 def test_flops_per_token_counts_tied_and_untied_heads():

@@ -94,7 +94,7 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r}
 
 
-@pytest.mark.parametrize("accelerate_config", ["cpu_fp32.yaml", "cpu_ddp2.yaml"])
+@pytest.mark.parametrize("accelerate_config", ["cpu_eager.yaml", "cpu_ddp2.yaml"])
 def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config):
     """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise)."""
     args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]

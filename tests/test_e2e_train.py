@@ -38,24 +38,32 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(newest / "model.safetensors")
 
 
-def test_cpu_yaml_trains_tiny_model_bf16_compiled(prepared_books, tmp_path):
-    """The README path: cpu.yaml (bf16 autocast + inductor). Val loss falls; master weights stay fp32; export loads."""
-    run = tmp_path / "run"
+# The README path's schedule at tiny size: 60 steps of 1,024 tokens (micro-batch 8 x 2 accumulation).
+README_RUN = ["--max-steps", "60", "--micro-batch-size", "8", "--total-batch-tokens", "1024", "--lr", "3e-3",
+              "--warmup-steps", "5", "--log-interval", "10"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
+    """cpu.yaml (fp32 + inductor) as the README launches it, with evals, samples and the HF export."""
+    run = tmp_path_factory.mktemp("readme") / "run"
     result = launch(
-        "cpu.yaml", run, prepared_books, "--max-steps", "60", "--micro-batch-size", "8",
-        "--total-batch-tokens", "1024", "--lr", "3e-3", "--warmup-steps", "5", "--eval-interval", "30",
-        "--eval-batches", "4", "--log-interval", "10", "--sample-interval", "60", "--export-hf", "true",
-        "--eval-tasks", "hellaswag", "--eval-limit", "8",
+        "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "30", "--eval-batches", "4",
+        "--sample-interval", "60", "--export-hf", "true", "--eval-tasks", "hellaswag", "--eval-limit", "8",
     )  # fmt: skip
-    assert "bf16 precision, dynamo INDUCTOR" in result.stdout
+    return run, result.stdout
+
+
+def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
+    """The README path: cpu.yaml (fp32 + inductor). Val loss falls well below its start; export loads."""
+    run, stdout = readme_run
+    assert "fp32, dynamo INDUCTOR" in stdout
     val = {r["step"]: r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r}
     assert sorted(val) == [0, 30, 60]
     scores = [r["hellaswag_acc_norm"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
     assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)  # benchmark scored at every eval
     assert val[0] > 10.0  # ~ln(50257) at init
     assert val[60] < val[0] - 2.0, val
-    weights = final_weights(run)
-    assert {t.dtype for t in weights.values()} == {torch.float32}  # autocast, not a bf16 cast of the weights
     assert (run / "loss.png").stat().st_size > 0 and "--- step 60 ---" in (run / "samples.txt").read_text()
     assert "| optimizer steps | 60 |" in (run / "export" / "README.md").read_text()  # the model card
 
@@ -65,6 +73,20 @@ def test_cpu_yaml_trains_tiny_model_bf16_compiled(prepared_books, tmp_path):
     assert hf.config.n_layer == 2 and hf.config.vocab_size == 50257
 
 
+def test_cpu_bf16_yaml_autocasts_with_fp32_master_weights(readme_run, prepared_books, tmp_path):
+    """cpu_bf16.yaml: bf16 autocast, not a bf16 cast of the weights; the same curve as fp32 within bf16 noise."""
+    run = tmp_path / "run"
+    stdout = launch("cpu_bf16.yaml", run, prepared_books, *README_RUN).stdout
+    assert "bf16 mixed precision, dynamo INDUCTOR" in stdout
+    weights = final_weights(run)
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    fp32_losses = torch.tensor(losses(readme_run[0]))
+    assert len(fp32_losses) == 6
+    # bf16 rounding (8 mantissa bits) moves the curve by well under 2%; a wrong cast or skipped steps would not
+    torch.testing.assert_close(torch.tensor(losses(run)), fp32_losses, rtol=0.02, atol=0.0)
+    assert fp32_losses[-1] < fp32_losses[0] - 2.0
+
+
 @pytest.fixture(scope="module")
 def batch_layout_runs(prepared_books, tmp_path_factory):
     """Three runs over the same 10 × 1024-token global batches, laid out differently."""
@@ -72,8 +94,8 @@ def batch_layout_runs(prepared_books, tmp_path_factory):
     common = ["--max-steps", "10", "--total-batch-tokens", "1024", "--log-interval", "1", "--eval-interval", "0",
               "--checkpoint-interval", "0", "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
     runs = {
-        "1proc_mb4_x4": launch("cpu_fp32.yaml", root / "a", prepared_books, "--micro-batch-size", "4", *common),
-        "1proc_mb16_x1": launch("cpu_fp32.yaml", root / "b", prepared_books, "--micro-batch-size", "16", *common),
+        "1proc_mb4_x4": launch("cpu_eager.yaml", root / "a", prepared_books, "--micro-batch-size", "4", *common),
+        "1proc_mb16_x1": launch("cpu_eager.yaml", root / "b", prepared_books, "--micro-batch-size", "16", *common),
         "2proc_mb4_x2": launch("cpu_ddp2.yaml", root / "c", prepared_books, "--micro-batch-size", "4", *common),
     }
     assert "4 accumulation × 1 = 1,024" in runs["1proc_mb4_x4"].stdout

@@ -50,6 +50,40 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul"
 
 
+def precision_name(mixed_precision: str) -> str:
+    """accelerate's mixed_precision as the run log says it: 'no' is plain fp32."""
+    return "fp32" if mixed_precision == "no" else f"{mixed_precision} mixed precision"
+
+
+# A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
+CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
+CPU = torch.device("cpu")
+FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
+
+
+def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | None:
+    """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
+    YAML's (measured_tflops, from peak_tflops): bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, but slower than fp32 on
+    AVX-512-bf16-only Xeons and most laptops. None when the YAML's choice is right (or not a CPU one)."""
+    if mixed_precision not in CPU_YAML:
+        return None
+    (other,) = set(CPU_YAML) - {mixed_precision}
+    return precision_advice(mixed_precision, {mixed_precision: measured_tflops, other: peak_tflops(CPU, other)[0]})
+
+
+def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | None:
+    """cpu_precision_hint's verdict from matmul TFLOP/s by mixed_precision value ('no', 'bf16')."""
+    (other,) = set(CPU_YAML) - {mixed_precision}
+    if tflops[other] < FASTER_BY * tflops[mixed_precision]:
+        return None
+    name = {"no": "fp32", "bf16": "bf16"}
+    return (
+        f"hint: this CPU multiplies {name[other]} matrices at {tflops[other]:.2f} TFLOP/s but {name[mixed_precision]} "
+        f"at {tflops[mixed_precision]:.2f}: launching with {CPU_YAML[other]} ({name[other]}) should train "
+        f"up to {tflops[other] / tflops[mixed_precision]:.1f}x faster"
+    )
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GiB: CUDA peak allocated/reserved, or the process's peak resident memory on CPU."""
     gib = 2**30
