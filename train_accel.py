@@ -168,6 +168,7 @@ def main() -> None:
         f"{cfg.micro_batch_size} × {block_size} tokens × {grad_accum} accumulation × {world_size} = "
         f"{cfg.total_batch_tokens:,} tokens/step | {total_steps} steps | "
         f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank) | "
+        f"MFU against {peak:.3g} TFLOP/s per device ({peak_source}) | "
         + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
     )
 

@@ -630,16 +630,6 @@ def plot(rows: list[Result], title: str, out_png: Path) -> None:
     plt.close(fig)
 
 
-def machine_peak(device: torch.device, mixed_precision: str, override: float | None) -> tuple[float, str]:
-    """training.metrics.peak_tflops; where that is a 1 s matmul probe, the best of three, as other processes on a
-    shared machine only ever slow the probe down."""
-    tflops, source = peak_tflops(device, mixed_precision, override)
-    if source.startswith("measured"):
-        tflops = max(tflops, *(peak_tflops(device, mixed_precision)[0] for _ in range(2)))
-        source += ", best of 3"
-    return tflops, source
-
-
 def cpu_model() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -707,7 +697,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench.ladder",
     )
     launch = launch_config(launch_path)
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.
-    peaks = {kind: machine_peak(device, mode, args.peak_tflops) for kind, mode in (("bf16", "bf16"), ("fp32", "no"))}
+    peaks = {kind: peak_tflops(device, mode, args.peak_tflops) for kind, mode in (("bf16", "bf16"), ("fp32", "no"))}
     peak = {kind: tflops for kind, (tflops, _) in peaks.items()}
     peak_text = ", ".join(f"{kind} {tflops:.3f} TFLOP/s ({source})" for kind, (tflops, source) in peaks.items())
     bench = Bench(
