@@ -22,6 +22,7 @@ from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
+from training.distributed import finish
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown_table(runs))
         if args.json:
             Path(args.json).write_text(json.dumps(to_json(source, runs), indent=1) + "\n")
+    finish(accelerator)  # on gloo (2+ CPU processes) this skips a teardown that can abort after the work is done
 
 
 def markdown_table(runs: dict[str, TaskRun]) -> str:
