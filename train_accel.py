@@ -145,7 +145,7 @@ def main() -> None:
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
-    if device.type == "cpu" and peak_source.startswith("measured") and accelerator.is_main_process:
+    if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
         hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
@@ -313,15 +313,7 @@ USER_ERRORS = (ConfigError, DataPrepError, EvalError, HubError, TrainingAborted,
 if __name__ == "__main__":
     try:
         main()
-    except (
-        ConfigError,
-        DataPrepError,
-        EvalError,
-        HubError,
-        TrainingAborted,
-        FileNotFoundError,
-        NotADirectoryError,
-    ) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except torch.OutOfMemoryError as err:

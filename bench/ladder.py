@@ -285,8 +285,9 @@ def full_recipe_trainer(
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    precision = "fp32" if accelerator.mixed_precision == "no" else "bf16"
-    return Trainer(step, model, backend != "no", micro_batch_size, precision, pin_memory=device.type == "cuda")
+    return Trainer(
+        step, model, backend != "no", micro_batch_size, launch_precision(launch), pin_memory=device.type == "cuda"
+    )
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------

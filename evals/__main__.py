@@ -23,6 +23,7 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from training.distributed import finish
+from training.metrics import dtype_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     except EvalError as err:
         sys.exit(f"error: {err}")
     if accelerator.is_main_process:
-        precision = {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
-        print(f"{source} | {accelerator.num_processes} process(es), {precision}\n")
+        print(f"{source} | {accelerator.num_processes} process(es), {dtype_name(accelerator.mixed_precision)}\n")
         print(markdown_table(runs))
         if args.json:
             Path(args.json).write_text(json.dumps(to_json(source, runs), indent=1) + "\n")

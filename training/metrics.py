@@ -54,9 +54,14 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul"
 
 
+def dtype_name(mixed_precision: str) -> str:
+    """The compute dtype of accelerate's mixed_precision value: 'no' is plain fp32."""
+    return "fp32" if mixed_precision == "no" else mixed_precision
+
+
 def precision_name(mixed_precision: str) -> str:
-    """accelerate's mixed_precision as the run log says it: 'no' is plain fp32."""
-    return "fp32" if mixed_precision == "no" else f"{mixed_precision} mixed precision"
+    """accelerate's mixed_precision as the run log says it."""
+    return dtype_name(mixed_precision) + ("" if mixed_precision == "no" else " mixed precision")
 
 
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
@@ -80,10 +85,10 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     (other,) = set(CPU_YAML) - {mixed_precision}
     if tflops[other] < FASTER_BY * tflops[mixed_precision]:
         return None
-    name = {"no": "fp32", "bf16": "bf16"}
+    name, other_name = dtype_name(mixed_precision), dtype_name(other)
     return (
-        f"hint: this CPU multiplies {name[other]} matrices at {tflops[other]:.2f} TFLOP/s but {name[mixed_precision]} "
-        f"at {tflops[mixed_precision]:.2f}: launching with {CPU_YAML[other]} ({name[other]}) should train "
+        f"hint: this CPU multiplies {other_name} matrices at {tflops[other]:.2f} TFLOP/s but {name} "
+        f"at {tflops[mixed_precision]:.2f}: launching with {CPU_YAML[other]} ({other_name}) should train "
         f"up to {tflops[other] / tflops[mixed_precision]:.1f}x faster"
     )
 
