@@ -85,6 +85,14 @@ def test_targets_compare_with_the_peer_as_published_and_report_the_fp32_peer_wit
     assert target_lines(rows[:1] + rows[2:]) == []  # no full-recipe row, nothing to compare
 
 
+def test_gpu_target_is_mfu_against_the_measured_bf16_peak():
+    full = Result("11", "full recipe", "", tok_s=100_000.0, model_tflops=440.0)
+    mfu_line = "full recipe MFU against the measured bf16 matmul peak ({:.0f} TFLOP/s): {} (target >= 55%): {}"
+    assert target_lines([full], measured_bf16_tflops=750.0) == [mfu_line.format(750.0, "58.7%", "met")]
+    assert target_lines([full], measured_bf16_tflops=820.0) == [mfu_line.format(820.0, "53.7%", "NOT met")]
+    assert target_lines([full]) == []  # CPU: no measured GPU peak, no MFU target
+
+
 def test_flops_per_token_counts_tied_and_untied_heads():
     config = get_preset("tiny-cpu")
     assert flops_per_token(GPT(config), config) == GPT(config).flops_per_token()
