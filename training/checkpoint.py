@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,9 +36,8 @@ def ensure_writable(run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=run_dir):  # a unique name: every rank probes the same folder at once
+            pass
     except OSError as err:
         raise NotADirectoryError(
             f"out_dir {run_dir} is not writable ({err.strerror}); choose another --out-dir"
