@@ -11,18 +11,12 @@ from modeling.config import REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf, from_hf_state_dict, load_hf, to_hf_state_dict
 
-TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)
 SAMPLE = "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too."
 
 
 @pytest.fixture(scope="module")
-def model(tiny_gpt: GPT) -> GPT:
-    return tiny_gpt
-
-
-@pytest.fixture(scope="module")
-def export(model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_hf(model, tmp_path_factory.mktemp("hf") / "export", get_encoding())
+def export(tiny_gpt: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", get_encoding())
 
 
 def ids() -> torch.Tensor:
@@ -34,35 +28,35 @@ def test_export_writes_a_transformers_folder(export: Path):
         assert (export / name).is_file(), name
 
 
-def test_transformers_gives_the_same_logits_and_load_hf_round_trips(model: GPT, export: Path):
+def test_transformers_gives_the_same_logits_and_load_hf_round_trips(tiny_gpt: GPT, export: Path):
     with torch.no_grad():
-        ours = model(ids())[0][..., :REAL_VOCAB_SIZE]
+        ours = tiny_gpt(ids())[0][..., :REAL_VOCAB_SIZE]
         hf = GPT2LMHeadModel.from_pretrained(export).eval()
         assert hf.config.vocab_size == REAL_VOCAB_SIZE and hf.lm_head.weight is hf.transformer.wte.weight
         assert (hf(ids()).logits - ours).abs().max() < 1e-4
         back = load_hf(export).eval()
-        assert back.config == model.config
+        assert back.config == tiny_gpt.config
         assert torch.equal(back(ids())[0][..., :REAL_VOCAB_SIZE], ours)
         assert back.lm_head.weight[REAL_VOCAB_SIZE:].abs().max() == 0  # padded rows come back as zeros
 
 
-def test_auto_tokenizer_encodes_like_tiktoken(export: Path):
+def test_auto_tokenizer_encodes_like_tiktoken(tiny_gpt: GPT, export: Path):
     tokenizer = AutoTokenizer.from_pretrained(export)
     expected = get_encoding().encode(SAMPLE, allowed_special="all")
     assert tokenizer(SAMPLE)["input_ids"] == expected
     assert tokenizer.decode(expected) == SAMPLE
-    assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == TINY.block_size
+    assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == tiny_gpt.config.block_size
 
 
-def test_conversion_rejects_a_missing_key_or_a_wrong_shape(model: GPT):
-    hf_state = to_hf_state_dict(model)
+def test_conversion_rejects_a_missing_key_or_a_wrong_shape(tiny_gpt: GPT):
+    hf_state = to_hf_state_dict(tiny_gpt)
     missing = {k: v for k, v in hf_state.items() if k != "transformer.h.1.ln_2.bias"}
     with pytest.raises(ValueError, match=r"missing \['transformer.h.1.ln_2.bias'\]"):
-        from_hf_state_dict(missing, TINY)
+        from_hf_state_dict(missing, tiny_gpt.config)
     key = "transformer.h.0.mlp.c_fc.weight"
     untransposed = {**hf_state, key: hf_state[key].t()}
     with pytest.raises(ValueError, match=r"transformer.h.0.mlp.c_fc.weight: \(128, 32\) != \(32, 128\)"):
-        from_hf_state_dict(untransposed, TINY)
+        from_hf_state_dict(untransposed, tiny_gpt.config)
 
 
 def test_only_gpt2_shaped_models_export():

@@ -3,10 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.reference import ReferenceGPT
-
-TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)
 
 
 def test_book_gpt2_124m_has_163m_untied_parameters():
