@@ -50,7 +50,8 @@ def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
     assert report["command"].startswith("python -m bench.ladder --preset tiny-cpu")
     assert {"device", "cpu_model", "threads", "torch", "accelerate"} <= report.keys()
     measured = [r for r in report["rows"] if r["status"] == "ok"]
-    assert all(r["tok_s"] > 0 and r["step_ms"] > 0 and r["mfu"] > 0 for r in measured)
+    assert all(r["tok_s"] > 0 and r["step_ms"] > 0 and r["model_tflops"] > 0 and r["mfu"] > 0 for r in measured)
+    assert report["measured_bf16_tflops"] is None  # the GPU-only probe behind the >= 55% MFU target
     assert all(math.isclose(r["first_loss"], math.log(50257), abs_tol=0.5) for r in measured)  # all train from init
     assert all(r["compile_s"] is not None for r in measured if int(r["label"]) >= 8)
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
