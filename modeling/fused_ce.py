@@ -10,12 +10,10 @@ so the chunk's logits are dropped before the next one. Backward only scales the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-# Rows of h per chunk. Measured fwd+bwd, bf16 autocast, torch.compile, 2,048 rows x 50,304 ids on a 2-core
-# AVX-512 Xeon: with n_embd 16 (so the softmax, not the matmuls, dominates) 256 rows take 148 ms, 512 163,
-# 1024 200, 2048 394, plain F.cross_entropy 281 (128 rows was 15% slower than 256 in another run). At n_embd
-# 256: 1189 vs 1330 ms plain, both mostly the three bf16 matmuls on that CPU.
+# Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss", has the timings).
 CHUNK_ROWS = 256
 MAX_CHUNKS = 8
 
@@ -23,8 +21,7 @@ MAX_CHUNKS = 8
 @torch.library.custom_op("bookgpt::addmm_", mutates_args=("out",))
 def addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out += a @ b in place. An op of its own because torch.compile would otherwise give every chunk's fp32 sum
-    a fresh (V, E) buffer and copy the previous sum into it first (a 50,304 x 256 copy per chunk, ~3% of a
-    small-cpu step)."""
+    a fresh (V, E) buffer and copy the previous sum into it first."""
     out.addmm_(a, b)
 
 
@@ -41,16 +38,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_grad_h: bool,
         need_grad_w: bool,
     ) -> Tensor:
-        # The matmuls run in compute_dtype (bf16 under autocast); softmax, log-sum-exp and the grad_w sum in
-        # at least fp32.
+        # The matmuls run in compute_dtype (bf16 under autocast); the softmax, the loss, d(loss)/d(logits) and
+        # the grad_w sum in fp32.
         acc_dtype = torch.promote_types(compute_dtype, torch.float32)
         h_c, w_c = h.to(compute_dtype), weight.to(compute_dtype)
         valid = targets != ignore_index
         n_valid = valid.sum()
         # Ignored rows get zero gradient; clamp so that all-ignored gives zero grads (loss is nan, as in
         # F.cross_entropy with reduction="mean").
-        row_scale = (valid / n_valid.clamp(min=1)).to(acc_dtype)  # (N,) d(mean loss)/d(row loss)
-        safe_targets = torch.where(valid, targets, 0)
+        row_scale = (valid / n_valid.clamp(min=1)).to(acc_dtype)[:, None]  # (N, 1) d(mean loss)/d(row loss)
+        safe_targets = torch.where(valid, targets, 0)[:, None]  # (N, 1)
 
         grad_h = torch.empty_like(h) if need_grad_h else None
         grad_w = torch.zeros_like(weight, dtype=acc_dtype) if need_grad_w else None
@@ -60,20 +57,29 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         chunk_rows = max(chunk_rows, -(-h.shape[0] // MAX_CHUNKS))
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
+            target = safe_targets[rows]
             logits = (h_c[rows] @ w_c.t()).to(acc_dtype)  # (chunk, V)
-            target_logits = logits.gather(1, safe_targets[rows, None])  # (chunk, 1)
-            # log-sum-exp by hand so exp() runs once per logit and is reused for the softmax; in place
-            # over the logits (eager CPU pays a page fault per touched page of every new big tensor).
+            target_logit = logits.gather(1, target)  # (chunk, 1)
+            # exp() once per logit, in place (eager CPU pays a page fault per touched page of a new big tensor)
             row_max = logits.amax(dim=-1, keepdim=True)
             exp = logits.sub_(row_max).exp_()
-            sum_exp = exp.sum(dim=-1, keepdim=True)
-            row_loss = (row_max + sum_exp.log() - target_logits).squeeze(1)  # lse - target logit
-            loss_sum += (row_loss * valid[rows]).sum()
+            exp_target = exp.gather(1, target)
+            # The other ids' mass, summed without the target's term: 1 - p_target = other / (other + exp_target)
+            # stays exact as p_target -> 1, where the full sum minus exp_target would cancel to 0.
+            other = exp.scatter_(1, target, 0.0).sum(dim=-1, keepdim=True)
+            sum_exp = other + exp_target
+            # loss = -log p_target: log1p keeps its precision near 0 (confident rows); the lse form when the
+            # target's exp underflows.
+            row_loss = torch.where(
+                exp_target > 0.5, torch.log1p(other / exp_target), row_max + sum_exp.log() - target_logit
+            )
+            loss_sum += (row_loss * valid[rows, None]).sum()
             if not (need_grad_h or need_grad_w):
                 continue
-            # d loss / d logits = (softmax - onehot) * row_scale; the softmax part here, one fused pointwise
-            # kernel under torch.compile (a scatter into it would cost a copy of the chunk).
-            grad_logits = exp.mul_(row_scale[rows, None] / sum_exp).to(compute_dtype)
+            # d(mean loss)/d(logits) = (softmax - onehot) * row_scale, whole in fp32 before the cast to
+            # compute_dtype; its target entry p_target - 1 = -other / sum_exp.
+            inv = row_scale[rows] / sum_exp
+            grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
             if need_grad_h:
                 grad_h[rows] = grad_logits @ w_c
             if need_grad_w:
@@ -81,12 +87,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     addmm_(grad_w, grad_logits.t(), h_c[rows])
                 else:  # bf16 products: inductor sums them into the fp32 grad_w in one kernel after the loop
                     grad_w += grad_logits.t() @ h_c[rows]
-        # The -onehot * row_scale part, applied to the products directly: row r of grad_h loses
-        # row_scale[r] * W[t_r], and row t_r of grad_w loses row_scale[r] * h[r].
-        if need_grad_h:
-            grad_h -= row_scale[:, None] * w_c[safe_targets]
-        if need_grad_w:
-            grad_w.index_add_(0, safe_targets, -row_scale[:, None] * h_c)
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return loss_sum / n_valid
 
@@ -103,10 +103,15 @@ def fused_linear_cross_entropy(
 ) -> Tensor:
     """Mean cross-entropy of logits h @ weight.T, equal to F.cross_entropy(h @ weight.T, targets) in value
     and gradients. h: (N, E) hidden states, weight: (V, E) head, targets: (N,) ids or ignore_index.
-    Under no_grad (evaluation) only the loss is computed, a third of the matmul work."""
+    Under no_grad (evaluation) only the loss is computed, a third of the matmul work.
+
+    Under fp16 autocast it is F.cross_entropy over the full logits: fp16 cannot hold gradients computed before
+    the loss scale (GradScaler's grad_output) is known, as small probabilities times 1/tokens underflow."""
     device_type = h.device.type
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else h.dtype
+    if compute_dtype == torch.float16:
+        return F.cross_entropy(h @ weight.t(), targets, ignore_index=ignore_index)
     grad_enabled = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(
         h,
