@@ -106,11 +106,14 @@ def _val_loss(checkpoint: Path) -> float | None:
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints and the one with the best val loss; returns the kept."""
+    """Delete all but the newest `keep` (>= 1, so the resumable state survives) checkpoints and the one with the
+    best val loss; returns the kept."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest checkpoint is the run's resumable state), got {keep}")
     found = list_checkpoints(run_dir)
     scored = [p for p in found if _val_loss(p) is not None]
     best = min(scored, key=_val_loss) if scored else None
-    kept = found[-keep:] if keep > 0 else []
+    kept = found[-keep:]
     for old in found:
         if old not in kept and old != best:
             shutil.rmtree(old)
