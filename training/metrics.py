@@ -56,15 +56,12 @@ def measure_matmul_tflops(
     machine (or a VM's neighbours) only ever slows it down.
 
     On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, n
-    defaults to the largest power of two up to 2048 whose matmul fits the budget: it starts at 128 and doubles
-    while the next size (8x the work) is predicted to take under 1/10 of it, as a CPU without native kernels for
-    dtype (bf16 on AVX2-only cores) is 100x slower than one with them."""
+    defaults to the largest size up to 2048 that fits the budget (see _grow_cpu_matmul)."""
     cuda = device.type == "cuda"
     deadline = time.perf_counter() + seconds
+    best = 0.0
     if n is None and not cuda:
-        n = 128
-        while n < 2048 and 8 * _time_one_matmul(device, dtype, n) < seconds / 10:
-            n *= 2
+        n, best = _grow_cpu_matmul(dtype, seconds)
     n = n or 8192
     burst = 8 if cuda else 1  # matmuls between GPU syncs: the sync's few µs stay out of the figure
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -72,9 +69,10 @@ def measure_matmul_tflops(
     a @ b  # warm-up
     if cuda:
         torch.cuda.synchronize(device)
-    window = max(deadline - time.perf_counter(), 0.0) / 5
-    best = 0.0
+    window = (deadline - time.perf_counter()) / 5
     for _ in range(5):
+        if time.perf_counter() >= deadline and best:
+            break
         iters, start = 0, time.perf_counter()
         while not iters or time.perf_counter() - start < window:  # at least one burst per window
             for _ in range(burst):
@@ -83,14 +81,27 @@ def measure_matmul_tflops(
                 torch.cuda.synchronize(device)  # count only finished work
             iters += burst
         best = max(best, 2 * n**3 * iters / (time.perf_counter() - start) / 1e12)
-        if time.perf_counter() > deadline:
-            break
     return best
 
 
-def _time_one_matmul(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """Seconds of one n x n matmul on a CPU, after a warm-up call (oneDNN builds its kernel on the first)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
+def _grow_cpu_matmul(dtype: torch.dtype, seconds: float) -> tuple[int, float]:
+    """The CPU matmul size to time within `seconds`, and the best TFLOP/s seen on the way there.
+
+    n starts at 64 and doubles up to 2048 while the next size's matmul is predicted to take under a tenth of the
+    budget, extrapolating t = latency + flops / rate through the last two sizes: a CPU without native kernels for
+    dtype (bf16 on AVX2-only cores) is 100x slower, and on a busy machine a small matmul waits ~30 ms for its
+    threads' cores whatever its size (a latency floor that must not stop the growth)."""
+    sizes = [64, 128]
+    times = [_time_one_matmul(dtype, n) for n in sizes]
+    while sizes[-1] < 2048 and max(times[-1], times[-1] + 8 * (times[-1] - times[-2])) < seconds / 10:
+        sizes.append(2 * sizes[-1])
+        times.append(_time_one_matmul(dtype, sizes[-1]))
+    return sizes[-1], max(2 * n**3 / t for n, t in zip(sizes, times)) / 1e12
+
+
+def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
+    """Seconds of one n x n CPU matmul, after a warm-up call (oneDNN builds its kernel on the first)."""
+    a = torch.randn(n, n, dtype=dtype)
     a @ a
     start = time.perf_counter()
     a @ a
@@ -138,7 +149,7 @@ def precision_name(mixed_precision: str) -> str:
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
 CPU = torch.device("cpu")
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
-NO_NATIVE_BF16 = 10.0  # bf16 this many times slower than fp32: emulated (AVX2-only cores), not merely slower
+NO_NATIVE_BF16 = 5.0  # bf16 this many times slower than fp32 is emulated (AVX2-only), not native (>= ~0.5x fp32)
 
 
 def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | None:
