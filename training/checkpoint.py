@@ -6,6 +6,7 @@ A folder without the `.tmp` suffix is complete by construction, so `--resume aut
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -15,6 +16,16 @@ from pathlib import Path
 from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def _not_the_tied_head(record: logging.LogRecord) -> bool:
+    """safetensors stores a shared tensor once, so accelerate drops GPT's lm_head.weight (tied to wte.weight) and
+    warns on every save; loading wte.weight restores both (the resume tests check it exactly), so that one
+    warning is noise. Any other shared tensor still warns."""
+    return "Removed shared tensor {'lm_head.weight'} while saving" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_not_the_tied_head)
 
 
 @dataclass

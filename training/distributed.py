@@ -32,6 +32,9 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
       Accelerator applies the FSDP plugin to it (the device stays the CPU).
     """
     if not torch.cuda.is_available():
+        # DeepSpeed's own choice here, stated before it is imported (by accelerate, also for plain DDP runs when
+        # installed), so it does not warn on every CPU run that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if _launched_with("DEEPSPEED"):
             kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(backend="gloo")]
         elif _launched_with("FSDP"):
