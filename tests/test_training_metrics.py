@@ -10,6 +10,8 @@ from training.metrics import (
     PEAK_TFLOPS,
     JSONLTracker,
     cpu_precision_hint,
+    cuda_matmul_kind,
+    datasheet_peak,
     gpu_product,
     measure_matmul_tflops,
     memory_stats,
@@ -113,6 +115,24 @@ def test_matmul_probe_keeps_a_budget_far_below_one_slow_matmul():
 )
 def test_gpu_product_is_the_exact_one_or_none_for_a_measured_peak(name, product):
     assert gpu_product(name) == product
+
+
+def test_datasheet_peak_names_the_product_and_the_dtype_it_judges_against():
+    assert datasheet_peak("NVIDIA H100 NVL", "bf16") == (835.5, "datasheet H100 NVL dense bf16")
+    assert datasheet_peak("NVIDIA L4", "tf32") == (60.0, "datasheet L4 dense tf32 (fp32 matmuls run as TF32)")
+    assert datasheet_peak("NVIDIA A100-PCIE-40GB", "fp32") == (19.5, "datasheet A100 dense fp32")
+    assert datasheet_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # peak_tflops measures it instead
+
+
+def test_cuda_fp32_runs_are_judged_as_tf32_only_while_tf32_is_on():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert (cuda_matmul_kind("no"), cuda_matmul_kind("bf16"), cuda_matmul_kind("fp16")) == ("fp32", "bf16", "bf16")
+        torch.set_float32_matmul_precision("high")  # what allow_tf32 = True sets
+        assert cuda_matmul_kind("no") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_peak_table_variants_differ_where_the_datasheets_do():

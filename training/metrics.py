@@ -108,11 +108,23 @@ def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
     return time.perf_counter() - start
 
 
-def _cuda_matmul_kind(mixed_precision: str) -> str:
+def cuda_matmul_kind(mixed_precision: str) -> str:
     """The tensor-core rate a CUDA run's matmuls get: bf16 (or fp16) autocast, else fp32 as TF32 when allowed."""
     if mixed_precision in ("bf16", "fp16"):
         return "bf16"
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _kind_label(kind: str) -> str:
+    return f"{kind} (fp32 matmuls run as TF32)" if kind == "tf32" else kind
+
+
+def datasheet_peak(device_name: str, kind: str) -> tuple[float, str] | None:
+    """(TFLOP/s, source) for a CUDA device name and cuda_matmul_kind, or None for a product not in PEAK_TFLOPS."""
+    product = gpu_product(device_name)
+    if product is None:
+        return None
+    return PEAK_TFLOPS[product][kind], f"datasheet {product} dense {_kind_label(kind)}"
 
 
 def peak_tflops(device: torch.device, mixed_precision: str, override: float | None = None) -> tuple[float, str]:
@@ -122,14 +134,13 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     if override is not None:
         return override, "config"
     if device.type == "cuda":
-        kind = _cuda_matmul_kind(mixed_precision)
+        kind = cuda_matmul_kind(mixed_precision)
         name = torch.cuda.get_device_name(device)
-        label = f"{kind} (fp32 matmuls run as TF32)" if kind == "tf32" else kind
-        product = gpu_product(name)
-        if product is not None:
-            return PEAK_TFLOPS[product][kind], f"datasheet {product} dense {label}"
+        datasheet = datasheet_peak(name, kind)
+        if datasheet is not None:
+            return datasheet
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-        return measure_matmul_tflops(device, dtype), f"measured {label} matmul ({name} has no datasheet entry)"
+        return measure_matmul_tflops(device, dtype), f"measured {_kind_label(kind)} matmul ({name}: no datasheet entry)"
     kind = "bf16" if mixed_precision in ("bf16", "fp16") else "fp32"
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul"
