@@ -47,7 +47,7 @@ def test_plot_writes_png(tmp_path):
 def test_peak_flops_override_and_cpu_measurement():
     assert peak_tflops(torch.device("cpu"), "bf16", override=123.0) == (123.0, "config")
     measured, source = peak_tflops(torch.device("cpu"), "no")
-    assert measured > 0.001 and source == "measured fp32 matmul"
+    assert measured > 0.001 and source == f"measured fp32 matmul (1 thread × {torch.get_num_threads()})"
 
 
 def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():

@@ -55,14 +55,28 @@ def measure_matmul_tflops(
     no datasheet figure applies (CPUs, unknown GPUs). The best of several short windows, as other work on a shared
     machine (or a VM's neighbours) only ever slows it down.
 
-    On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, n
-    defaults to the largest size up to 2048 that fits the budget (see _grow_cpu_matmul)."""
+    On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, one
+    thread's rate times the threads torch uses (the peak of perfect scaling): a multi-threaded matmul waits at each
+    barrier for threads that other jobs have descheduled, which on a busy 2-core machine cut fp32 (threaded) 40x
+    but not bf16 (one thread without native kernels) and turned the fp32-vs-bf16 hint around. n defaults to the
+    largest size up to 2048 that fits the budget (see _grow_cpu_matmul)."""
+    if device.type != "cpu":
+        return _best_tflops(device, dtype, n or 8192, seconds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return threads * _best_tflops(device, dtype, n, seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_tflops(device: torch.device, dtype: torch.dtype, n: int | None, seconds: float) -> float:
+    """measure_matmul_tflops on the current threads; n None: grown on CPU."""
     cuda = device.type == "cuda"
     deadline = time.perf_counter() + seconds
     best = 0.0
-    if n is None and not cuda:
+    if n is None:
         n, best = _grow_cpu_matmul(dtype, seconds)
-    n = n or 8192
     burst = 8 if cuda else 1  # matmuls between GPU syncs: the sync's few µs stay out of the figure
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -85,18 +99,16 @@ def measure_matmul_tflops(
 
 
 def _grow_cpu_matmul(dtype: torch.dtype, seconds: float) -> tuple[int, float]:
-    """The CPU matmul size to time within `seconds`, and the best TFLOP/s seen on the way there.
-
-    n starts at 64 and doubles up to 2048 while the next size's matmul is predicted to take under a tenth of the
-    budget, extrapolating t = latency + flops / rate through the last two sizes: a CPU without native kernels for
-    dtype (bf16 on AVX2-only cores) is 100x slower, and on a busy machine a small matmul waits ~30 ms for its
-    threads' cores whatever its size (a latency floor that must not stop the growth)."""
-    sizes = [64, 128]
-    times = [_time_one_matmul(dtype, n) for n in sizes]
-    while sizes[-1] < 2048 and max(times[-1], times[-1] + 8 * (times[-1] - times[-2])) < seconds / 10:
-        sizes.append(2 * sizes[-1])
-        times.append(_time_one_matmul(dtype, sizes[-1]))
-    return sizes[-1], max(2 * n**3 / t for n, t in zip(sizes, times)) / 1e12
+    """The CPU matmul size to time within `seconds`, and the best TFLOP/s seen on the way there: n starts at 128
+    and doubles up to 2048 while the next size (8x the work) is predicted to take under a tenth of the budget, as a
+    CPU without native kernels for dtype (bf16 on AVX2-only cores) is 100x slower than one with them."""
+    n, t = 128, _time_one_matmul(dtype, 128)
+    best = 2 * n**3 / t
+    while n < 2048 and 8 * t < seconds / 10:
+        n *= 2
+        t = _time_one_matmul(dtype, n)
+        best = max(best, 2 * n**3 / t)
+    return n, best / 1e12
 
 
 def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
@@ -143,7 +155,8 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
         return measure_matmul_tflops(device, dtype), f"measured {_kind_label(kind)} matmul ({name}: no datasheet entry)"
     kind = "bf16" if mixed_precision in ("bf16", "fp16") else "fp32"
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    return measure_matmul_tflops(device, dtype), f"measured {kind} matmul"
+    threads = f" (1 thread × {torch.get_num_threads()})" if device.type == "cpu" else ""
+    return measure_matmul_tflops(device, dtype), f"measured {kind} matmul{threads}"
 
 
 def dtype_name(mixed_precision: str) -> str:
