@@ -56,10 +56,9 @@ def measure_matmul_tflops(
     machine (or a VM's neighbours) only ever slows it down.
 
     On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, one
-    thread's rate times the threads torch uses (the peak of perfect scaling): a multi-threaded matmul waits at each
-    barrier for threads that other jobs have descheduled, which on a busy 2-core machine cut fp32 (threaded) 40x
-    but not bf16 (one thread without native kernels) and turned the fp32-vs-bf16 hint around. n defaults to the
-    largest size up to 2048 that fits the budget (see _grow_cpu_matmul)."""
+    thread's rate times the threads torch uses (the peak of perfect scaling): a threaded matmul waits at every
+    barrier for threads other jobs have descheduled, which distorts fp32 (threaded) more than emulated bf16 and
+    so the hint's comparison. n defaults to the largest size up to 2048 that fits the budget (_grow_cpu_matmul)."""
     if device.type != "cpu":
         return _best_tflops(device, dtype, n or 8192, seconds)
     threads = torch.get_num_threads()
