@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from accelerate.utils.other import compile_regions_fsdp2
 from torch._dynamo.testing import CompileCounter
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
@@ -120,18 +122,52 @@ def launch_env(name: str) -> dict[str, str]:
     return prepare_multi_gpu_env(args)
 
 
-def test_fsdp2_under_bf16_gathers_bf16_but_reduces_and_returns_fp32(monkeypatch):
+def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
     for key, value in launch_env("8xh100_fsdp.yaml").items():
         monkeypatch.setenv(key, value)
     plugin = fsdp_plugin()
-    bf16_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-    )
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None)
     assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == ["Block"]
     assert plugin.mixed_precision_policy == bf16_policy
     # AcceleratorState then applies the launch's mixed_precision to the plugin: an explicit policy stays
     plugin.set_mixed_precision("bf16")
     assert plugin.mixed_precision_policy == bf16_policy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
+    """Applied as accelerate applies it (each Block, then the root) on a 1-process gloo group: the loss stays the
+    fp32 one autocast computes; accelerate's default policy would hand it back rounded to bf16."""
+    for key, value in launch_env("8xh100_fsdp.yaml").items():
+        monkeypatch.setenv(key, value)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with torch.autocast("cpu", torch.bfloat16):
+        _, want = GPT(config)(x, x)
+    accelerate_default = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        got = {}
+        for name, policy in (("ours", fsdp_plugin().mixed_precision_policy), ("default", accelerate_default)):
+            torch.manual_seed(0)
+            model = GPT(config)
+            for block in model.transformer.h:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            with torch.autocast("cpu", torch.bfloat16):
+                _, got[name] = model(x, x)
+            got[name].backward()
+            assert model.transformer.h[0].mlp.c_fc.weight.grad.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+    assert got["ours"].dtype == torch.float32 and got["default"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["ours"], want, rtol=1e-4, atol=0)  # bf16 weights vs autocast's casts of fp32
 
 
 def test_fsdp2_in_fp32_casts_nothing(monkeypatch):

@@ -30,7 +30,7 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     - DeepSpeed: gloo named as the process-group backend (deepspeed.comm initializes it), no `cpu=True`;
     - FSDP: the gloo CPU state accelerate builds for `cpu=True`, presented as MULTI_GPU so that the
       Accelerator applies the FSDP plugin to it (the device stays the CPU).
-    Under bf16 (or fp16), FSDP2 and DeepSpeed reduce gradients in fp32 and FSDP2 returns the loss in fp32: see
+    Under bf16 (or fp16), FSDP2 and DeepSpeed reduce gradients in fp32 and FSDP2 leaves the loss in fp32: see
     fsdp_plugin and deepspeed_fp32_gradients.
     """
     if not torch.cuda.is_available():
@@ -59,12 +59,14 @@ def fsdp_plugin() -> FullyShardedDataParallelPlugin:
     """The FSDP plugin of the launch YAML (from the environment `accelerate launch` sets), with an explicit mixed
     precision policy. Under bf16/fp16 accelerate's default casts everything to the low dtype: parameters (fine,
     autocast computes in it anyway), but also the gradient reduce-scatter (summing ranks' gradients in bf16) and
-    the forward's outputs (the loss rounded to bf16). Here only the parameters are all-gathered in the low dtype;
-    gradients are reduced and outputs returned in fp32, as under DDP. fp32 runs keep FSDP2's no-cast default."""
+    every wrapped module's outputs, the loss included (rounded to bf16). Here parameters are all-gathered in the low
+    dtype, gradients reduced in fp32, and outputs left as computed: the loss in fp32, a block's output in autocast's
+    dtype (output_dtype fp32 would apply to every block too, handing the root's bf16 LayerNorm fp32 inputs, which
+    CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default."""
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if low is None:
         return FullyShardedDataParallelPlugin()
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
     return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
 
 
