@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from accelerate.utils.other import compile_regions_fsdp2
+from torch._dynamo.testing import CompileCounter
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from modeling.config import get_preset
+from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
+from training.distributed import _configure_deepspeed, deepspeed_fp32_gradients, fsdp_plugin
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "accelerate_configs"
 YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
@@ -20,7 +29,7 @@ CLAIMS: dict[str, tuple[DistributedType, int, int, str, str | None]] = {
     "cpu_bf16.yaml": (DistributedType.NO, 1, 1, "bf16", "INDUCTOR"),
     "cpu_eager.yaml": (DistributedType.NO, 1, 1, "no", None),
     "cpu_ddp2.yaml": (DistributedType.MULTI_GPU, 1, 2, "no", None),
-    "cpu_fsdp2.yaml": (DistributedType.FSDP, 1, 2, "no", None),
+    "cpu_fsdp2.yaml": (DistributedType.FSDP, 1, 2, "no", "INDUCTOR"),
     "cpu_zero2.yaml": (DistributedType.DEEPSPEED, 1, 2, "no", None),
     "cpu_zero3.yaml": (DistributedType.DEEPSPEED, 1, 2, "no", None),
     "2node_cpu_rank0.yaml": (DistributedType.MULTI_GPU, 2, 2, "no", None),
@@ -93,9 +102,131 @@ def test_deepspeed_yamls(name):
     ],
 )
 def test_cpu_twins_test_the_gpu_engine_settings(gpu, cpu):
-    """The tests run the CPU twin: its engine section must be the GPU config's, precision and size aside."""
+    """The tests run the CPU twin: its engine and compile sections must be the GPU config's, precision and size
+    aside (accelerate's DeepSpeed launcher does not pass dynamo_config on, so the ZeRO YAMLs have none)."""
     assert load(cpu).fsdp_config == load(gpu).fsdp_config
     assert load(cpu).deepspeed_config == load(gpu).deepspeed_config
+    assert load(cpu).dynamo_config == load(gpu).dynamo_config
+
+
+def launch_env(name: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file accelerate_configs/<name>` gives the training processes."""
+    parser = launch_command_parser()
+    args, defaults, mp_from_config = _validate_launch_command(
+        parser.parse_args(["--config_file", str(CONFIG_DIR / name), "train_accel.py"])
+    )
+    if args.use_deepspeed:  # what accelerate's launch_command adds before its DeepSpeed launcher
+        fields = [*defaults.deepspeed_config, *["mixed_precision"] * mp_from_config]
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
+    for key, value in launch_env("8xh100_fsdp.yaml").items():
+        monkeypatch.setenv(key, value)
+    plugin = fsdp_plugin()
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None)
+    assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == ["Block"]
+    assert plugin.mixed_precision_policy == bf16_policy
+    # AcceleratorState then applies the launch's mixed_precision to the plugin: an explicit policy stays
+    plugin.set_mixed_precision("bf16")
+    assert plugin.mixed_precision_policy == bf16_policy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
+    """Applied as accelerate applies it (each Block, then the root) on a 1-process gloo group: the loss stays the
+    fp32 one autocast computes; accelerate's default policy would hand it back rounded to bf16."""
+    for key, value in launch_env("8xh100_fsdp.yaml").items():
+        monkeypatch.setenv(key, value)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with torch.autocast("cpu", torch.bfloat16):
+        _, want = GPT(config)(x, x)
+    accelerate_default = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        got = {}
+        for name, policy in (("ours", fsdp_plugin().mixed_precision_policy), ("default", accelerate_default)):
+            torch.manual_seed(0)
+            model = GPT(config)
+            for block in model.transformer.h:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            with torch.autocast("cpu", torch.bfloat16):
+                _, got[name] = model(x, x)
+            got[name].backward()
+            assert model.transformer.h[0].mlp.c_fc.weight.grad.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+    assert got["ours"].dtype == torch.float32 and got["default"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["ours"], want, rtol=1e-4, atol=0)  # bf16 weights vs autocast's casts of fp32
+
+
+def test_fsdp2_in_fp32_casts_nothing(monkeypatch):
+    for key, value in launch_env("cpu_fsdp2.yaml").items():
+        monkeypatch.setenv(key, value)
+    assert fsdp_plugin().mixed_precision_policy in (None, MixedPrecisionPolicy())
+
+
+@pytest.mark.parametrize("name", ["8xh100_zero2.yaml", "8xh100_zero3.yaml", "cpu_zero2.yaml"])
+def test_deepspeed_bf16_reduces_and_accumulates_gradients_in_fp32(monkeypatch, name):
+    """The DeepSpeed config accelerate builds from the YAML, completed by build_accelerator, as DeepSpeed reads it."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    env = launch_env(name)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])  # as AcceleratorState does
+    ds_config = plugin.deepspeed_config
+    _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=4, gradient_clipping=1.0)
+    deepspeed_fp32_gradients(ds_config, env["ACCELERATE_MIXED_PRECISION"])
+    ds_config.update(gradient_accumulation_steps=2, train_batch_size=8)  # prepare() fills these in (1 process)
+    parsed = DeepSpeedConfig(ds_config)
+    bf16 = env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert parsed.bfloat16_config.enabled == bf16
+    assert parsed.communication_data_type == (torch.float32 if bf16 else None)  # None: the model's dtype, fp32
+    assert parsed.grad_accum_dtype == ("fp32" if bf16 else None)
+
+
+@pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
+def test_fsdp_yamls_compile_per_block(name):
+    assert load(name).dynamo_config == {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
+    assert launch_env(name)["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] == "True"
+
+
+def test_regional_compilation_compiles_our_block_once_for_every_layer():
+    """accelerate's FSDP2 regional compile finds GPT's transformer.h ModuleList and compiles each Block in place
+    (FSDP's hooks stay outside the compiled code); all blocks share one compiled frame, and the numbers match eager."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+    model, eager = GPT(config), GPT(config)
+    eager.load_state_dict(model.state_dict())
+    counter = CompileCounter()
+    try:
+        compile_regions_fsdp2(model, backend=counter)
+        assert all(block._compiled_call_impl is not None for block in model.transformer.h)
+        x, y = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+        (_, loss), (_, want) = model(x, y), eager(x, y)
+        loss.backward()
+        want.backward()
+        assert counter.frame_count == 1  # the Block's forward, compiled once for all three
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_zero2_yamls_differ_from_zero3_only_in_stage():

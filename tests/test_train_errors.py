@@ -70,6 +70,10 @@ CASES = {
     "other_tokenizer": (other_tokenizer_manifest, [], r"tokenized with 'cl100k_base'"),
     "block_size_over_preset": (None, ["--block-size", "128"], r"block_size=128 exceeds the tiny-cpu preset's 64"),
     "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
+    "unknown_preset": (None, ["--preset", "gpt5"], r"Unknown model preset 'gpt5'.* Valid presets: gpt2-124m"),
+    "negative_lr": (None, ["--lr", "-1"], r"lr must be > 0, got -1.0"),
+    "keep_no_checkpoint": (None, ["--keep-checkpoints", "0"], r"keep_checkpoints must be >= 1.* --checkpoint-interval"),
+    "zero_peak_tflops": (None, ["--peak-tflops", "0"], r"peak_tflops must be > 0"),
 }
 
 

@@ -52,11 +52,39 @@ def test_wrong_type_in_yaml(tmp_path):
         load_yaml(run_config)
 
 
-def test_bad_values_rejected():
-    with pytest.raises(ConfigError, match="micro_batch_size must be > 0"):
-        TrainConfig(micro_batch_size=0)
-    with pytest.raises(ConfigError, match="min_lr_ratio"):
-        TrainConfig(min_lr_ratio=2.0)
+BAD_VALUES = {
+    "preset": ("gpt5", r"Unknown model preset 'gpt5'.* Valid presets: gpt2-124m"),
+    "micro_batch_size": (0, r"micro_batch_size must be >= 1, got 0"),
+    "keep_checkpoints": (0, r"keep_checkpoints must be >= 1, got 0: the newest checkpoint is the run's resumable"),
+    "warmup_steps": (-1, r"warmup_steps must be >= 0"),
+    "block_size": (0, r"block_size must be >= 1 \(or null"),
+    "eval_limit": (0, r"eval_limit must be >= 1 \(or null"),
+    "seed": (-1, r"seed must be in \[0, 2\*\*32\)"),
+    "lr": (-1.0, r"lr must be > 0, got -1.0"),
+    "min_lr_ratio": (2.0, r"min_lr_ratio must be in \[0, 1\]"),
+    "weight_decay": (-0.1, r"weight_decay must be >= 0"),
+    "beta2": (1.0, r"beta2 must be in \[0, 1\)"),
+    "grad_clip": (-1.0, r"grad_clip must be >= 0 \(0 disables"),
+    "peak_tflops": (0.0, r"peak_tflops must be > 0 \(or null"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_VALUES)
+def test_bad_values_rejected_with_the_rule(name):
+    value, message = BAD_VALUES[name]
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "grad_clip", "peak_tflops"])
+def test_non_finite_floats_rejected(name):
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"{name} must be"):
+            TrainConfig(**{name: value})
+
+
+def test_boundary_values_accepted():
+    TrainConfig(keep_checkpoints=1, checkpoint_interval=0, grad_clip=0.0, weight_decay=0.0, seed=0, beta1=0.0)
 
 
 def test_grad_accum_from_token_budget():

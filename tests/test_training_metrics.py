@@ -1,12 +1,19 @@
 """metrics.jsonl tracker, resumed-run de-duplication, loss plot, peak-FLOPs lookup."""
 
 import json
+import time
 
+import pytest
 import torch
 
 from training.metrics import (
+    PEAK_TFLOPS,
     JSONLTracker,
     cpu_precision_hint,
+    cuda_matmul_kind,
+    datasheet_peak,
+    gpu_product,
+    measure_matmul_tflops,
     memory_stats,
     peak_tflops,
     plot_losses,
@@ -40,27 +47,99 @@ def test_plot_writes_png(tmp_path):
 def test_peak_flops_override_and_cpu_measurement():
     assert peak_tflops(torch.device("cpu"), "bf16", override=123.0) == (123.0, "config")
     measured, source = peak_tflops(torch.device("cpu"), "no")
-    assert measured > 0.001 and source == "measured fp32 matmul"
+    assert measured > 0.001 and source == f"measured fp32 matmul (1 thread × {torch.get_num_threads()})"
 
 
 def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     # this project's Xeon (AVX-512 bf16, no AMX): bf16 runs at half the fp32 speed
     hint = precision_advice("bf16", {"bf16": 0.16, "no": 0.30})
-    assert hint is not None and "accelerate_configs/cpu.yaml" in hint and "1.9x" in hint
+    assert hint.startswith("hint:") and "accelerate_configs/cpu.yaml" in hint and "1.9x" in hint
     # an AMX or Zen 4 core: bf16 ~4x fp32, so the fp32 cpu.yaml is the slow choice
     hint = precision_advice("no", {"bf16": 0.9, "no": 0.21})
-    assert hint is not None and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
+    assert hint.startswith("hint:") and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
+    # an AVX2-only core (Zen 3, most laptops): no native bf16, ~100x slower; one line that says so
+    warning = precision_advice("bf16", {"bf16": 0.0011, "no": 0.15})
+    assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 136x slower than fp32")
+    assert "launch with accelerate_configs/cpu.yaml (fp32) instead" in warning and "\n" not in warning
     # within measurement noise, or already the faster one: say nothing
     assert precision_advice("no", {"bf16": 0.35, "no": 0.30}) is None
     assert precision_advice("no", {"bf16": 0.16, "no": 0.30}) is None
     assert precision_advice("bf16", {"bf16": 0.9, "no": 0.21}) is None
+    assert precision_advice("no", {"bf16": 0.0011, "no": 0.15}) is None
 
 
 def test_cpu_precision_hint_measures_the_other_dtype_here():
     assert cpu_precision_hint("fp16", 1.0) is None  # no CPU YAML to suggest
     # measured against an absurdly slow "current" figure, the other dtype is always clearly faster
-    assert "accelerate_configs/cpu_bf16.yaml" in cpu_precision_hint("no", 1e-6)
-    assert "accelerate_configs/cpu.yaml" in cpu_precision_hint("bf16", 1e-6)
+    assert "accelerate_configs/cpu_bf16.yaml" in cpu_precision_hint("no", 1e-9)
+    assert "accelerate_configs/cpu.yaml" in cpu_precision_hint("bf16", 1e-9)
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_cpu_peak_and_hint_are_bounded_whatever_the_dtype_costs_here(mixed_precision):
+    """The start-up probe (peak of the launch dtype, then the other one for the hint) stays near its ~1 s budget
+    even for a dtype without native kernels: bf16 on an AVX2-only CPU, where one 2048^2 matmul takes a minute.
+    The bound leaves room for a shared machine; the unbounded probe took over ten minutes here."""
+    start = time.perf_counter()
+    peak, _ = peak_tflops(torch.device("cpu"), mixed_precision)
+    cpu_precision_hint(mixed_precision, peak)
+    assert peak > 0 and time.perf_counter() - start < 5.0
+
+
+def test_matmul_probe_keeps_a_budget_far_below_one_slow_matmul():
+    start = time.perf_counter()
+    tflops = measure_matmul_tflops(torch.device("cpu"), torch.bfloat16, seconds=0.2)
+    assert tflops > 0 and time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    ("name", "product"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-SXM4-40GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA A10G", None),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_gpu_product_is_the_exact_one_or_none_for_a_measured_peak(name, product):
+    assert gpu_product(name) == product
+
+
+def test_datasheet_peak_names_the_product_and_the_dtype_it_judges_against():
+    assert datasheet_peak("NVIDIA H100 NVL", "bf16") == (835.5, "datasheet H100 NVL dense bf16")
+    assert datasheet_peak("NVIDIA L4", "tf32") == (60.0, "datasheet L4 dense tf32 (fp32 matmuls run as TF32)")
+    assert datasheet_peak("NVIDIA A100-PCIE-40GB", "fp32") == (19.5, "datasheet A100 dense fp32")
+    assert datasheet_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # peak_tflops measures it instead
+
+
+def test_cuda_fp32_runs_are_judged_as_tf32_only_while_tf32_is_on():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert (cuda_matmul_kind("no"), cuda_matmul_kind("bf16"), cuda_matmul_kind("fp16")) == ("fp32", "bf16", "bf16")
+        torch.set_float32_matmul_precision("high")  # what allow_tf32 = True sets
+        assert cuda_matmul_kind("no") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_peak_table_variants_differ_where_the_datasheets_do():
+    assert PEAK_TFLOPS["L4"]["bf16"] < PEAK_TFLOPS["L40S"]["bf16"] / 2
+    assert PEAK_TFLOPS["H100 PCIe"]["bf16"] < PEAK_TFLOPS["H100 NVL"]["bf16"] < PEAK_TFLOPS["H100 SXM"]["bf16"]
+    for peaks in PEAK_TFLOPS.values():  # TF32 tensor cores at half the bf16 rate; plain fp32 never above TF32
+        assert peaks["tf32"] == pytest.approx(peaks["bf16"] / 2, rel=0.02) and peaks["fp32"] <= peaks["tf32"]
 
 
 def test_memory_stats_on_cpu_reports_rss():

@@ -6,6 +6,7 @@ A folder without the `.tmp` suffix is complete by construction, so `--resume aut
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -15,6 +16,16 @@ from pathlib import Path
 from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def _not_the_tied_head(record: logging.LogRecord) -> bool:
+    """safetensors stores a shared tensor once, so accelerate drops GPT's lm_head.weight (tied to wte.weight) and
+    warns on every save; loading wte.weight restores both (the resume tests check it exactly), so that one
+    warning is noise. Any other shared tensor still warns."""
+    return "Removed shared tensor {'lm_head.weight'} while saving" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_not_the_tied_head)
 
 
 @dataclass
@@ -106,11 +117,14 @@ def _val_loss(checkpoint: Path) -> float | None:
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints and the one with the best val loss; returns the kept."""
+    """Delete all but the newest `keep` (>= 1, so the resumable state survives) checkpoints and the one with the
+    best val loss; returns the kept."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest checkpoint is the run's resumable state), got {keep}")
     found = list_checkpoints(run_dir)
     scored = [p for p in found if _val_loss(p) is not None]
     best = min(scored, key=_val_loss) if scored else None
-    kept = found[-keep:] if keep > 0 else []
+    kept = found[-keep:]
     for old in found:
         if old not in kept and old != best:
             shutil.rmtree(old)

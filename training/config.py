@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from modeling.config import get_preset
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 
@@ -71,7 +74,13 @@ class TrainConfig:
     sample_prompt: str = field(default="ROMEO:", metadata={"help": "prompt for text samples"})
     sample_tokens: int = field(default=64, metadata={"help": "new tokens per text sample"})
     checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints; 0: end only"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "newest step checkpoints kept on disk"})
+    keep_checkpoints: int = field(
+        default=2,
+        metadata={
+            "help": "newest step checkpoints kept on disk (>= 1: the newest is the run's resumable state), plus the "
+            "best-val one; to save less often raise --checkpoint-interval"
+        },
+    )
     resume: str = field(default="", metadata={"help": "'auto' (newest complete checkpoint) or a checkpoint path"})
     trackers: str = field(default="", metadata={"help": "comma list of extra accelerate trackers, e.g. tensorboard"})
     peak_tflops: float | None = field(
@@ -83,26 +92,41 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = (
-            "micro_batch_size",
-            "total_batch_tokens",
-            "max_steps",
-            "log_interval",
-            "eval_batches",
-            "max_bad_steps",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        """Every value checked here, once, so bad input fails before any work with one line saying what to use."""
+        try:
+            get_preset(self.preset)
+        except ValueError as err:  # unknown name: the message lists the valid ones
+            raise ConfigError(str(err)) from None
+        if self.keep_checkpoints < 1:
+            raise ConfigError(
+                f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}: the newest checkpoint is the run's "
+                "resumable state; to save less often raise --checkpoint-interval (0: at the end only)"
+            )
+        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_batches")
+        for name in (*positive, "max_bad_steps", "sample_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "num_workers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError(f"block_size must be > 0, got {self.block_size}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ConfigError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("block_size", "max_tokens", "eval_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (or null for the default), got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        floats = (  # name, whether its value is valid, the rule; every float must also be finite
+            ("lr", self.lr > 0, "> 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+            ("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "> 0 (or null to measure it)"),
+        )
+        for name, valid, rule in floats:
+            value = getattr(self, name)
+            if not valid or (value is not None and not math.isfinite(value)):
+                raise ConfigError(f"{name} must be {rule}, got {value}")
 
     def total_steps(self) -> int:
         """Optimizer steps to run: from the token budget when one is given, else max_steps."""

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 
@@ -30,8 +30,13 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     - DeepSpeed: gloo named as the process-group backend (deepspeed.comm initializes it), no `cpu=True`;
     - FSDP: the gloo CPU state accelerate builds for `cpu=True`, presented as MULTI_GPU so that the
       Accelerator applies the FSDP plugin to it (the device stays the CPU).
+    Under bf16 (or fp16), FSDP2 and DeepSpeed reduce gradients in fp32 and FSDP2 leaves the loss in fp32: see
+    fsdp_plugin and deepspeed_fp32_gradients.
     """
     if not torch.cuda.is_available():
+        # DeepSpeed's own choice here, stated before it is imported (by accelerate, also for plain DDP runs when
+        # installed), so it does not warn on every CPU run that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if _launched_with("DEEPSPEED"):
             kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(backend="gloo")]
         elif _launched_with("FSDP"):
@@ -40,17 +45,44 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
                 state.distributed_type = DistributedType.MULTI_GPU
         else:
             kwargs["cpu"] = True  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo
+    if _launched_with("FSDP"):
+        kwargs["fsdp_plugin"] = fsdp_plugin()
     accelerator = Accelerator(**kwargs)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        _configure_deepspeed(accelerator, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
+        deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
 
 
-def _configure_deepspeed(accelerator: Accelerator, **known: float) -> None:
+def fsdp_plugin() -> FullyShardedDataParallelPlugin:
+    """The FSDP plugin of the launch YAML (from the environment `accelerate launch` sets), with an explicit mixed
+    precision policy. Under bf16/fp16 accelerate's default casts everything to the low dtype: parameters (fine,
+    autocast computes in it anyway), but also the gradient reduce-scatter (summing ranks' gradients in bf16) and
+    every wrapped module's outputs, the loss included (rounded to bf16). Here parameters are all-gathered in the low
+    dtype, gradients reduced in fp32, and outputs left as computed: the loss in fp32, a block's output in autocast's
+    dtype (output_dtype fp32 would apply to every block too, handing the root's bf16 LayerNorm fp32 inputs, which
+    CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    if low is None:
+        return FullyShardedDataParallelPlugin()
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def deepspeed_fp32_gradients(ds_config: dict, mixed_precision: str) -> None:
+    """Under bf16/fp16, DeepSpeed reduces (communication_data_type) and accumulates (data_types.grad_accum_dtype)
+    gradients in the low dtype unless told otherwise; fp32 for both, as under DDP and FSDP2. A DeepSpeed config
+    that sets either keeps its value."""
+    if mixed_precision in ("bf16", "fp16"):
+        ds_config.setdefault("communication_data_type", "fp32")
+        ds_config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+
+
+def _configure_deepspeed(ds_config: dict, **known: float) -> None:
     """The batch and clipping entries of the DeepSpeed config belong to the training config. The known ones are
     filled in where 'auto' (or missing) and must agree where set; accumulation (and so train_batch_size) is
     derived from total_batch_tokens after the Accelerator exists, and prepare() fills it in only if 'auto'."""
-    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     for key in ("gradient_accumulation_steps", "train_batch_size"):
         if ds_config.get(key, "auto") != "auto":
             raise ValueError(
@@ -81,12 +113,15 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
     """The module to call generate() on, for the prepared model. Call it once, after prepare().
 
     FSDP2 gathers the root's sharded parameters (embeddings, head) only around forward(), so generate() is
-    registered as a forward method of the FSDP root, which is the torch.compile wrapper when compiled
-    (generate itself then runs eagerly). Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3)
-    generate() gathers them with collectives: every rank must call it, not just the main one."""
+    registered as a forward method of the FSDP root, which is the torch.compile wrapper when compiled whole.
+    Compiled per block (regional compilation), the blocks stay compiled in place, so generate() runs them
+    eagerly: every new sequence length would otherwise recompile them (static shapes) up to dynamo's limit.
+    Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3) generate() gathers them with
+    collectives: every rank must call it, not just the main one."""
     root = accelerator.unwrap_model(model, keep_torch_compile=True)
     if isinstance(root, FSDPModule):
         register_fsdp_forward_method(root, "generate")
+        root.generate = torch.compiler.set_stance("force_eager")(root.generate)
         return root
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 

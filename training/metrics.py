@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 from pathlib import Path
@@ -11,35 +12,82 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 
-# Dense peak TFLOP/s per device (vendor datasheets, no sparsity), by name fragment and compute dtype.
+# Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
+# (what fp32 matmuls run as while TF32 is allowed) and fp32 (CUDA cores, TF32 off).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp32": 494.5},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 378.0},
-    "H100": {"bf16": 989.0, "fp32": 494.5},
-    "A100": {"bf16": 312.0, "fp32": 156.0},
-    "L4": {"bf16": 121.0, "fp32": 60.0},
-    "A10G": {"bf16": 70.0, "fp32": 35.0},
+    "H100 SXM": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "H200 SXM": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
 }
+# torch.cuda.get_device_name() -> PEAK_TFLOPS product, first match wins: the variants before the plain name (an
+# H100 without NVL/PCIe in its name, e.g. "NVIDIA H100 80GB HBM3", is the SXM part), whole words only (L4 is
+# not L40S, A10 is not A100).
+GPU_PRODUCTS: tuple[tuple[str, str], ...] = (
+    (r"\bH100\b.*\bNVL\b", "H100 NVL"),
+    (r"\bH100\b.*\bPCIe\b", "H100 PCIe"),
+    (r"\bH100\b", "H100 SXM"),
+    (r"\bH200\b.*\bNVL\b", "H200 NVL"),
+    (r"\bH200\b", "H200 SXM"),
+    (r"\bA100\b", "A100"),
+    (r"\bL40S\b", "L40S"),
+    (r"\bL40\b", "L40"),
+    (r"\bL4\b", "L4"),
+    (r"\bA10\b", "A10"),
+)
+
+
+def gpu_product(name: str) -> str | None:
+    """The PEAK_TFLOPS product of a CUDA device name, or None when the table has no datasheet figure for it."""
+    return next((product for pattern, product in GPU_PRODUCTS if re.search(pattern, name, re.IGNORECASE)), None)
 
 
 def measure_matmul_tflops(
-    device: torch.device, dtype: torch.dtype, n: int | None = None, seconds: float = 1.0
+    device: torch.device, dtype: torch.dtype, n: int | None = None, seconds: float = 0.5
 ) -> float:
-    """Achieved TFLOP/s of a square matmul: the practical peak where no datasheet figure applies (CPUs), and what a
-    GPU really sustains. The best of ten short windows, as other work on a shared machine (or a VM's neighbours) only
-    ever slows it down. n defaults to 2048 on CPU and 8192 on GPU (smaller ones leave an H100's SMs idle)."""
+    """Achieved TFLOP/s of a square matmul, within about `seconds` whatever the hardware: the practical peak where
+    no datasheet figure applies (CPUs, unknown GPUs). The best of several short windows, as other work on a shared
+    machine (or a VM's neighbours) only ever slows it down.
+
+    On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, one
+    thread's rate times the threads torch uses (the peak of perfect scaling): a threaded matmul waits at every
+    barrier for threads other jobs have descheduled, which distorts fp32 (threaded) more than emulated bf16 and
+    so the hint's comparison. n defaults to the largest size up to 2048 that fits the budget (_grow_cpu_matmul)."""
+    if device.type != "cpu":
+        return _best_tflops(device, dtype, n or 8192, seconds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return threads * _best_tflops(device, dtype, n, seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_tflops(device: torch.device, dtype: torch.dtype, n: int | None, seconds: float) -> float:
+    """measure_matmul_tflops on the current threads; n None: grown on CPU."""
     cuda = device.type == "cuda"
-    n = n or (8192 if cuda else 2048)
+    deadline = time.perf_counter() + seconds
+    best = 0.0
+    if n is None:
+        n, best = _grow_cpu_matmul(dtype, seconds)
     burst = 8 if cuda else 1  # matmuls between GPU syncs: the sync's few µs stay out of the figure
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
     if cuda:
         torch.cuda.synchronize(device)
-    best = 0.0
-    for _ in range(10):
+    window = (deadline - time.perf_counter()) / 5
+    for _ in range(5):
+        if time.perf_counter() >= deadline and best:
+            break
         iters, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 10:
+        while not iters or time.perf_counter() - start < window:  # at least one burst per window
             for _ in range(burst):
                 a @ b
             if cuda:
@@ -49,18 +97,65 @@ def measure_matmul_tflops(
     return best
 
 
+def _grow_cpu_matmul(dtype: torch.dtype, seconds: float) -> tuple[int, float]:
+    """The CPU matmul size to time within `seconds`, and the best TFLOP/s seen on the way there: n starts at 128
+    and doubles up to 2048 while the next size (8x the work) is predicted to take under a tenth of the budget, as a
+    CPU without native kernels for dtype (bf16 on AVX2-only cores) is 100x slower than one with them."""
+    n, t = 128, _time_one_matmul(dtype, 128)
+    best = 2 * n**3 / t
+    while n < 2048 and 8 * t < seconds / 10:
+        n *= 2
+        t = _time_one_matmul(dtype, n)
+        best = max(best, 2 * n**3 / t)
+    return n, best / 1e12
+
+
+def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
+    """Seconds of one n x n CPU matmul, after a warm-up call (oneDNN builds its kernel on the first)."""
+    a = torch.randn(n, n, dtype=dtype)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    return time.perf_counter() - start
+
+
+def cuda_matmul_kind(mixed_precision: str) -> str:
+    """The tensor-core rate a CUDA run's matmuls get: bf16 (or fp16) autocast, else fp32 as TF32 when allowed."""
+    if mixed_precision in ("bf16", "fp16"):
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _kind_label(kind: str) -> str:
+    return f"{kind} (fp32 matmuls run as TF32)" if kind == "tf32" else kind
+
+
+def datasheet_peak(device_name: str, kind: str) -> tuple[float, str] | None:
+    """(TFLOP/s, source) for a CUDA device name and cuda_matmul_kind, or None for a product not in PEAK_TFLOPS."""
+    product = gpu_product(device_name)
+    if product is None:
+        return None
+    return PEAK_TFLOPS[product][kind], f"datasheet {product} dense {_kind_label(kind)}"
+
+
 def peak_tflops(device: torch.device, mixed_precision: str, override: float | None = None) -> tuple[float, str]:
-    """Per-device peak TFLOP/s for MFU and where the figure came from."""
+    """Per-device peak TFLOP/s for MFU and where the figure came from, naming the matmul dtype it is for: on CUDA
+    the exact product's datasheet figure (fp32 runs are judged against the TF32 peak only while TF32 is allowed,
+    and the source says so), else a measured matmul of the run's dtype."""
     if override is not None:
         return override, "config"
-    kind = "bf16" if mixed_precision in ("bf16", "fp16") else "fp32"
     if device.type == "cuda":
+        kind = cuda_matmul_kind(mixed_precision)
         name = torch.cuda.get_device_name(device)
-        for fragment, peaks in PEAK_TFLOPS.items():
-            if fragment in name:
-                return peaks[kind], f"datasheet {fragment} {kind}"
+        datasheet = datasheet_peak(name, kind)
+        if datasheet is not None:
+            return datasheet
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+        return measure_matmul_tflops(device, dtype), f"measured {_kind_label(kind)} matmul ({name}: no datasheet entry)"
+    kind = "bf16" if mixed_precision in ("bf16", "fp16") else "fp32"
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    return measure_matmul_tflops(device, dtype), f"measured {kind} matmul"
+    threads = f" (1 thread × {torch.get_num_threads()})" if device.type == "cpu" else ""
+    return measure_matmul_tflops(device, dtype), f"measured {kind} matmul{threads}"
 
 
 def dtype_name(mixed_precision: str) -> str:
@@ -77,12 +172,14 @@ def precision_name(mixed_precision: str) -> str:
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
 CPU = torch.device("cpu")
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
+NO_NATIVE_BF16 = 5.0  # bf16 this many times slower than fp32 is emulated (AVX2-only), not native (>= ~0.5x fp32)
 
 
 def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | None:
     """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
-    YAML's (measured_tflops, from peak_tflops): bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, but slower than fp32 on
-    AVX-512-bf16-only Xeons and most laptops. None when the YAML's choice is right (or not a CPU one)."""
+    YAML's (measured_tflops, from peak_tflops): bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16
+    Xeons and ~1/100 on AVX2-only cores (no native bf16). None when the YAML's choice is right (or not a CPU one).
+    Measures the other dtype (peak_tflops: about half a second)."""
     if mixed_precision not in CPU_YAML:
         return None
     (other,) = set(CPU_YAML) - {mixed_precision}
@@ -90,15 +187,21 @@ def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | No
 
 
 def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | None:
-    """cpu_precision_hint's verdict from matmul TFLOP/s by mixed_precision value ('no', 'bf16')."""
+    """cpu_precision_hint's verdict, one line, from matmul TFLOP/s by mixed_precision value ('no', 'bf16')."""
     (other,) = set(CPU_YAML) - {mixed_precision}
     if tflops[other] < FASTER_BY * tflops[mixed_precision]:
         return None
     name, other_name = dtype_name(mixed_precision), dtype_name(other)
+    speeds = f"{other_name} {tflops[other] * 1e3:.3g} GFLOP/s, {name} {tflops[mixed_precision] * 1e3:.3g} GFLOP/s"
+    ratio = tflops[other] / tflops[mixed_precision]
+    if mixed_precision == "bf16" and ratio >= NO_NATIVE_BF16:
+        return (
+            f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here ({speeds}); "
+            f"launch with {CPU_YAML[other]} (fp32) instead"
+        )
     return (
-        f"hint: this CPU multiplies {other_name} matrices at {tflops[other]:.2f} TFLOP/s but {name} "
-        f"at {tflops[mixed_precision]:.2f}: launching with {CPU_YAML[other]} ({other_name}) should train "
-        f"up to {tflops[other] / tflops[mixed_precision]:.1f}x faster"
+        f"hint: this CPU multiplies {other_name} matrices faster than {name} ({speeds}): launching with "
+        f"{CPU_YAML[other]} ({other_name}) should train up to {ratio:.1f}x faster"
     )
 
 
