@@ -1,13 +1,14 @@
-"""The speed ladder (issue #5): a real training step timed per rung, each rung adding one change to the one before.
+"""The speed ladder: a real training step timed per rung, each rung adding one change to the one before.
 
     python -m bench.ladder --preset small-cpu --device cpu [--micro-batch-size 8] [--steps N] [--warmup N]
         [--out runs/bench] [--peer-dir /path/to/build-nanogpt]
 
 Rung 0 is the seed baseline (modeling.reference.ReferenceGPT, fp32, plain AdamW, eager); rung 11 is the project's
-default recipe as train_accel.py runs it under accelerate_configs/cpu.yaml (1xgpu.yaml on CUDA). A step is what
-the training loop does: next batch from the TokenLoader, forward, backward, clip, optimizer step, zero_grad.
-Rungs that cannot apply on the device are reported as n/a. With --peer-dir, build-nanogpt's GPT is timed in the
-same run (bench.peer). Writes ladder.json, ladder.md and ladder.png to --out; the Markdown table is printed last.
+default recipe: train_accel.py's own train_step (training.step) under accelerate_configs/cpu.yaml (1xgpu.yaml on
+CUDA). A step is what the training loop does: next batch from the TokenLoader, forward, backward, clip, optimizer
+step, zero_grad. Rungs that cannot apply on the device, or run out of memory, are reported as n/a. With --peer-dir,
+build-nanogpt's GPT is timed in the same run (bench.peer; `--rungs none` times only the peer). Writes ladder.json,
+ladder.md and ladder.png to --out; the Markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,17 +41,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from bench import peer
+from data_prep import ensure_default_corpus
 from data_prep.loader import TokenLoader
-from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT
 from modeling.reference import GELU, LayerNorm, MultiHeadAttention, ReferenceGPT
 from training.config import TrainConfig
-from training.metrics import measure_matmul_tflops, memory_stats, peak_tflops
+from training.metrics import dtype_name, measure_matmul_tflops, memory_stats, peak_tflops
 from training.optim import build_optimizer
+from training.step import Trainer as StepTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = TrainConfig()  # lr, betas, weight decay, clip and seed of the project's default run
-PADDED_VOCAB = 50304
 ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn")
 StepFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -87,6 +91,15 @@ def multi_device_only(device: torch.device) -> str | None:
     )
 
 
+class Role(str, Enum):
+    """What a row is: the targets compare the full recipe with the baseline and the peer by role, not label."""
+
+    BASELINE = "baseline"
+    RUNG = "rung"
+    FULL_RECIPE = "full recipe"
+    PEER = "peer"
+
+
 @dataclass(frozen=True)
 class Rung:
     index: int
@@ -94,11 +107,12 @@ class Rung:
     change: str
     update: dict[str, Any]
     unavailable: Callable[[torch.device], str | None] = lambda device: None  # why it cannot apply, or None
+    role: Role = Role.RUNG
 
 
 RUNGS = (
     Rung(0, "baseline", "ReferenceGPT: fp32, stored mask, hand-written LayerNorm/GELU, vocab 50,257, "
-         "plain AdamW (foreach=False, fused=False), eager", {}),
+         "plain AdamW (foreach=False, fused=False), eager", {}, role=Role.BASELINE),
     Rung(1, "mask on the fly", "causal mask made per call (is_causal, SDPA math kernel) instead of the stored "
          "(T, T) buffer", {"stored_mask": False}),
     Rung(2, "TF32", "TF32 matmuls and convolutions", {"tf32": True}, cuda_only("TF32 is an NVIDIA tensor-core format")),
@@ -111,12 +125,12 @@ RUNGS = (
     Rung(7, "SDPA flash attention", "our GPT: fused qkv + SDPA(is_causal), tied head; loss still F.cross_entropy "
          "on the full logits", {"gpt": True}),
     Rung(8, "torch.compile", "torch.compile of model + loss", {"compile": True}),
-    Rung(9, "vocab 50,304", "embedding and head padded to a multiple of 64", {"vocab_size": PADDED_VOCAB}),
+    Rung(9, "vocab 50,304", "embedding and head padded to a multiple of 64", {"vocab_size": PADDED_VOCAB_SIZE}),
     Rung(10, "largest micro-batch", "accelerate find_executable_batch_size from the cap down, then the fastest "
          "micro-batch of base..cap kept", {"largest_batch": True}),
     Rung(11, "full recipe", "train_accel.py's step at the base micro-batch: accelerate-prepared GPT with the fused "
          "linear-CE loss, fused AdamW, launch YAML's precision and compile", {"largest_batch": False,
-         "full_recipe": True}),
+         "full_recipe": True}, role=Role.FULL_RECIPE),
     Rung(12, "DDP scaling", "data parallel over all devices", {}, multi_device_only),
 )  # fmt: skip
 
@@ -193,16 +207,26 @@ class Trainer:
     compiled: bool
     micro_batch_size: int
     precision: str  # "bf16" or "fp32": the matmul dtype, whose peak MFU is taken against
+    tf32: bool = False  # TF32 matmuls for this row only (a global flag: set and reset around each row)
     pin_memory: bool = False
+    loader_workers: int = 0  # pinning happens in the loader's pin thread only with workers
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """torch's TF32 flags for one row, restored afterwards, so no row inherits another's setting."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def ladder_trainer(
     recipe: Recipe, config: GPTConfig, device: torch.device, micro_batch_size: int, backend: str
 ) -> Trainer:
     """Rungs 0-10: the recipe's model, loss, autocast and AdamW in a plain training step."""
-    if recipe.tf32 and device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if recipe.gpt:
         model = GPT(dataclasses.replace(config, vocab_size=recipe.vocab_size))
         groups = model.optimizer_groups(TRAIN.weight_decay)
@@ -229,16 +253,14 @@ def ladder_trainer(
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    pin = recipe.pin_memory and device.type == "cuda"
-    return Trainer(step, model, recipe.compile, micro_batch_size, "bf16" if recipe.bf16 else "fp32", pin)
+    cuda = device.type == "cuda"
+    pin = recipe.pin_memory and cuda
+    precision = "bf16" if recipe.bf16 else "fp32"
+    return Trainer(step, model, recipe.compile, micro_batch_size, precision, recipe.tf32 and cuda, pin, 2 if pin else 0)
 
 
 def launch_config(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
-
-
-def launch_precision(launch: dict[str, Any]) -> str:
-    return "fp32" if launch.get("mixed_precision", "no") == "no" else "bf16"
 
 
 def dynamo_backend(launch: dict[str, Any], override: str | None) -> str:
@@ -255,7 +277,8 @@ def compile_backend(launch: dict[str, Any], override: str | None) -> str:
 def full_recipe_trainer(
     config: GPTConfig, device: torch.device, micro_batch_size: int, launch: dict[str, Any], backend_override: str | None
 ) -> Trainer:
-    """Rung 11: train_accel.py's model, optimizer and step under the launch YAML's precision and compile."""
+    """Rung 11: train_accel.py's model, optimizer and train_step under the launch YAML's precision and compile,
+    with its TF32 setting and its loader (pinned on CUDA, TrainConfig's workers)."""
     dynamo = launch.get("dynamo_config") or {}
     backend = dynamo_backend(launch, backend_override)
     accelerator = Accelerator(
@@ -276,18 +299,15 @@ def full_recipe_trainer(
         device_type=device.type,
     )
     prepared, optimizer = accelerator.prepare(model, optimizer)
+    tokens_per_step = micro_batch_size * config.block_size
+    trainer = StepTrainer(accelerator, prepared, optimizer, grad_clip=TRAIN.grad_clip, tokens_per_step=tokens_per_step)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
-        _, loss = prepared(x, y)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(prepared.parameters(), TRAIN.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return trainer.train_step(iter([(x, y)])).loss
 
-    return Trainer(
-        step, model, backend != "no", micro_batch_size, launch_precision(launch), pin_memory=device.type == "cuda"
-    )
+    cuda = device.type == "cuda"
+    precision = dtype_name(accelerator.mixed_precision)
+    return Trainer(step, model, backend != "no", micro_batch_size, precision, cuda, cuda, TRAIN.num_workers)
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
@@ -298,6 +318,7 @@ class Result:
     label: str  # rung number, or "peer"
     name: str
     change: str
+    role: Role = Role.RUNG
     status: str = "ok"  # or "n/a"
     reason: str = ""
     micro_batch_size: int | None = None
@@ -382,17 +403,20 @@ class Bench:
     peak_tflops: dict[str, float]  # by precision
     profile_steps: int
 
-    def measure(self, label: str, name: str, change: str, make: Callable[[], Trainer], deep_profile: bool) -> Result:
+    def measure(self, row: Result, make: Callable[[], Trainer], deep_profile: bool, tf32: bool) -> Result:
         """Build a trainer, run warm-up + timed steps on real batches, then profile one step (or
-        profile_steps steps when deep_profile) outside the timing."""
+        profile_steps steps when deep_profile) outside the timing; TF32 as the row says, from build to profile."""
         torch.compiler.reset()  # drop the previous row's compiled graphs, then its memory
         gc.collect()
         reset_peak_memory(self.device)
         torch.manual_seed(TRAIN.seed)
-        trainer = make()
+        with tf32_matmuls(tf32):
+            return self._measure(row, make(), deep_profile)
+
+    def _measure(self, row: Result, trainer: Trainer, deep_profile: bool) -> Result:
         loader = TokenLoader(
             self.data_dir, "train", self.config.block_size, trainer.micro_batch_size, seed=TRAIN.seed,
-            pin_memory=trainer.pin_memory,
+            num_workers=trainer.loader_workers, pin_memory=trainer.pin_memory,
         )  # fmt: skip
         batches = iter(loader)
         losses: list[Tensor] = []
@@ -416,8 +440,8 @@ class Bench:
         step_s = statistics.median(timed)
         tok_s = trainer.micro_batch_size * self.config.block_size / step_s
         model_tflops = flops_per_token(trainer.model, self.config) * tok_s / 1e12
-        result = Result(
-            label, name, change,
+        return dataclasses.replace(
+            row,
             micro_batch_size=trainer.micro_batch_size,
             tok_s=tok_s,
             step_ms=step_s * 1e3,
@@ -430,7 +454,18 @@ class Bench:
             notes=[f"attention kernel: {', '.join(kernels)}"] if kernels else [],
             profile=ops[:25] if deep_profile else [],
         )  # fmt: skip
-        return result
+
+
+def unless_out_of_memory(row: Result, measure: Callable[[], Result]) -> Result:
+    """The measured row, or the row marked out of memory (e.g. rung 0's full logits on a 40 GB card): the ladder
+    goes on with the next rows instead of aborting."""
+    try:
+        return measure()
+    except torch.OutOfMemoryError as err:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return dataclasses.replace(row, status="n/a", reason=f"out of memory ({str(err).splitlines()[0][:120]})")
 
 
 def largest_micro_batch(bench: Bench, measure_at: Callable[[int], Result], base: Result | None, cap: int) -> Result:
@@ -465,9 +500,9 @@ def largest_micro_batch(bench: Bench, measure_at: Callable[[int], Result], base:
     return best
 
 
-def measure_ladder_rung(bench: Bench, rung: Rung, recipe: Recipe, backend: str, batch_size: int) -> Result:
+def measure_ladder_rung(bench: Bench, row: Result, recipe: Recipe, backend: str, batch_size: int) -> Result:
     make = partial(ladder_trainer, recipe, bench.config, bench.device, batch_size, backend)
-    return bench.measure(str(rung.index), rung.name, rung.change, make, deep_profile=False)
+    return bench.measure(row, make, deep_profile=False, tf32=recipe.tf32 and bench.device.type == "cuda")
 
 
 def run_ladder(
@@ -481,23 +516,26 @@ def run_ladder(
         recipe = dataclasses.replace(recipe, **rung.update)
         if rung.index not in selected:
             continue
-        label = str(rung.index)
+        row = Result(str(rung.index), rung.name, rung.change, role=rung.role)
         reason = rung.unavailable(bench.device)
         if reason is not None:
-            result = Result(label, rung.name, rung.change, status="n/a", reason=reason)
+            result = dataclasses.replace(row, status="n/a", reason=reason)
         elif recipe.full_recipe:
             make = partial(
                 full_recipe_trainer, bench.config, bench.device, bench.micro_batch_size, launch, backend_override
             )
-            result = bench.measure(label, rung.name, rung.change, make, deep_profile=bench.profile_steps > 0)
+            # train_accel.py's setup turns TF32 on; the flag does nothing off CUDA
+            measure = partial(bench.measure, row, make, deep_profile=bench.profile_steps > 0, tf32=True)
+            result = unless_out_of_memory(row, measure)
         else:
-            measure_at = partial(measure_ladder_rung, bench, rung, recipe, backend)
+            measure_at = partial(measure_ladder_rung, bench, row, recipe, backend)
             if recipe.largest_batch:
                 base = by_rung.get(9)
-                best = largest_micro_batch(bench, measure_at, base and dataclasses.replace(base), cap)
-                result = dataclasses.replace(best, label=label, name=rung.name, change=rung.change)
+                best = partial(largest_micro_batch, bench, measure_at, base and dataclasses.replace(base), cap)
+                kept = unless_out_of_memory(row, best)  # may be rung 9's row, at the base micro-batch
+                result = dataclasses.replace(kept, label=row.label, name=row.name, change=row.change, role=row.role)
             else:
-                result = measure_at(bench.micro_batch_size)
+                result = unless_out_of_memory(row, partial(measure_at, bench.micro_batch_size))
         print(summary_line(result), flush=True)
         by_rung[rung.index] = result
         results.append(result)
@@ -522,17 +560,17 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
 
         def make(backend: str | None = backend, autocast: bool = autocast) -> Trainer:
             step, model = peer.build_peer_step(module, bench.config, bench.device, backend, autocast)
-            return Trainer(step, model, backend is not None, bench.micro_batch_size, "bf16" if autocast else "fp32")
+            precision = "bf16" if autocast else "fp32"
+            return Trainer(step, model, backend is not None, bench.micro_batch_size, precision)
 
         precision = "bf16 autocast" if autocast else "fp32 (its autocast removed, as rung 11; not its recipe)"
         change = f"{script}: its GPT (vocab 50,304), {precision}, clip 1.0, configure_optimizers' AdamW" + (
             ", torch.compile" if backend else ", eager"
         )
-        with peer.peer_matmul_precision():
-            result = bench.measure(
-                "peer", name, change, make, deep_profile=backend is not None and bench.profile_steps > 0
-            )
-        result.as_published = autocast
+        row = Result("peer", name, change, role=Role.PEER, as_published=autocast)
+        deep = backend is not None and bench.profile_steps > 0
+        # its script's set_float32_matmul_precision("high") is TF32, for its rows only
+        result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))
         print(summary_line(result), flush=True)
         results.append(result)
     return results
@@ -542,28 +580,30 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
 
 
 def summary_line(r: Result) -> str:
+    prefix = "" if r.role is Role.PEER else "rung "
     if r.status != "ok":
-        return f"rung {r.label} {r.name}: {r.reason}"
+        return f"{prefix}{r.label} {r.name}: {r.reason}"
     compile_s = f", compile {r.compile_s:.1f} s" if r.compile_s is not None else ""
     return (
-        f"{'rung ' if r.label != 'peer' else ''}{r.label} {r.name}: {r.tok_s:,.0f} tok/s, {r.step_ms:.0f} ms/step "
+        f"{prefix}{r.label} {r.name}: {r.tok_s:,.0f} tok/s, {r.step_ms:.0f} ms/step "
         f"(B={r.micro_batch_size}){compile_s}, loss {r.first_loss:.3f}"
     )
 
 
 def target_lines(rows: list[Result], measured_bf16_tflops: float | None = None) -> list[str]:
-    """Issue #4/#5 targets: the full recipe >= 5x rung 0 and >= 1.5x the best peer (as published), all from this
+    """The ladder's targets: the full recipe >= 5x rung 0 and >= 1.5x the best peer (as published), all from this
     one run; without a target, the ratio to the peer at rung 11's precision; and, given the bf16 matmul peak measured
     on this GPU, the full recipe's MFU against it (target >= 55%)."""
-    by_label = {r.label: r for r in rows if r.status == "ok" and r.label != "peer"}
-    peers = [r for r in rows if r.label == "peer" and r.status == "ok"]
-    full = by_label.get("11")
+    measured = [r for r in rows if r.status == "ok"]
+    full = next((r for r in measured if r.role is Role.FULL_RECIPE), None)
+    baseline = next((r for r in measured if r.role is Role.BASELINE), None)
+    peers = [r for r in measured if r.role is Role.PEER]
     if full is None:
         return []
     lines = []
     checks: list[tuple[str, Result, float | None]] = []
-    if "0" in by_label:
-        checks.append(("rung 0", by_label["0"], 5.0))
+    if baseline is not None:
+        checks.append((f"rung {baseline.label}", baseline, 5.0))
     published = [r for r in peers if r.as_published]
     if published:
         best = max(published, key=lambda r: r.tok_s or 0.0)
@@ -589,7 +629,7 @@ def verdict(met: bool) -> str:
 
 
 def markdown_table(rows: list[Result]) -> str:
-    baseline = next((r for r in rows if r.label == "0" and r.status == "ok"), None)
+    baseline = next((r for r in rows if r.role is Role.BASELINE and r.status == "ok"), None)
     lines = [
         "| rung | change | tok/s | × rung 0 | step ms | peak mem GiB | MFU | compile s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -627,9 +667,10 @@ def plot(rows: list[Result], title: str, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.label} {r.name}" if r.label != "peer" else r.name for r in rows]
+    labels = [r.name if r.role is Role.PEER else f"{r.label} {r.name}" for r in rows]
     values = [r.tok_s or 0.0 for r in rows]
-    colors = ["tab:orange" if r.label == "peer" else "tab:green" if r.label == "11" else "tab:blue" for r in rows]
+    color = {Role.PEER: "tab:orange", Role.FULL_RECIPE: "tab:green"}
+    colors = [color.get(r.role, "tab:blue") for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.5))
     bars = ax.barh(labels, values, color=colors)
     for bar, r in zip(bars, rows):
@@ -672,7 +713,7 @@ def parse_rungs(text: str) -> set[int]:
     return picked
 
 
-def build_parser(prog: str, default_rungs: str) -> argparse.ArgumentParser:
+def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
@@ -681,7 +722,7 @@ def build_parser(prog: str, default_rungs: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per row; the median is reported")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"), help="prepared corpus (made if missing)")
-    p.add_argument("--rungs", type=parse_rungs, default=parse_rungs(default_rungs), help="all, none or e.g. 0,11")
+    p.add_argument("--rungs", type=parse_rungs, default="all", help="all, none (the peer only) or e.g. 0,11")
     p.add_argument("--max-batch-factor", type=int, default=4, help="rung 10's cap, a power of two x micro-batch")
     p.add_argument("--peer-dir", type=Path, default=None, help="a build-nanogpt checkout to time beside rung 11")
     p.add_argument(
@@ -693,19 +734,16 @@ def build_parser(prog: str, default_rungs: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m bench.ladder", default_rungs: str = "all") -> None:
+def main(argv: list[str] | None = None) -> None:
+    prog = "python -m bench.ladder"
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog, default_rungs).parse_args(raw)
+    args = build_parser(prog).parse_args(raw)
     cap = args.max_batch_factor
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("--max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     device = torch.device(args.device)
     config = get_preset(args.preset)
-    if not (args.data_dir / "manifest.json").exists():
-        from data_prep.prepare import prepare  # imports `datasets`, needed only to build shards
-
-        print(f"{args.data_dir} has no manifest: preparing the default corpus there", flush=True)
-        prepare("default", args.data_dir)
+    ensure_default_corpus(args.data_dir, log=partial(print, flush=True))
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
         "cpu.yaml" if device.type == "cpu" else "1xgpu.yaml"
     )
@@ -714,7 +752,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench.ladder",
     peaks = {kind: peak_tflops(device, mode, args.peak_tflops) for kind, mode in (("bf16", "bf16"), ("fp32", "no"))}
     peak = {kind: tflops for kind, (tflops, _) in peaks.items()}
     peak_text = ", ".join(f"{kind} {tflops:.3f} TFLOP/s ({source})" for kind, (tflops, source) in peaks.items())
-    # A GPU's datasheet peak is the MFU convention; the #5 target is against what its bf16 matmuls really sustain.
+    # A GPU's datasheet peak is the MFU convention; the MFU target is against what its bf16 matmuls really sustain.
     measured_bf16 = measure_matmul_tflops(device, torch.bfloat16) if device.type == "cuda" else None
     if measured_bf16:
         peak_text += f"; measured bf16 matmul {measured_bf16:.0f} TFLOP/s"
@@ -725,8 +763,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench.ladder",
     where = f"{device_name(device)}, {torch.get_num_threads()} threads"
     print(f"{args.preset} ({shape}) on {where}; peaks: {peak_text}", flush=True)
 
+    recipe_precision = dtype_name(launch.get("mixed_precision", "no"))
     rows = run_ladder(bench, args.rungs, launch, args.dynamo_backend, cap) + run_peers(
-        bench, args.peer_dir, compile_backend(launch, args.dynamo_backend), launch_precision(launch)
+        bench, args.peer_dir, compile_backend(launch, args.dynamo_backend), recipe_precision
     )
     command = f"{prog} {shlex.join(raw)}".strip()
     targets = target_lines(rows, measured_bf16)
