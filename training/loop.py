@@ -84,7 +84,6 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = model_config_for(cfg)
-    block_size = model_config.block_size
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     accelerator = build_accelerator(
@@ -95,36 +94,14 @@ def setup(cfg: TrainConfig) -> Run:
         project_dir=str(run_dir),
     )
     world_size = accelerator.num_processes
-    grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, block_size, world_size)
+    grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
     device = accelerator.device
     set_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
 
-    # Data: prepared shards are the contract with data_prep.
-    if cfg.data_dir == DEFAULT_DATA_DIR:
-        with accelerator.main_process_first():
-            if accelerator.is_main_process:
-                ensure_default_corpus(cfg.data_dir, log=accelerator.print)
-    manifest = load_manifest(cfg.data_dir)
-    if cfg.eval_tasks:  # provision and verify benchmark data now, not at the first eval
-        with accelerator.local_main_process_first():
-            for task in parse_tasks(cfg.eval_tasks):
-                load_examples(task, cfg.eval_limit)
-    if manifest.vocab_size > model_config.vocab_size:
-        raise ConfigError(
-            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the {cfg.preset} model "
-            f"has {model_config.vocab_size} embeddings; prepare the data with the GPT-2 tokenizer"
-        )
-    loader_args = dict(rank=accelerator.process_index, world_size=world_size, seed=cfg.seed)
-    train_loader = TokenLoader(
-        cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
-        num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-    )  # fmt: skip
-    val_loader = TokenLoader(
-        cfg.data_dir, "val", block_size, cfg.micro_batch_size, **loader_args, shuffle=False, infinite=False
-    )
+    manifest, train_loader, val_loader = build_data(cfg, accelerator, model_config)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = GPT(model_config)
@@ -151,34 +128,73 @@ def setup(cfg: TrainConfig) -> Run:
         hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
-    dynamo = str(accelerator.state.dynamo_plugin.backend)
-    run_info = {
-        **dataclasses.asdict(cfg),
-        "grad_accum_steps": grad_accum,
-        "world_size": world_size,
-        "mixed_precision": accelerator.mixed_precision,
-        "dynamo_backend": dynamo,
-        "params": num_params,
-        "peak_tflops_per_device": peak,
-        "peak_tflops_source": peak_source,
-    }
-    accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
-    if accelerator.is_main_process:
-        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-    accelerator.print(
-        f"{cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
-        f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
-        f"{cfg.micro_batch_size} × {block_size} tokens × {grad_accum} accumulation × {world_size} = "
-        f"{cfg.total_batch_tokens:,} tokens/step | {total_steps} steps | "
-        f"{manifest.num_tokens('train'):,} train tokens ({len(train_loader)} micro-batches/epoch/rank) | "
-        f"MFU against {peak:.3g} TFLOP/s per device ({peak_source}) | "
-        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
-    )
-    return Run(
+    run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak,
     )  # fmt: skip
+    log_run_info(run, num_params, peak_source, param_groups)
+    return run
+
+
+def build_data(
+    cfg: TrainConfig, accelerator: Accelerator, model_config: GPTConfig
+) -> tuple[Manifest, TokenLoader, TokenLoader]:
+    """The manifest and this rank's train and val loaders. Prepared shards are the contract with data_prep; the
+    default corpus is prepared on first use, and benchmark data is provisioned now, not at the first eval."""
+    if cfg.data_dir == DEFAULT_DATA_DIR:
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                ensure_default_corpus(cfg.data_dir, log=accelerator.print)
+    manifest = load_manifest(cfg.data_dir)
+    if cfg.eval_tasks:
+        with accelerator.local_main_process_first():
+            for task in parse_tasks(cfg.eval_tasks):
+                load_examples(task, cfg.eval_limit)
+    if manifest.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the {cfg.preset} model "
+            f"has {model_config.vocab_size} embeddings; prepare the data with the GPT-2 tokenizer"
+        )
+    block_size = model_config.block_size
+    loader_args = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, seed=cfg.seed)
+    train_loader = TokenLoader(
+        cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
+        num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
+    )  # fmt: skip
+    val_loader = TokenLoader(
+        cfg.data_dir, "val", block_size, cfg.micro_batch_size, **loader_args, shuffle=False, infinite=False
+    )
+    return manifest, train_loader, val_loader
+
+
+def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list[dict]) -> None:
+    """The run's facts to every tracker and config.yaml to the run folder, and one summary line."""
+    cfg, accelerator = run.cfg, run.accelerator
+    world_size, device = accelerator.num_processes, accelerator.device
+    dynamo = str(accelerator.state.dynamo_plugin.backend)
+    run_info = {
+        **dataclasses.asdict(cfg),
+        "grad_accum_steps": run.grad_accum,
+        "world_size": world_size,
+        "mixed_precision": accelerator.mixed_precision,
+        "dynamo_backend": dynamo,
+        "params": num_params,
+        "peak_tflops_per_device": run.peak_tflops,
+        "peak_tflops_source": peak_source,
+    }
+    accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
+    if accelerator.is_main_process:
+        (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    accelerator.print(
+        f"{cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
+        f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
+        f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
+        f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
+        f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
+        f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
+        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
+    )
 
 
 def trainer_for(run: Run, stop: object) -> Trainer:
