@@ -57,85 +57,52 @@ ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_
 StepFn = Callable[[Tensor, Tensor], Tensor]
 
 
-# --- the rungs ---------------------------------------------------------------------------------------------------
+# --- rungs 0-10: a recipe, and each rung's change to it ---------------------------------------------------------
+
+
+Edit = Callable[[nn.Module], None]  # an in-place change to the built model
+
+
+def reference_gpt(config: GPTConfig, vocab_size: int) -> ReferenceGPT:
+    return ReferenceGPT(config, vocab_size=vocab_size)
+
+
+def our_gpt(config: GPTConfig, vocab_size: int) -> GPT:
+    return GPT(dataclasses.replace(config, vocab_size=vocab_size))
+
+
+def plain_adamw(groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+    betas = (TRAIN.beta1, TRAIN.beta2)
+    return torch.optim.AdamW(groups, lr=TRAIN.lr, betas=betas, eps=1e-8, foreach=False, fused=False)
+
+
+def fused_adamw(groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+    return build_optimizer(groups, lr=TRAIN.lr, betas=(TRAIN.beta1, TRAIN.beta2), device_type=device.type)
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a rung trains with; every rung changes a few fields of the recipe before it."""
+    """What rungs 0-10 train with; ladder_trainer builds it. Each rung's change is a function of the recipe
+    before it, written in its RUNGS row."""
 
-    gpt: bool = False  # our GPT (fused qkv, SDPA, tied head) instead of ReferenceGPT
-    stored_mask: bool = True
-    native_norm_gelu: bool = False
-    tf32: bool = False
-    fused_adamw: bool = False
-    pin_memory: bool = False
-    bf16: bool = False
-    compile: bool = False
+    model: Callable[[GPTConfig, int], nn.Module] = reference_gpt  # (shape, vocab size) -> model
+    edits: tuple[Edit, ...] = ()  # applied in order to the built model
     vocab_size: int = REAL_VOCAB_SIZE
-    largest_batch: bool = False
-    full_recipe: bool = False  # train_accel.py's path: an accelerate-prepared GPT whose forward is the fused loss
+    optimizer: Callable[[list[dict], torch.device], torch.optim.Optimizer] = plain_adamw
+    autocast: torch.dtype | None = None
+    tf32: bool = False  # CUDA only
+    pin_memory: bool = False  # CUDA only
+    compile: bool = False
+    largest_batch: bool = False  # rung 10: search the micro-batch
 
+    def edit(self, edit: Edit) -> Recipe:
+        return dataclasses.replace(self, edits=(*self.edits, edit))
 
-def cuda_only(why: str) -> Callable[[torch.device], str | None]:
-    return lambda device: None if device.type == "cuda" else f"n/a on {device.type}: {why}"
-
-
-def multi_device_only(device: torch.device) -> str | None:
-    count = torch.cuda.device_count() if device.type == "cuda" else 1
-    if count < 2:
-        return f"n/a: one {device.type} device (DDP needs several)"
-    return (
-        f"n/a in one process: compare tokens_per_sec_per_device of train_accel.py launched on {count} devices "
-        "(e.g. accelerate_configs/8xh100.yaml) with rung 11"
-    )
-
-
-class Role(str, Enum):
-    """What a row is: the targets compare the full recipe with the baseline and the peer by role, not label."""
-
-    BASELINE = "baseline"
-    RUNG = "rung"
-    FULL_RECIPE = "full recipe"
-    PEER = "peer"
-
-
-@dataclass(frozen=True)
-class Rung:
-    index: int
-    name: str
-    change: str
-    update: dict[str, Any]
-    unavailable: Callable[[torch.device], str | None] = lambda device: None  # why it cannot apply, or None
-    role: Role = Role.RUNG
-
-
-RUNGS = (
-    Rung(0, "baseline", "ReferenceGPT: fp32, stored mask, hand-written LayerNorm/GELU, vocab 50,257, "
-         "plain AdamW (foreach=False, fused=False), eager", {}, role=Role.BASELINE),
-    Rung(1, "mask on the fly", "causal mask made per call (is_causal, SDPA math kernel) instead of the stored "
-         "(T, T) buffer", {"stored_mask": False}),
-    Rung(2, "TF32", "TF32 matmuls and convolutions", {"tf32": True}, cuda_only("TF32 is an NVIDIA tensor-core format")),
-    Rung(3, "fused AdamW", "training.optim.build_optimizer: AdamW(fused=True)", {"fused_adamw": True}),
-    Rung(4, "pinned memory", "TokenLoader(pin_memory=True) + non_blocking copies", {"pin_memory": True},
-         cuda_only("pinning only speeds host-to-GPU copies")),
-    Rung(5, "bf16 autocast", "torch.autocast(bfloat16), fp32 master weights", {"bf16": True}),
-    Rung(6, "native LayerNorm/GELU", "nn.LayerNorm and nn.GELU(tanh) instead of the hand-written ones",
-         {"native_norm_gelu": True}),
-    Rung(7, "SDPA flash attention", "our GPT: fused qkv + SDPA(is_causal), tied head; loss still F.cross_entropy "
-         "on the full logits", {"gpt": True}),
-    Rung(8, "torch.compile", "torch.compile of model + loss", {"compile": True}),
-    Rung(9, "vocab 50,304", "embedding and head padded to a multiple of 64", {"vocab_size": PADDED_VOCAB_SIZE}),
-    Rung(10, "largest micro-batch", "accelerate find_executable_batch_size from the cap down, then the fastest "
-         "micro-batch of base..cap kept", {"largest_batch": True}),
-    Rung(11, "full recipe", "train_accel.py's step at the base micro-batch: accelerate-prepared GPT with the fused "
-         "linear-CE loss, fused AdamW, launch YAML's precision and compile", {"largest_batch": False,
-         "full_recipe": True}, role=Role.FULL_RECIPE),
-    Rung(12, "DDP scaling", "data parallel over all devices", {}, multi_device_only),
-)  # fmt: skip
-
-
-# --- rung models -------------------------------------------------------------------------------------------------
+    def build_model(self, config: GPTConfig) -> nn.Module:
+        model = self.model(config, self.vocab_size)
+        for edit in self.edits:
+            edit(model)
+        return model
 
 
 class OnTheFlyMaskAttention(nn.Module):
@@ -175,14 +142,76 @@ def replace_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[Any
                 setattr(parent, name, make(child))
 
 
-def reference_model(recipe: Recipe, config: GPTConfig) -> ReferenceGPT:
-    model = ReferenceGPT(config, vocab_size=recipe.vocab_size)
-    if not recipe.stored_mask:
-        replace_modules(model, MultiHeadAttention, OnTheFlyMaskAttention)
-    if recipe.native_norm_gelu:
-        replace_modules(model, LayerNorm, native_layer_norm)
-        replace_modules(model, GELU, lambda _: nn.GELU(approximate="tanh"))
-    return model
+def on_the_fly_mask(model: nn.Module) -> None:
+    replace_modules(model, MultiHeadAttention, OnTheFlyMaskAttention)
+
+
+def native_norm_gelu(model: nn.Module) -> None:
+    replace_modules(model, LayerNorm, native_layer_norm)
+    replace_modules(model, GELU, lambda _: nn.GELU(approximate="tanh"))
+
+
+def cuda_only(why: str) -> Callable[[torch.device], str | None]:
+    return lambda device: None if device.type == "cuda" else f"n/a on {device.type}: {why}"
+
+
+def multi_device_only(device: torch.device) -> str | None:
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if count < 2:
+        return f"n/a: one {device.type} device (DDP needs several)"
+    return (
+        f"n/a in one process: compare tokens_per_sec_per_device of train_accel.py launched on {count} devices "
+        "(e.g. accelerate_configs/8xh100.yaml) with rung 11"
+    )
+
+
+class Role(str, Enum):
+    """What a row is: the targets compare the full recipe with the baseline and the peer by role, not label."""
+
+    BASELINE = "baseline"
+    RUNG = "rung"
+    FULL_RECIPE = "full recipe"
+    PEER = "peer"
+
+
+@dataclass(frozen=True)
+class Rung:
+    index: int
+    name: str
+    change: str
+    apply: Callable[[Recipe], Recipe]  # this rung's change to the recipe of the rung before
+    unavailable: Callable[[torch.device], str | None] = lambda device: None  # why it cannot apply, or None
+    role: Role = Role.RUNG
+
+
+same = lambda recipe: recipe
+# Rung 11 is no recipe: it is train_accel.py's own step (full_recipe_trainer), whatever rungs 0-10 did.
+RUNGS = (
+    Rung(0, "baseline", "ReferenceGPT: fp32, stored mask, hand-written LayerNorm/GELU, vocab 50,257, "
+         "plain AdamW (foreach=False, fused=False), eager", same, role=Role.BASELINE),
+    Rung(1, "mask on the fly", "causal mask made per call (is_causal, SDPA math kernel) instead of the stored "
+         "(T, T) buffer", lambda r: r.edit(on_the_fly_mask)),
+    Rung(2, "TF32", "TF32 matmuls and convolutions", lambda r: dataclasses.replace(r, tf32=True),
+         cuda_only("TF32 is an NVIDIA tensor-core format")),
+    Rung(3, "fused AdamW", "training.optim.build_optimizer: AdamW(fused=True)",
+         lambda r: dataclasses.replace(r, optimizer=fused_adamw)),
+    Rung(4, "pinned memory", "TokenLoader(pin_memory=True, 2 workers) + non_blocking copies",
+         lambda r: dataclasses.replace(r, pin_memory=True), cuda_only("pinning only speeds host-to-GPU copies")),
+    Rung(5, "bf16 autocast", "torch.autocast(bfloat16), fp32 master weights",
+         lambda r: dataclasses.replace(r, autocast=torch.bfloat16)),
+    Rung(6, "native LayerNorm/GELU", "nn.LayerNorm and nn.GELU(tanh) instead of the hand-written ones",
+         lambda r: r.edit(native_norm_gelu)),
+    Rung(7, "SDPA flash attention", "our GPT: fused qkv + SDPA(is_causal), tied head; loss still F.cross_entropy "
+         "on the full logits", lambda r: dataclasses.replace(r, model=our_gpt, edits=())),
+    Rung(8, "torch.compile", "torch.compile of model + loss", lambda r: dataclasses.replace(r, compile=True)),
+    Rung(9, "vocab 50,304", "embedding and head padded to a multiple of 64",
+         lambda r: dataclasses.replace(r, vocab_size=PADDED_VOCAB_SIZE)),
+    Rung(10, "largest micro-batch", "accelerate find_executable_batch_size from the cap down, then the fastest "
+         "micro-batch of base..cap kept", lambda r: dataclasses.replace(r, largest_batch=True)),
+    Rung(11, "full recipe", "train_accel.py's train_step at the base micro-batch: accelerate-prepared GPT with the "
+         "fused linear-CE loss, fused AdamW, launch YAML's precision and compile", same, role=Role.FULL_RECIPE),
+    Rung(12, "DDP scaling", "data parallel over all devices", same, multi_device_only),
+)  # fmt: skip
 
 
 class PlainLoss(nn.Module):
@@ -227,25 +256,20 @@ def ladder_trainer(
     recipe: Recipe, config: GPTConfig, device: torch.device, micro_batch_size: int, backend: str
 ) -> Trainer:
     """Rungs 0-10: the recipe's model, loss, autocast and AdamW in a plain training step."""
-    if recipe.gpt:
-        model = GPT(dataclasses.replace(config, vocab_size=recipe.vocab_size))
+    model = recipe.build_model(config)
+    if isinstance(model, GPT):
         groups = model.optimizer_groups(TRAIN.weight_decay)
     else:
-        model = reference_model(recipe, config)
         groups = [{"params": list(model.parameters()), "weight_decay": TRAIN.weight_decay}]  # as the book does
     model.to(device)
     loss_fn: nn.Module = PlainLoss(model)
     if recipe.compile:
         loss_fn = torch.compile(loss_fn, backend=backend, dynamic=False)  # rung 10 recompiles per batch shape
-    betas = (TRAIN.beta1, TRAIN.beta2)
-    if recipe.fused_adamw:
-        optimizer = build_optimizer(groups, lr=TRAIN.lr, betas=betas, device_type=device.type)
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=TRAIN.lr, betas=betas, eps=1e-8, foreach=False, fused=False)
+    optimizer = recipe.optimizer(groups, device)
     params = list(model.parameters())
 
     def step(x: Tensor, y: Tensor) -> Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.bf16):
+        with torch.autocast(device.type, dtype=recipe.autocast or torch.float32, enabled=recipe.autocast is not None):
             loss = loss_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, TRAIN.grad_clip)
@@ -255,7 +279,7 @@ def ladder_trainer(
 
     cuda = device.type == "cuda"
     pin = recipe.pin_memory and cuda
-    precision = "bf16" if recipe.bf16 else "fp32"
+    precision = "fp32" if recipe.autocast is None else "bf16"
     return Trainer(step, model, recipe.compile, micro_batch_size, precision, recipe.tf32 and cuda, pin, 2 if pin else 0)
 
 
@@ -513,14 +537,14 @@ def run_ladder(
     by_rung: dict[int, Result] = {}
     recipe = Recipe()
     for rung in RUNGS:
-        recipe = dataclasses.replace(recipe, **rung.update)
+        recipe = rung.apply(recipe)
         if rung.index not in selected:
             continue
         row = Result(str(rung.index), rung.name, rung.change, role=rung.role)
         reason = rung.unavailable(bench.device)
         if reason is not None:
             result = dataclasses.replace(row, status="n/a", reason=reason)
-        elif recipe.full_recipe:
+        elif rung.role is Role.FULL_RECIPE:
             make = partial(
                 full_recipe_trainer, bench.config, bench.device, bench.micro_batch_size, launch, backend_override
             )

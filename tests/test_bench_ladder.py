@@ -23,7 +23,6 @@ from bench.ladder import (
     Role,
     Trainer,
     flops_per_token,
-    reference_model,
     target_lines,
     unless_out_of_memory,
 )
@@ -75,9 +74,9 @@ def test_reference_variants_compute_the_same_loss():
     config = get_preset("tiny-cpu")
     x, y = torch.randint(0, REAL_VOCAB_SIZE, (2, 2, config.block_size))
     models = []
-    for recipe in (Recipe(), Recipe(stored_mask=False, native_norm_gelu=True)):
+    for recipe in (RUNGS[0].apply(Recipe()), RUNGS[6].apply(RUNGS[1].apply(Recipe()))):
         torch.manual_seed(0)
-        models.append(reference_model(recipe, config))
+        models.append(recipe.build_model(config))
     baseline, variant = models
     assert not any(isinstance(m, type(baseline.final_norm)) for m in variant.modules())
     losses = [m.loss(x, y) for m in models]
