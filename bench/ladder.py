@@ -33,8 +33,8 @@ from typing import Any
 import accelerate
 import torch
 import torch.nn.functional as F
-import yaml
 from accelerate import Accelerator
+from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import TorchDynamoPlugin, find_executable_batch_size
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -284,7 +284,8 @@ def ladder_trainer(
 
 
 def launch_config(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
+    """The launch YAML as `accelerate launch` reads it (accelerate's own config loader)."""
+    return load_config_from_file(str(path)).to_dict()
 
 
 def dynamo_backend(launch: dict[str, Any], override: str | None) -> str:
@@ -775,9 +776,9 @@ def main(argv: list[str] | None = None) -> None:
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.
     peaks = {kind: peak_tflops(device, mode, args.peak_tflops) for kind, mode in (("bf16", "bf16"), ("fp32", "no"))}
     peak = {kind: tflops for kind, (tflops, _) in peaks.items()}
-    peak_text = ", ".join(f"{kind} {tflops:.3f} TFLOP/s ({source})" for kind, (tflops, source) in peaks.items())
     # A GPU's datasheet peak is the MFU convention; the MFU target is against what its bf16 matmuls really sustain.
     measured_bf16 = measure_matmul_tflops(device, torch.bfloat16) if device.type == "cuda" else None
+    peak_text = ", ".join(f"{kind} {tflops:.3f} TFLOP/s ({source})" for kind, (tflops, source) in peaks.items())
     if measured_bf16:
         peak_text += f"; measured bf16 matmul {measured_bf16:.0f} TFLOP/s"
     bench = Bench(
@@ -792,6 +793,20 @@ def main(argv: list[str] | None = None) -> None:
         bench, args.peer_dir, compile_backend(launch, args.dynamo_backend), recipe_precision
     )
     command = f"{prog} {shlex.join(raw)}".strip()
+    write_report(args, command, rows, launch_path, peaks, measured_bf16, peak_text)
+
+
+def write_report(
+    args: argparse.Namespace,
+    command: str,
+    rows: list[Result],
+    launch_path: Path,
+    peaks: dict[str, tuple[float, str]],
+    measured_bf16: float | None,
+    peak_text: str,
+) -> None:
+    """ladder.json, ladder.md and ladder.png in --out; the profiles and the Markdown table printed last."""
+    device, config = torch.device(args.device), get_preset(args.preset)
     targets = target_lines(rows, measured_bf16)
     report = {
         "command": command,
@@ -808,7 +823,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "launch_config": str(launch_path),
-        "peak_tflops": peak,
+        "peak_tflops": {kind: tflops for kind, (tflops, _) in peaks.items()},
         "peak_tflops_source": {kind: source for kind, (_, source) in peaks.items()},
         "measured_bf16_tflops": measured_bf16,
         "rows": [dataclasses.asdict(r) for r in rows],
