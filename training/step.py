@@ -95,6 +95,8 @@ class Trainer:
         status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
         status = accelerator.reduce(status, "sum")
         self.progress.tokens_seen += self.tokens_per_step
+        # No per-step host sync: fused AdamW skips a non-finite update on the device (found_inf), so the host reads
+        # the verdict a step late (settle) and still counts, schedules and reports exactly as if it had waited.
         if self.masks:
             inner = getattr(self.optimizer, "optimizer", self.optimizer)
             inner.found_inf = (status[0] > 0).float()  # fused AdamW leaves weights and state alone where 1
