@@ -594,8 +594,8 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
         )
         row = Result("peer", name, change, role=Role.PEER, as_published=autocast)
         deep = backend is not None and bench.profile_steps > 0
-        # its script's set_float32_matmul_precision("high") is TF32, for its rows only
-        result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))
+        with peer.peer_matmul_precision():  # its script's setting, for its rows only
+            result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))
         print(summary_line(result), flush=True)
         results.append(result)
     return results

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ast
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,6 +60,18 @@ def load_peer(script: Path) -> types.ModuleType:
     code = compile(ast.Module(body=[n for n in tree.body if keep(n)], type_ignores=[]), str(script), "exec")
     exec(code, module.__dict__)
     return module
+
+
+@contextmanager
+def peer_matmul_precision() -> Iterator[None]:
+    """The script's torch.set_float32_matmul_precision('high') (TF32 on CUDA, oneDNN's TF32 mode where a CPU has
+    one), undone afterwards so our rows don't see it."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def build_peer_step(
