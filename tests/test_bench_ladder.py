@@ -1,5 +1,5 @@
-"""The speed ladder at a tiny size: every rung reported (a number or n/a), results written; the rung variants and
-the peer loader are honest."""
+"""The speed ladder (bench.ladder, .rungs, .measure, .report) at a tiny size: every rung reported (a number or
+n/a), results written; the rung variants and the peer loader are honest."""
 
 from __future__ import annotations
 
@@ -15,17 +15,9 @@ import pytest
 import torch
 
 from bench import peer
-from bench.ladder import (
-    RUNGS,
-    Bench,
-    Recipe,
-    Result,
-    Role,
-    Trainer,
-    flops_per_token,
-    target_lines,
-    unless_out_of_memory,
-)
+from bench.measure import Bench, Result, flops_per_token, unless_out_of_memory
+from bench.report import target_lines
+from bench.rungs import RUNGS, Recipe, Role, Trainer
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
