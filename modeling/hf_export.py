@@ -19,10 +19,9 @@ from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 from transformers.integrations.tiktoken import convert_tiktoken_to_fast
 
-from modeling.config import REAL_VOCAB_SIZE, GPTConfig
+from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
 
-EOT_ID = 50256  # <|endoftext|>: GPT-2's document separator, also its bos/eos
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix, listed under both names
 

@@ -1,5 +1,5 @@
-"""The speed ladder at a tiny size: every rung reported (a number or n/a), results written; the rung variants and
-the peer loader are honest."""
+"""The speed ladder (bench.ladder, .rungs, .measure, .report) at a tiny size: every rung reported (a number or
+n/a), results written; the rung variants and the peer loader are honest."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from bench import peer
-from bench.ladder import RUNGS, Recipe, Result, flops_per_token, reference_model, target_lines
-from modeling.config import get_preset
+from bench.measure import Bench, Result, flops_per_token, unless_out_of_memory
+from bench.report import target_lines
+from bench.rungs import RUNGS, Recipe, Role, Trainer
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
 
@@ -52,7 +54,8 @@ def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
     measured = [r for r in report["rows"] if r["status"] == "ok"]
     assert all(r["tok_s"] > 0 and r["step_ms"] > 0 and r["model_tflops"] > 0 and r["mfu"] > 0 for r in measured)
     assert report["measured_bf16_tflops"] is None  # the GPU-only probe behind the >= 55% MFU target
-    assert all(math.isclose(r["first_loss"], math.log(50257), abs_tol=0.5) for r in measured)  # all train from init
+    # all rows train from init
+    assert all(math.isclose(r["first_loss"], math.log(REAL_VOCAB_SIZE), abs_tol=0.5) for r in measured)
     assert all(r["compile_s"] is not None for r in measured if int(r["label"]) >= 8)
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "ladder.md").read_text().startswith("| rung | change |")
@@ -61,11 +64,11 @@ def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
 def test_reference_variants_compute_the_same_loss():
     """Rungs 1 and 6 change kernels, not math: same weights, same loss and gradients as the baseline model."""
     config = get_preset("tiny-cpu")
-    x, y = torch.randint(0, 50257, (2, 2, config.block_size))
+    x, y = torch.randint(0, REAL_VOCAB_SIZE, (2, 2, config.block_size))
     models = []
-    for recipe in (Recipe(), Recipe(stored_mask=False, native_norm_gelu=True)):
+    for recipe in (RUNGS[0].apply(Recipe()), RUNGS[6].apply(RUNGS[1].apply(Recipe()))):
         torch.manual_seed(0)
-        models.append(reference_model(recipe, config))
+        models.append(recipe.build_model(config))
     baseline, variant = models
     assert not any(isinstance(m, type(baseline.final_norm)) for m in variant.modules())
     losses = [m.loss(x, y) for m in models]
@@ -76,18 +79,24 @@ def test_reference_variants_compute_the_same_loss():
 
 
 def test_targets_compare_with_the_peer_as_published_and_report_the_fp32_peer_without_a_target():
-    row = lambda label, tok_s, **kw: Result(label, f"row {label} {tok_s}", "", tok_s=tok_s, **kw)
-    rows = [row("0", 1000.0), row("11", 2000.0), row("peer", 1100.0), row("peer", 1500.0, as_published=False)]
+    row = lambda label, tok_s, role, **kw: Result(label, f"row {label} {tok_s}", "", role, tok_s=tok_s, **kw)
+    rows = [
+        row("0", 1000.0, Role.BASELINE),
+        row("7", 3000.0, Role.RUNG),  # neither the baseline nor the full recipe, whatever its speed
+        row("11", 2000.0, Role.FULL_RECIPE),
+        row("peer", 1100.0, Role.PEER),
+        row("peer", 1500.0, Role.PEER, as_published=False),
+    ]
     assert target_lines(rows) == [
         "full recipe / rung 0: 2.00x (target >= 5.0x): NOT met",
         "full recipe / best peer (row peer 1100.0): 1.82x (target >= 1.5x): met",
         "full recipe / peer at rung 11's precision (row peer 1500.0): 1.33x (no target: not the peer's own recipe)",
     ]
-    assert target_lines(rows[:1] + rows[2:]) == []  # no full-recipe row, nothing to compare
+    assert target_lines(rows[:2] + rows[3:]) == []  # no full-recipe row, nothing to compare
 
 
 def test_gpu_target_is_mfu_against_the_measured_bf16_peak():
-    full = Result("11", "full recipe", "", tok_s=100_000.0, model_tflops=440.0)
+    full = Result("11", "full recipe", "", Role.FULL_RECIPE, tok_s=100_000.0, model_tflops=440.0)
     mfu_line = "full recipe MFU against the measured bf16 matmul peak ({:.0f} TFLOP/s): {} (target >= 55%): {}"
     assert target_lines([full], measured_bf16_tflops=750.0) == [mfu_line.format(750.0, "58.7%", "met")]
     assert target_lines([full], measured_bf16_tflops=820.0) == [mfu_line.format(820.0, "53.7%", "NOT met")]
@@ -98,7 +107,7 @@ def test_flops_per_token_counts_tied_and_untied_heads():
     config = get_preset("tiny-cpu")
     assert flops_per_token(GPT(config), config) == GPT(config).flops_per_token()
     reference = ReferenceGPT(config)  # untied: tok_emb is a lookup, out_head a matmul
-    matmul_params = sum(p.numel() for p in reference.parameters()) - 50257 * 64 - 64 * 64
+    matmul_params = sum(p.numel() for p in reference.parameters()) - REAL_VOCAB_SIZE * 64 - 64 * 64
     assert flops_per_token(reference, config) == 6 * matmul_params + 12 * 2 * 64 * 64
 
 
@@ -120,7 +129,51 @@ def test_real_peer_trains_one_step():
     config = get_preset("tiny-cpu")
     module = peer.load_peer(peer.peer_script(os.environ["BENCH_PEER_DIR"]))
     step, model = peer.build_peer_step(module, config, torch.device("cpu"), compile_backend=None)
-    x, y = torch.randint(0, 50257, (2, 2, config.block_size))
+    x, y = torch.randint(0, REAL_VOCAB_SIZE, (2, 2, config.block_size))
     before = model.lm_head.weight.detach().clone()
-    assert math.isclose(step(x, y).item(), math.log(50304), abs_tol=0.5)
+    assert math.isclose(step(x, y).item(), math.log(PADDED_VOCAB_SIZE), abs_tol=0.5)
     assert not torch.equal(before, model.lm_head.weight)
+
+
+def tf32_flags() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_is_set_for_its_row_only(prepared_books, tf32):
+    """Each row runs (build, steps, profile) under its own TF32 setting, and the next row starts from the one
+    before it: rung 2's TF32 cannot leak into later rows, nor be missing from a row that needs it."""
+    config = get_preset("tiny-cpu")
+    bench = Bench(config, torch.device("cpu"), prepared_books, 1, 1, 1, {"fp32": 1.0}, 0)
+    seen = []
+
+    def make() -> Trainer:
+        model = torch.nn.Linear(1, 1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            seen.append(tf32_flags())
+            return torch.zeros(())
+
+        seen.append(tf32_flags())
+        return Trainer(step, model, False, 1, "fp32")
+
+    before = tf32_flags()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+    try:
+        row = bench.measure(Result("2", "TF32", ""), make, deep_profile=False, tf32=tf32)
+        assert row.status == "ok" and row.tok_s > 0
+        assert seen and set(seen) == {(tf32, tf32)}  # at build time and at every step
+        assert tf32_flags() == (not tf32, not tf32)  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_an_out_of_memory_row_is_reported_not_raised():
+    def out_of_memory() -> Result:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB")
+
+    row = Result("0", "baseline", "ReferenceGPT", Role.BASELINE)
+    result = unless_out_of_memory(row, out_of_memory)
+    assert (result.label, result.role, result.status) == ("0", Role.BASELINE, "n/a")
+    assert result.reason == "out of memory (CUDA out of memory. Tried to allocate 12.28 GiB)"
+    assert target_lines([result]) == []  # an OOM row is no baseline to compare with

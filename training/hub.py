@@ -49,7 +49,9 @@ def render_model_card(run_dir: str | Path) -> str:
     if not train:
         raise HubError(f"{run_dir}/metrics.jsonl has no training rows: train the run before writing its card")
     last = train[-1]
-    throughput = statistics.median(r["tokens_per_sec"] for r in train)
+    # The first step (compile, warm-up) is timed apart, so a one-step run has no throughput row.
+    speeds = [r["tokens_per_sec"] for r in train if "tokens_per_sec" in r]
+    throughput = f"{statistics.median(speeds):,.0f} tokens/s" if speeds else "n/a (one step)"
     manifest_path = Path(config["data_dir"]) / "manifest.json"
     data_line = f"`{config['data_dir']}`"
     if manifest_path.is_file():
@@ -90,7 +92,7 @@ A GPT-2-architecture model pretrained from scratch on public-domain books with b
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
 | learning rate | {config["lr"]} peak, cosine to {config["min_lr_ratio"]}×, {config["warmup_steps"]} warmup steps |
 | final train loss | {last["train_loss"]:.4f} |
-{val_line}{score_lines}| throughput (median) | {throughput:,.0f} tokens/s |
+{val_line}{score_lines}| throughput (median) | {throughput} |
 
 ![loss curve](loss.png)
 

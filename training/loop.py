@@ -1,0 +1,314 @@
+"""A training run built once from the config (setup), its cadences, its throughput metrics and its outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from data_prep import ensure_default_corpus
+from data_prep.loader import Manifest, TokenLoader, load_manifest
+from data_prep.tokenizer import get_encoding
+from evals.data import load_examples
+from evals.plot import plot_evals
+from evals.runner import evaluate_tasks, parse_tasks
+from modeling.config import GPTConfig, get_preset
+from modeling.gpt import GPT
+from modeling.hf_export import export_hf
+from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume
+from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
+from training.distributed import build_accelerator, generation_model
+from training.hub import push, require_token, write_model_card
+from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
+from training.optim import build_optimizer, build_scheduler
+from training.step import StepOutput, Trainer
+
+
+def due(interval: int, step: int, last: bool) -> bool:
+    """The one cadence test: every `interval` optimizer steps and at the last one; interval 0 turns it off."""
+    return bool(interval) and (step % interval == 0 or last)
+
+
+@dataclass
+class Run:
+    """Everything setup() builds; the loop only reads it (and advances progress)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    model_config: GPTConfig
+    accelerator: Accelerator
+    manifest: Manifest
+    train_loader: TokenLoader
+    val_loader: TokenLoader
+    model: torch.nn.Module  # prepared
+    sampler: torch.nn.Module  # the module to call generate() on (training.distributed.generation_model)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    progress: TrainProgress
+    grad_accum: int
+    total_steps: int
+    flops_per_token: int
+    peak_tflops: float
+
+    def is_last(self, step: int) -> bool:
+        return step == self.total_steps
+
+    def wants(self, step: int) -> bool:
+        """Whether anything is logged, evaluated, sampled or saved after optimizer step `step`."""
+        cfg, last = self.cfg, self.is_last(step)
+        intervals = (cfg.log_interval, cfg.eval_interval, cfg.sample_interval, cfg.checkpoint_interval)
+        return last or any(due(interval, step, last) for interval in intervals)
+
+
+def model_config_for(cfg: TrainConfig) -> GPTConfig:
+    model_config = get_preset(cfg.preset)
+    if cfg.block_size is None:
+        return model_config
+    if cfg.block_size > model_config.block_size:
+        raise ConfigError(
+            f"block_size={cfg.block_size} exceeds the {cfg.preset} preset's {model_config.block_size} positions"
+        )
+    return dataclasses.replace(model_config, block_size=cfg.block_size)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """The fixed build order: run folder, Accelerator, seed, data, model, optimizer, schedule, one prepare(),
+    resume, run info. Precision, compile and distribution come from the launch YAML."""
+    run_dir = Path(cfg.out_dir)
+    ensure_writable(run_dir)
+    if cfg.push_to_hub:
+        require_token()  # fail now, not after days of training
+    model_config = model_config_for(cfg)
+
+    trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
+    accelerator = build_accelerator(
+        micro_batch_size=cfg.micro_batch_size,
+        grad_clip=cfg.grad_clip,
+        step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
+        log_with=[JSONLTracker(run_dir), *trackers],
+        project_dir=str(run_dir),
+    )
+    world_size = accelerator.num_processes
+    grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
+    accelerator.gradient_accumulation_steps = grad_accum
+    device = accelerator.device
+    set_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
+    torch.backends.cudnn.allow_tf32 = True
+
+    manifest, train_loader, val_loader = build_data(cfg, accelerator, model_config)
+
+    # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
+    model = GPT(model_config)
+    param_groups = model.optimizer_groups(cfg.weight_decay)
+    optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
+    total_steps = cfg.total_steps()
+    scheduler = build_scheduler(
+        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
+    )
+    flops_per_token = model.flops_per_token()
+    num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress, train_loader)
+
+    # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
+    resume_from = resolve_resume(cfg.resume, run_dir)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+
+    peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
+    if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
+        hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
+        if hint:
+            accelerator.print(hint)
+    run = Run(
+        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
+        generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
+        flops_per_token, peak,
+    )  # fmt: skip
+    log_run_info(run, num_params, peak_source, param_groups)
+    return run
+
+
+def build_data(
+    cfg: TrainConfig, accelerator: Accelerator, model_config: GPTConfig
+) -> tuple[Manifest, TokenLoader, TokenLoader]:
+    """The manifest and this rank's train and val loaders. Prepared shards are the contract with data_prep; the
+    default corpus is prepared on first use, and benchmark data is provisioned now, not at the first eval."""
+    if cfg.data_dir == DEFAULT_DATA_DIR:
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                ensure_default_corpus(cfg.data_dir, log=accelerator.print)
+    manifest = load_manifest(cfg.data_dir)
+    if cfg.eval_tasks:
+        with accelerator.local_main_process_first():
+            for task in parse_tasks(cfg.eval_tasks):
+                load_examples(task, cfg.eval_limit)
+    if manifest.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the {cfg.preset} model "
+            f"has {model_config.vocab_size} embeddings; prepare the data with the GPT-2 tokenizer"
+        )
+    block_size = model_config.block_size
+    loader_args = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, seed=cfg.seed)
+    train_loader = TokenLoader(
+        cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
+        num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
+    )  # fmt: skip
+    val_loader = TokenLoader(
+        cfg.data_dir, "val", block_size, cfg.micro_batch_size, **loader_args, shuffle=False, infinite=False
+    )
+    return manifest, train_loader, val_loader
+
+
+def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list[dict]) -> None:
+    """The run's facts to every tracker and config.yaml to the run folder, and one summary line."""
+    cfg, accelerator = run.cfg, run.accelerator
+    world_size, device = accelerator.num_processes, accelerator.device
+    dynamo = str(accelerator.state.dynamo_plugin.backend)
+    run_info = {
+        **dataclasses.asdict(cfg),
+        "grad_accum_steps": run.grad_accum,
+        "world_size": world_size,
+        "mixed_precision": accelerator.mixed_precision,
+        "dynamo_backend": dynamo,
+        "params": num_params,
+        "peak_tflops_per_device": run.peak_tflops,
+        "peak_tflops_source": peak_source,
+    }
+    accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
+    if accelerator.is_main_process:
+        (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    accelerator.print(
+        f"{cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
+        f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
+        f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
+        f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
+        f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
+        f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
+        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
+    )
+
+
+def trainer_for(run: Run, stop: object) -> Trainer:
+    """The run's Trainer; `stop` is truthy once this rank was asked to stop (training.signals.StopRequest)."""
+    cfg = run.cfg
+    return Trainer(
+        run.accelerator, run.model, run.optimizer, run.scheduler,
+        grad_accum=run.grad_accum, grad_clip=cfg.grad_clip, tokens_per_step=cfg.total_batch_tokens,
+        max_bad_steps=cfg.max_bad_steps, progress=run.progress, stop=lambda: bool(stop), run_dir=run.run_dir,
+    )  # fmt: skip
+
+
+class TrainMetrics:
+    """Throughput, MFU and the train rows of metrics.jsonl, every log_interval steps and at the last.
+
+    Its clock counts train_step() time only (evals, samples and saves are left out) and starts after the first
+    step: that one carries compile and warm-up, logged once as time_to_first_step_s (from launch)."""
+
+    def __init__(self, run: Run, launched: float) -> None:
+        self.run, self.launched = run, launched
+        self.first = True
+        self.window_s, self.window_steps = 0.0, 0
+        self._started = 0.0
+
+    def step_started(self) -> None:
+        self._started = time.perf_counter()
+
+    def step_finished(self, step: int) -> None:
+        now = time.perf_counter()
+        if self.first:
+            self.first = False
+            self.run.accelerator.log({"time_to_first_step_s": now - self.launched}, step=step)
+            return
+        self.window_s += now - self._started
+        self.window_steps += 1
+
+    def due(self, step: int) -> bool:
+        return due(self.run.cfg.log_interval, step, self.run.is_last(step))
+
+    def log(self, step: int, out: StepOutput) -> dict[str, float]:
+        """Log the train row for `step` (the one host read of loss and grad norm) and start a new window."""
+        run, accelerator = self.run, self.run.accelerator
+        world_size = accelerator.num_processes
+        row = {
+            "train_loss": accelerator.reduce(out.loss, "mean").item(),
+            "lr": run.scheduler.get_last_lr()[0],
+            "grad_norm": out.grad_norm.item(),
+        }
+        if self.window_steps:  # none when the first step is also a log step
+            step_s = self.window_s / self.window_steps
+            tokens_per_sec = run.cfg.total_batch_tokens / step_s
+            row |= {
+                "step_time_s": step_s,
+                "tokens_per_sec": tokens_per_sec,
+                "tokens_per_sec_per_device": tokens_per_sec / world_size,
+                "mfu": run.flops_per_token * tokens_per_sec / (run.peak_tflops * 1e12 * world_size),
+            }
+        row |= {"tokens_seen": run.progress.tokens_seen, "epoch": run.train_loader.epoch}
+        row |= memory_stats(accelerator.device)
+        accelerator.log(row, step=step)
+        self.window_s, self.window_steps = 0.0, 0
+        return row
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Val loss over the first `eval_batches` val micro-batches of every rank (a fixed set, so evals compare),
+    plus the `eval_tasks` benchmark scores; the same numbers on every rank."""
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
+    model.eval()
+    losses = []
+    for _, (x, y) in zip(range(cfg.eval_batches), run.val_loader):
+        _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
+        losses.append(loss)
+    model.train()
+    metrics = {"val_loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+    if cfg.eval_tasks:
+        metrics.update(evaluate_tasks(model, accelerator, cfg.eval_tasks, cfg.eval_limit, get_encoding()))
+    return metrics
+
+
+@torch.no_grad()
+def write_sample(run: Run, step: int) -> None:
+    """A sample (temperature 1, top-k 50) from the configured prompt, appended to samples.txt. Every rank calls
+    it: with sharded weights (FSDP2, ZeRO-3) generate() gathers them collectively."""
+    accelerator, model, encoding = run.accelerator, run.sampler, get_encoding()
+    model.eval()
+    idx = torch.tensor([encoding.encode(run.cfg.sample_prompt)], device=accelerator.device)
+    generator = torch.Generator(device=accelerator.device).manual_seed(step)
+    with accelerator.autocast():
+        out = model.generate(idx, run.cfg.sample_tokens, temperature=1.0, top_k=50, generator=generator)
+    model.train()
+    text = encoding.decode(out[0].tolist())
+    if accelerator.is_main_process:
+        with (run.run_dir / "samples.txt").open("a") as f:
+            f.write(f"--- step {step} ---\n{text}\n")
+    accelerator.print(f"sample @ step {step}: {text!r}")
+
+
+def write_outputs(run: Run) -> None:
+    """The run folder's deliverables: the loss curve, a transformers-loadable export with its model card, and
+    the Hub push when asked for."""
+    cfg, accelerator, run_dir = run.cfg, run.accelerator, run.run_dir
+    if accelerator.is_main_process:
+        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        if cfg.eval_tasks:
+            plot_evals(run_dir / "metrics.jsonl", run_dir / "evals.png")
+    if cfg.export_hf:
+        state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
+        if accelerator.is_main_process:
+            export_model = GPT(run.model_config)
+            export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
+            export_hf(export_model, run_dir / "export", get_encoding())
+            write_model_card(run_dir, cfg.push_to_hub or None)
+    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
+    if cfg.push_to_hub and accelerator.is_main_process:
+        accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")

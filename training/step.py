@@ -1,0 +1,140 @@
+"""One optimizer step, as train_accel.py and the ladder's full-recipe rung both run it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from training.checkpoint import TrainProgress, list_checkpoints
+from training.distributed import clip_grad_norm
+
+Batches = Iterator[tuple[Tensor, Tensor]]
+
+
+class TrainingAborted(RuntimeError):
+    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path]) -> None:
+        last_good = str(checkpoints[-1]) if checkpoints else None
+        super().__init__(
+            f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}; aborting. "
+            f"Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
+            + (f", then continue with --resume {last_good}" if last_good else "")
+        )
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor  # this rank's mean loss over the step's micro-batches, detached, on the device
+    grad_norm: Tensor  # global norm before clipping, on the device
+
+
+def masks_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer can skip a non-finite update on the device (fused AdamW's found_inf): plain-tensor
+    parameters, no fp16 GradScaler (it owns found_inf) and not DeepSpeed (which steps inside its own engine)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (
+        getattr(inner, "_step_supports_amp_scaling", False)
+        and accelerator.scaler is None
+        and accelerator.distributed_type != DistributedType.DEEPSPEED
+        and not any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"])
+    )
+
+
+class Trainer:
+    """train_step() does one optimizer step: grad_accum micro-batches under accelerator.accumulate, backward, clip,
+    the finiteness check, the update. A step with non-finite gradients changes no weight and no counter.
+
+    Where the optimizer can mask its update on the device, the host reads a step's verdict (non-finite? stop
+    requested on any rank?) one step late, while the next step's backward runs, instead of stalling the GPU at
+    every step; settle() reads it at once (before logging, evals, checkpoints). Elsewhere it is read at once."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        grad_accum: int = 1,
+        grad_clip: float,
+        tokens_per_step: int,
+        max_bad_steps: int = 1,
+        progress: TrainProgress | None = None,
+        stop: Callable[[], bool] = lambda: False,
+        run_dir: Path | None = None,  # where the last good checkpoint is named from when aborting
+    ) -> None:
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.grad_accum, self.grad_clip, self.tokens_per_step = grad_accum, grad_clip, tokens_per_step
+        self.max_bad_steps, self.stop, self.run_dir = max_bad_steps, stop, run_dir
+        self.progress = progress or TrainProgress()
+        self.masks = masks_on_device(accelerator, optimizer)
+        self.stopping = False  # a stop was requested on some rank, as of the last settled step
+        self.bad_steps = 0  # consecutive steps skipped for non-finite gradients
+        self._pending: Tensor | None = None  # the unread verdict of the last step: (non-finite, stop) summed
+
+    def train_step(self, batches: Batches) -> StepOutput:
+        accelerator, model, device = self.accelerator, self.model, self.accelerator.device
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(self.grad_accum):  # accumulate() skips the DDP all-reduce until the last micro-batch
+            x, y = next(batches)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with accelerator.accumulate(model):
+                _, loss = model(x, y)
+                accelerator.backward(loss)
+            loss_sum += loss.detach()
+        self.settle()  # the previous step's verdict, read while this step's backward runs
+        grad_norm = clip_grad_norm(accelerator, model, self.grad_clip)
+        status = torch.zeros(2, device=device)
+        status[0] = ~torch.isfinite(grad_norm)
+        status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
+        status = accelerator.reduce(status, "sum")
+        self.progress.tokens_seen += self.tokens_per_step
+        # No per-step host sync: fused AdamW skips a non-finite update on the device (found_inf), so the host reads
+        # the verdict a step late (settle) and still counts, schedules and reports exactly as if it had waited.
+        if self.masks:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            inner.found_inf = (status[0] > 0).float()  # fused AdamW leaves weights and state alone where 1
+            self.optimizer.step()
+            del inner.found_inf
+            self._pending = status
+        else:
+            self._pending = status
+            if self._read_verdict():
+                self.optimizer.step()
+            self._record()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss_sum / self.grad_accum, grad_norm)
+
+    def settle(self) -> bool:
+        """Read the last step's verdict now if it is still pending; whether that step was applied."""
+        if self._pending is not None:
+            self._read_verdict()
+            self._record()
+        return self.bad_steps == 0
+
+    def _read_verdict(self) -> bool:
+        nonfinite, stopping = (v > 0 for v in self._pending.tolist())  # the host sync
+        self._pending = None
+        self.stopping = self.stopping or stopping
+        self.bad_steps = self.bad_steps + 1 if nonfinite else 0
+        return not nonfinite
+
+    def _record(self) -> None:
+        """Count an applied step (the schedule advances per applied update), or report a skipped one."""
+        if self.bad_steps == 0:
+            self.progress.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return
+        self.accelerator.print(
+            f"step {self.progress.step + 1}: non-finite loss/gradients, update skipped ({self.bad_steps} in a row)"
+        )
+        if self.bad_steps >= self.max_bad_steps:
+            checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
+            raise TrainingAborted(self.max_bad_steps, self.progress.step, checkpoints)
