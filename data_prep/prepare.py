@@ -24,6 +24,8 @@ import logging
 import os
 import shutil
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -177,7 +179,7 @@ def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple
         for batch in batches:
             yield len(batch), tokenize_records(batch)
         return
-    with ProcessPoolExecutor(num_proc) as pool:
+    with ProcessPoolExecutor(num_proc, initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
         pending: deque[tuple[int, Future]] = deque()
         try:
             for batch in batches:
@@ -190,6 +192,17 @@ def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple
                 yield count, future.result()
         finally:
             pool.shutdown(cancel_futures=True)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: a killed parent must not leave its workers waiting for tasks forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _build(
@@ -341,8 +354,9 @@ def _same_output(out: Path, manifest: dict[str, Any]) -> bool:
 
 @contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
+    # A POSIX lock belongs to this process alone: forked workers don't hold it, its death frees it.
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         yield
 
 

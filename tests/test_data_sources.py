@@ -2,7 +2,7 @@
 
 import pytest
 
-from data_prep import DataPrepError
+from data_prep import DataPrepError, sources
 from data_prep.sources import clean_text, default_book_names, iter_documents, parse_spec
 
 PG_MODERN = (
@@ -115,6 +115,7 @@ def test_gutenberg_reads_its_cache_and_reports_network_failure(tmp_path, monkeyp
     (tmp_path / "gutenberg" / "pg77.txt").write_text(PG_MODERN, encoding="utf-8")
     [doc] = iter_documents("gutenberg:77")
     assert (doc.id, doc.title, doc.text) == ("gutenberg/77", "Tiny Book", clean_text(PG_MODERN))
+    monkeypatch.setattr(sources, "RETRY_PAUSE", 0.01)
     with pytest.raises(DataPrepError, match=r"could not download Project Gutenberg book 145 from http://127.0.0.1:9/"):
         list(iter_documents("gutenberg:77,145", mirror="http://127.0.0.1:9"))
     assert sorted(p.name for p in (tmp_path / "gutenberg").iterdir()) == ["pg77.txt"]
