@@ -347,9 +347,10 @@ def _up_to_date(out: Path, key: str) -> bool:
 
 def _same_output(out: Path, manifest: dict[str, Any]) -> bool:
     try:
-        return load_manifest(out, verify="sha256").fingerprint == manifest["fingerprint"]
+        existing = load_manifest(out, verify="sha256")
     except DataPrepError:
         return False
+    return (existing.format_version, existing.fingerprint) == (FORMAT_VERSION, manifest["fingerprint"])
 
 
 @contextmanager

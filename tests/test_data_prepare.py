@@ -101,8 +101,18 @@ def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
     time.sleep(0.01)
     with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         prepare(source, out, val_fraction=0.25, num_proc=2)
-    assert "is up to date" in caplog.text
+    assert "is up to date (same inputs" in caplog.text
     assert _snapshot(out) == before
+
+    os.utime(books / "book2.txt", ns=(1, 1))  # touched, not changed: read again, shards kept as they are
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, val_fraction=0.25)
+        prepare(source, out, val_fraction=0.25)
+    assert "inputs read again, same content" in caplog.text and "is up to date (same inputs" in caplog.text
+    assert {k: v for k, v in _snapshot(out).items() if k != "manifest.json"} == {
+        k: v for k, v in before.items() if k != "manifest.json"
+    }
 
     (books / "book1.txt").write_text("A different book.\n", encoding="utf-8")
     caplog.clear()
