@@ -106,7 +106,7 @@ def prepare(
             shutil.rmtree(build)
             log.info("%s is up to date (inputs read again, same content); nothing to do", out)
             return out / MANIFEST_NAME
-        (build / PROGRESS_NAME).unlink()
+        (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
         _write_json(build / MANIFEST_NAME, manifest)
         _swap_in(build, out)
     totals = manifest["splits"]
