@@ -27,6 +27,7 @@ from data_prep.tokenizer import get_encoding
 
 BOOK_CHARS = 400_000  # ~120k GPT-2 tokens: the size of a long novel
 SHELF = 100  # books per sub-folder, as a library tree (PG-19's layout) has them
+LOADER_BATCHES = 500  # micro-batches timed after the first, in the training process (num_workers=0)
 
 
 def build_library(folder: Path, tokens: float) -> Path:
@@ -96,10 +97,15 @@ def _loader_child(data_dir: str) -> None:
     before = _rss_mb(resource.RUSAGE_SELF)
     start = time.perf_counter()
     loader = TokenLoader(data_dir, "train", 1024, 8)
-    next(iter(loader))
+    batches = iter(loader)
+    next(batches)
     seconds = time.perf_counter() - start
-    shards = len(loader.manifest.shards)
-    print(json.dumps({"seconds": seconds, "rss": _rss_mb(resource.RUSAGE_SELF) - before, "shards": shards}))
+    start = time.perf_counter()
+    for _ in islice(batches, LOADER_BATCHES):
+        pass
+    rate = LOADER_BATCHES * 8 * 1024 / (time.perf_counter() - start)
+    result = {"seconds": seconds, "rss": _rss_mb(resource.RUSAGE_SELF) - before, "tokens_per_s": rate}
+    print(json.dumps(result | {"shards": len(loader.manifest.shards)}))
 
 
 def _du_mb(folder: Path) -> float:
@@ -138,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
             if num_proc == 2:
                 got = _child(["--loader-child", str(out)])
                 loader_rows.append(
-                    f"| {tokens / 1e6:,.0f}M | {got['shards']} | {got['seconds']:.2f} | {got['rss']:,.0f} |"
+                    f"| {tokens / 1e6:,.0f}M | {got['shards']} | {got['seconds']:.2f} | {got['rss']:,.0f} "
+                    f"| {got['tokens_per_s'] / 1e6:.1f}M |"
                 )
             shutil.rmtree(out)
     print(f"Data preparation, {platform.processor() or platform.machine()}, files: source, default shards\n")
@@ -148,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
-    print("\nTokenLoader start-up (block 1024, micro-batch 8: manifest, size checks, first batch)\n")
-    print("| library | shards | seconds | RSS added (MB) |\n|---|---:|---:|---:|")
+    print("\nTokenLoader, block 1024 x micro-batch 8, num_workers=0 (start-up: manifest, size checks, first batch)\n")
+    print("| library | shards | start-up s | RSS added (MB) | tokens/s after |\n|---|---:|---:|---:|---:|")
     print("\n".join(loader_rows))
     return None
 
