@@ -227,9 +227,10 @@ class _RankBatches:
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.start
         while True:
-            # Row by row: one Python list per micro-batch, never one for the whole epoch.
-            for batch in self.epoch_batches(epoch)[start:]:
-                yield batch.tolist()
+            # Row by row through numpy: one list per micro-batch, never a list (or tensor view) per batch up front.
+            batches = self.epoch_batches(epoch).numpy()
+            for step in range(start, len(batches)):
+                yield batches[step].tolist()
             if not self.infinite:
                 return
             epoch, start = epoch + 1, 0
