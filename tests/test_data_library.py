@@ -120,6 +120,11 @@ def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
     out = prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", tmp_path / "data", val_fraction=0.3).parent
     assert [d["title"] for d in load_manifest(out).documents()] == ["One", f"{tmp_path / 'books.parquet'} #1", "Three"]
     prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", out, val_fraction=0.3)  # listing alone: up to date
+    streamed = prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", tmp_path / "s", val_fraction=0.3, streaming=True)
+    same = ("id", "title", "num_tokens")  # a streamed source's split is the hash rule alone (no fix-ups)
+    assert [[d[k] for k in same] for d in load_manifest(streamed.parent).documents()] == [
+        [d[k] for k in same] for d in load_manifest(out).documents()
+    ]
     with pytest.raises(DataPrepError, match=r"no column 'text' \(columns: \['body', 'title'\]\)"):
         prepare(f"hf:{tmp_path / 'books.parquet'}", tmp_path / "other")
     datasets.Dataset.from_dict({"text": ["", " \n", None]}).to_parquet(str(tmp_path / "blank.parquet"))
