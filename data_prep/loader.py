@@ -20,8 +20,10 @@ from torch.utils.data import DataLoader, Dataset
 from data_prep import DataPrepError
 from data_prep.tokenizer import TOKENIZER_NAME, TOKENIZER_SHA256
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-document metadata in documents.jsonl; 1 had it inside the manifest
+READABLE_FORMATS = (1, 2)  # the shards themselves are the same in both
 MANIFEST_NAME = "manifest.json"
+DOCUMENTS_NAME = "documents.jsonl"  # one {"id", "title", "split", "num_tokens"} line per book, in shard order
 DTYPE = "uint16"
 VERIFY_MODES = ("none", "size", "sha256")
 SPLITS = ("train", "val")
@@ -49,7 +51,15 @@ class Manifest:
     params: dict[str, Any]
     splits: dict[str, dict[str, int]]
     shards: list[Shard]
-    documents: list[dict[str, Any]]
+    documents_sha256: str | None  # of documents.jsonl; None for format 1
+
+    def documents(self) -> Iterator[dict[str, Any]]:
+        """Per-book metadata in shard order, read lazily (training never needs it)."""
+        if self.documents_sha256 is None:
+            yield from json.loads((self.data_dir / MANIFEST_NAME).read_text(encoding="utf-8"))["documents"]
+            return
+        with open(self.data_dir / DOCUMENTS_NAME, encoding="utf-8") as f:
+            yield from map(json.loads, f)
 
     def shards_of(self, split: str) -> list[Shard]:
         return [s for s in self.shards if s.split == split]
@@ -89,7 +99,7 @@ def load_manifest(data_dir: str | Path, verify: str = "size") -> Manifest:
             params=raw["params"],
             splits=raw["splits"],
             shards=[Shard(**s) for s in raw["shards"]],
-            documents=raw["documents"],
+            documents_sha256=raw["documents"]["sha256"] if raw["format_version"] > 1 else None,
         )
     except (ValueError, KeyError, TypeError) as e:  # bad JSON, missing or unexpected fields
         raise DataPrepError(
@@ -101,10 +111,10 @@ def load_manifest(data_dir: str | Path, verify: str = "size") -> Manifest:
 
 def _check(m: Manifest, verify: str) -> None:
     redo = f"re-run:\n  {prepare_command(m.data_dir, m.source)}"
-    if m.format_version != FORMAT_VERSION or m.dtype != DTYPE:
+    if m.format_version not in READABLE_FORMATS or m.dtype != DTYPE:
         raise DataPrepError(
             f"{m.data_dir} was prepared in format {m.format_version}/{m.dtype}, this code reads "
-            f"{FORMAT_VERSION}/{DTYPE}; {redo}"
+            f"{'/'.join(map(str, READABLE_FORMATS))} of {DTYPE}; {redo}"
         )
     if (m.tokenizer_name, m.tokenizer_sha256) != (TOKENIZER_NAME, TOKENIZER_SHA256):
         raise DataPrepError(
@@ -124,6 +134,9 @@ def _check(m: Manifest, verify: str) -> None:
             )
         if verify == "sha256" and file_sha256(path) != shard.sha256:
             raise DataPrepError(f"shard {path} does not match its sha256 in the manifest (altered); {redo}")
+    index = m.data_dir / DOCUMENTS_NAME
+    if verify == "sha256" and m.documents_sha256 and (not index.is_file() or file_sha256(index) != m.documents_sha256):
+        raise DataPrepError(f"{index} is missing or does not match its sha256 in the manifest; {redo}")
 
 
 def file_sha256(path: Path) -> str:
@@ -214,7 +227,10 @@ class _RankBatches:
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.start
         while True:
-            yield from self.epoch_batches(epoch)[start:].tolist()
+            # Row by row through numpy: one list per micro-batch, never a list (or tensor view) per batch up front.
+            batches = self.epoch_batches(epoch).numpy()
+            for step in range(start, len(batches)):
+                yield batches[step].tolist()
             if not self.infinite:
                 return
             epoch, start = epoch + 1, 0

@@ -1,11 +1,17 @@
 """Prepare books for training: documents -> GPT-2 tokens (+ <|endoftext|>) -> uint16 shards + manifest.
 
-    python -m data_prep.prepare --source default --out data/default
+    python -m data_prep.prepare --source default --out data/default [--num-proc 8]
 
-Documents go to train or val by a hash of their id (adding books never moves the others), and
-the whole dataset is built in a temp dir next to `--out` and swapped in by renames at the end:
-an interrupted or failed run leaves any previous dataset untouched. Re-running with the same
-inputs and parameters is a no-op.
+The source is listed first (names, sizes, mtimes: no text read), then read once: batches of books
+go to `num_proc` worker processes that read, clean and tokenize them, while this process appends
+their tokens, in order, to the split's shard files and one line per book to `documents.jsonl`.
+Memory is bounded by the batches in flight, not by the corpus.
+
+Documents go to train or val by a hash of their id (adding books never moves the others). The
+dataset is built in `.NAME.build/` next to `--out` and swapped in by renames at the end, so an
+interrupted or failed run leaves any previous dataset untouched; after every batch the build
+records how far it got, and a killed run continues from there when started again with the same
+inputs and parameters. Re-running with the same inputs and parameters is a no-op.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,14 +37,18 @@ import numpy as np
 from tqdm import tqdm
 
 from data_prep import DataPrepError
-from data_prep.loader import DTYPE, FORMAT_VERSION, MANIFEST_NAME, file_sha256, load_manifest
-from data_prep.sources import DEFAULT_MIRROR, SPEC_HELP, iter_documents, parse_spec
+from data_prep.assets import atomic_write_bytes
+from data_prep.loader import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
+from data_prep.sources import DEFAULT_MIRROR, SPEC_HELP, Plan, Record, parse_spec, plan
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
+BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora
+BATCH_DOCS = 256  # ... and at most this many books, so tiny documents still make progress checkpoints
+PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run got
 
 
 def prepare(
@@ -63,30 +76,39 @@ def prepare(
     _check_out_dir(out)
     get_encoding()  # fail early (before reading inputs) if the tokenizer can't be provisioned
     params = {"shard_tokens": shard_tokens, "val_fraction": val_fraction, "seed": seed}
+    setup = {"format_version": FORMAT_VERSION, "tokenizer": TOKENIZER_SHA256, "source": source, **params}
 
-    log.info("Reading source %r", source)
-    docs = [
-        (d.id, d.title, _sha256(d.text.encode())) for d in iter_documents(source, mirror=mirror, streaming=streaming)
-    ]
-    fingerprint = _fingerprint(source, params, docs)
+    log.info("Listing source %r", source)
+    books = plan(source, mirror=mirror, streaming=streaming)
+    # Inputs known by listing alone (sizes, mtimes, dataset fingerprints): a re-run can skip reading.
+    key = _digest({**setup, "inputs": books.key}) if books.key else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):  # several ranks may call prepare() at once; the later ones find it done
-        for stale in out.parent.glob(f".{out.name}.build-*"):  # left by a killed run
-            shutil.rmtree(stale, ignore_errors=True)
-        if _up_to_date(out, fingerprint):
+        build = out.parent / f".{out.name}.build"
+        if key and _up_to_date(out, key):
+            shutil.rmtree(build, ignore_errors=True)  # a killed run of other inputs or parameters
             log.info("%s is up to date (same inputs and parameters); nothing to do", out)
             return out / MANIFEST_NAME
-        build = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
-        build.chmod(0o755)  # mkdtemp makes it private; the dataset is meant to be shared
-        try:
-            splits = assign_splits([d[0] for d in docs], val_fraction, seed)
-            reader = {"source": source, "mirror": mirror, "streaming": streaming}
-            manifest = _build(build, reader, docs, splits, params, fingerprint, num_proc)
-            (build / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-            _swap_in(build, out)
-        finally:
+        progress = _progress(build, key)
+        if progress is None:
             shutil.rmtree(build, ignore_errors=True)
+            build.mkdir()
+        else:
+            log.info("Resuming the killed preparation in %s after %d books", build, progress["records_done"])
+        try:
+            manifest = _build(build, books, _splitter(books.ids, val_fraction, seed), setup, key, num_proc, progress)
+        except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
+            shutil.rmtree(build)
+            raise
+        if _same_output(out, manifest):  # e.g. files touched but not changed: keep the dataset as it is
+            _write_json(out / MANIFEST_NAME, {**json.loads((out / MANIFEST_NAME).read_text()), "source_key": key})
+            shutil.rmtree(build)
+            log.info("%s is up to date (inputs read again, same content); nothing to do", out)
+            return out / MANIFEST_NAME
+        (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
+        _write_json(build / MANIFEST_NAME, manifest)
+        _swap_in(build, out)
     totals = manifest["splits"]
     log.info(
         "Wrote %s: train %d tokens (%d docs), val %d tokens (%d docs)",
@@ -104,7 +126,7 @@ def assign_splits(ids: list[str], val_fraction: float, seed: int = 0) -> dict[st
     if len(ids) < 2:
         log.warning("only %d document(s): all go to train, there will be no validation split", len(ids))
         return dict.fromkeys(ids, "train")
-    score = {i: int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "big") / 2**64 for i in ids}
+    score = {i: _score(seed, i) for i in ids}
     val = {i for i in ids if score[i] < val_fraction}
     if not val:
         val = {min(ids, key=score.__getitem__)}
@@ -113,13 +135,197 @@ def assign_splits(ids: list[str], val_fraction: float, seed: int = 0) -> dict[st
     return {i: "val" if i in val else "train" for i in ids}
 
 
-def _fingerprint(source: str, params: dict[str, Any], docs: list[tuple[str, str, str]]) -> str:
-    h = hashlib.sha256()
-    setup = {"format_version": FORMAT_VERSION, "tokenizer": TOKENIZER_SHA256, "source": source, **params}
-    h.update(json.dumps(setup, sort_keys=True).encode())
-    for doc in docs:
-        h.update(json.dumps(doc).encode())
-    return h.hexdigest()
+def _score(seed: int, doc_id: str) -> float:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()[:8], "big") / 2**64
+
+
+def _splitter(ids: list[str] | None, val_fraction: float, seed: int) -> Callable[[str], str]:
+    if ids is None:  # a streamed source: ids come as it is read, so only the hash rule applies
+        return lambda doc_id: "val" if _score(seed, doc_id) < val_fraction else "train"
+    return assign_splits(ids, val_fraction, seed).__getitem__
+
+
+def tokenize_records(records: list[Record]) -> list[tuple[str, str, np.ndarray]]:
+    """Worker task: read and clean each book, then (id, title, its GPT-2 tokens + <|endoftext|>).
+
+    Books empty after cleaning are left out (with a warning).
+    """
+    enc = get_encoding()
+    out = []
+    for doc in filter(None, (r.document() for r in records)):
+        # encode_ordinary: a literal "<|endoftext|>" inside a book is just text, not a separator.
+        ids = enc.encode_ordinary(doc.text)
+        tokens = np.empty(len(ids) + 1, dtype=DTYPE)
+        tokens[:-1], tokens[-1] = ids, EOT_ID
+        out.append((doc.id, doc.title, tokens))
+    return out
+
+
+def _batches(records: Iterator[Record]) -> Iterator[list[Record]]:
+    batch, size = [], 0
+    for record in records:
+        batch.append(record)
+        size += record.size
+        if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple[int, list]]:
+    """(records in the batch, tokenize_records(batch)) in order; at most 2 * num_proc batches in flight."""
+    if num_proc == 1:
+        for batch in batches:
+            yield len(batch), tokenize_records(batch)
+        return
+    with ProcessPoolExecutor(num_proc, initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
+        pending: deque[tuple[int, Future]] = deque()
+        try:
+            for batch in batches:
+                pending.append((len(batch), pool.submit(tokenize_records, batch)))
+                if len(pending) >= 2 * num_proc:
+                    count, future = pending.popleft()
+                    yield count, future.result()
+            while pending:
+                count, future = pending.popleft()
+                yield count, future.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: a killed parent must not leave its workers waiting for tasks forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _build(
+    build: Path,
+    books: Plan,
+    split_of: Callable[[str], str],
+    setup: dict[str, Any],
+    key: str | None,
+    num_proc: int,
+    progress: dict[str, Any] | None,
+) -> dict[str, Any]:
+    state = progress or {"records_done": 0, "index_bytes": 0, "writers": {s: {} for s in SPLITS}}
+    writers = {s: _ShardWriter(build, s, setup["shard_tokens"], **state["writers"][s]) for s in SPLITS}
+    index_path = build / DOCUMENTS_NAME
+    index_path.touch()
+    os.truncate(index_path, state["index_bytes"])  # drop lines written after the last checkpoint
+    done = state["records_done"]
+    total = len(books.ids) if books.ids is not None else None
+    with open(index_path, "ab") as index, tqdm(total=total, initial=done, desc="Preparing", unit="book") as bar:
+        for count, docs in _tokenized(_batches(books.records(done)), num_proc):
+            for doc_id, title, tokens in docs:
+                split = split_of(doc_id)
+                writers[split].write(tokens)
+                line = {"id": doc_id, "title": title, "split": split, "num_tokens": len(tokens)}
+                index.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+            done += count
+            bar.update(count)
+            if key is not None:  # a source that can be listed again can be resumed
+                index.flush()
+                state = {"key": key, "records_done": done, "index_bytes": index.tell()}
+                state["writers"] = {s: w.checkpoint() for s, w in writers.items()}
+                _write_json(build / PROGRESS_NAME, state)
+    shards = [s for w in writers.values() for s in w.close()]
+    num_docs = {s: 0 for s in SPLITS}
+    with open(index_path, "rb") as index:
+        for line in index:
+            num_docs[json.loads(line)["split"]] += 1
+    if not sum(num_docs.values()):
+        raise DataPrepError(f"source {setup['source']!r} produced no documents (all empty); add some books")
+    documents = {"file": DOCUMENTS_NAME, "count": sum(num_docs.values()), "sha256": file_sha256(index_path)}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": _digest([setup, documents, [s["sha256"] for s in shards]]),  # content: tokens <-> text
+        "source_key": key,
+        "tokenizer": {"name": TOKENIZER_NAME, "sha256": TOKENIZER_SHA256, "vocab_size": VOCAB_SIZE, "eot_id": EOT_ID},
+        "dtype": DTYPE,
+        "source": setup["source"],
+        "params": {k: setup[k] for k in ("shard_tokens", "val_fraction", "seed")},
+        "splits": {
+            split: {
+                "num_tokens": sum(s["num_tokens"] for s in shards if s["split"] == split),
+                "num_documents": num_docs[split],
+                "num_shards": sum(s["split"] == split for s in shards),
+            }
+            for split in SPLITS
+        },
+        "shards": shards,
+        "documents": documents,
+    }
+    return manifest
+
+
+class _ShardWriter:
+    """Appends a split's tokens to `{split}_000.bin`, `{split}_001.bin`, ... of `shard_tokens` each.
+
+    `shards` and `count` (tokens in the open shard) come from a checkpoint when resuming.
+    """
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, shards: tuple = (), count: int = 0) -> None:
+        self.folder, self.split, self.shard_tokens = folder, split, shard_tokens
+        self.shards: list[dict[str, Any]] = list(shards)
+        for stale in folder.glob(f"{split}_*.bin"):  # written after the checkpoint
+            if int(stale.stem.rpartition("_")[2]) >= len(self.shards) + (count > 0):
+                stale.unlink()
+        self._file, self._count, self._hash = None, 0, hashlib.sha256()
+        if count:
+            path = self._path()
+            os.truncate(path, 2 * count)
+            self._hash.update(path.read_bytes())
+            self._file, self._count = open(path, "ab"), count  # noqa: SIM115 - stays open across write() calls
+
+    def _path(self) -> Path:
+        return self.folder / f"{self.split}_{len(self.shards):03d}.bin"
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None:
+                self._file, self._count, self._hash = open(self._path(), "wb"), 0, hashlib.sha256()  # noqa: SIM115
+            take = min(len(tokens), self.shard_tokens - self._count)
+            data = tokens[:take].tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += take
+            tokens = tokens[take:]
+            if self._count == self.shard_tokens:
+                self._finish()
+
+    def checkpoint(self) -> dict[str, Any]:
+        if self._file is not None:
+            self._file.flush()  # in the OS's hands: survives the process being killed
+        return {"shards": self.shards, "count": self._count if self._file is not None else 0}
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._file is not None:
+            self._finish()
+        return self.shards
+
+    def _finish(self) -> None:
+        self._file.close()
+        self.shards.append(
+            {"file": Path(self._file.name).name, "split": self.split, "num_tokens": self._count,
+             "sha256": self._hash.hexdigest()}
+        )  # fmt: skip
+        self._file = None
+
+
+def _progress(build: Path, key: str | None) -> dict[str, Any] | None:
+    """The checkpoint of a killed run with the same inputs and parameters, if there is one."""
+    try:
+        state = json.loads((build / PROGRESS_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if key is not None and state.get("key") == key else None
 
 
 def _check_out_dir(out: Path) -> None:
@@ -131,17 +337,27 @@ def _check_out_dir(out: Path) -> None:
         )
 
 
-def _up_to_date(out: Path, fingerprint: str) -> bool:
+def _up_to_date(out: Path, key: str) -> bool:
     try:
-        return load_manifest(out, verify="sha256").fingerprint == fingerprint
+        raw = json.loads((out / MANIFEST_NAME).read_text())
+        return raw.get("source_key") == key and bool(load_manifest(out, verify="sha256"))
+    except (OSError, ValueError, DataPrepError):
+        return False
+
+
+def _same_output(out: Path, manifest: dict[str, Any]) -> bool:
+    try:
+        existing = load_manifest(out, verify="sha256")
     except DataPrepError:
         return False
+    return (existing.format_version, existing.fingerprint) == (FORMAT_VERSION, manifest["fingerprint"])
 
 
 @contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
+    # A POSIX lock belongs to this process alone: forked workers don't hold it, its death frees it.
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -153,136 +369,12 @@ def _swap_in(build: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _generate(source: str, mirror: str, streaming: bool, expected: tuple[str, ...]) -> Iterator[dict[str, str]]:
-    """Second read of the source for datasets; the content must match what was fingerprinted."""
-    changed = DataPrepError(f"source {source!r} changed while it was being prepared; run prepare again")
-    count = 0
-    for count, doc in enumerate(iter_documents(source, mirror=mirror, streaming=streaming), 1):
-        if count > len(expected) or _sha256(doc.text.encode()) != expected[count - 1]:
-            raise changed
-        yield {"id": doc.id, "title": doc.title, "text": doc.text}
-    if count != len(expected):
-        raise changed
+def _write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
-def tokenize_batch(batch: dict[str, list]) -> dict[str, list]:
-    """datasets.map function: GPT-2 tokens of each "text" followed by <|endoftext|>."""
-    enc = get_encoding()
-    # encode_ordinary: a literal "<|endoftext|>" inside a book is just text, not a separator.
-    return {"tokens": [[*enc.encode_ordinary(text), EOT_ID] for text in batch["text"]]}
-
-
-def _build(
-    build: Path,
-    reader: dict[str, Any],
-    docs: list[tuple[str, str, str]],
-    splits: dict[str, str],
-    params: dict[str, Any],
-    fingerprint: str,
-    num_proc: int,
-) -> dict[str, Any]:
-    import datasets  # lazily: the loader side of this package must work without it
-
-    # A datasets cache private to this build: it can never serve stale results, and goes with it.
-    # gen_kwargs lists would be split into one generator call per item; the tuple stays whole.
-    gen_kwargs = {**reader, "expected": tuple(d[2] for d in docs)}
-    try:
-        ds = datasets.Dataset.from_generator(
-            _generate,
-            features=datasets.Features({k: datasets.Value("string") for k in ("id", "title", "text")}),
-            cache_dir=str(build / ".hf_cache"),
-            gen_kwargs=gen_kwargs,
-        )
-    except datasets.exceptions.DatasetGenerationError as e:
-        if isinstance(e.__cause__, DataPrepError):
-            raise e.__cause__ from None
-        raise
-    tokens_feature = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "title": datasets.Value("string"),
-            "tokens": datasets.List(datasets.Value(DTYPE)),
-        }
-    )
-    ds = ds.map(
-        tokenize_batch,
-        batched=True,
-        batch_size=8,
-        num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=["text"],
-        features=tokens_feature,
-        desc="Tokenizing",
-    )
-    writers = {split: _ShardWriter(build, split, params["shard_tokens"]) for split in ("train", "val")}
-    documents = []
-    with tqdm(total=len(ds), desc="Writing shards", unit="doc") as bar:
-        for batch in ds.with_format("numpy").iter(batch_size=16):
-            for doc_id, title, tokens in zip(batch["id"], batch["title"], batch["tokens"], strict=True):
-                split = splits[str(doc_id)]
-                writers[split].write(tokens)
-                documents.append({"id": str(doc_id), "title": str(title), "split": split, "num_tokens": len(tokens)})
-                bar.update()
-    shutil.rmtree(build / ".hf_cache")
-    shards = [s for w in writers.values() for s in w.close()]
-    return {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "tokenizer": {"name": TOKENIZER_NAME, "sha256": TOKENIZER_SHA256, "vocab_size": VOCAB_SIZE, "eot_id": EOT_ID},
-        "dtype": DTYPE,
-        "source": reader["source"],
-        "params": params,
-        "splits": {
-            split: {
-                "num_tokens": sum(s["num_tokens"] for s in shards if s["split"] == split),
-                "num_documents": sum(d["split"] == split for d in documents),
-                "num_shards": sum(s["split"] == split for s in shards),
-            }
-            for split in ("train", "val")
-        },
-        "shards": shards,
-        "documents": documents,
-    }
-
-
-class _ShardWriter:
-    """Appends a split's tokens to `{split}_000.bin`, `{split}_001.bin`, ... of `shard_tokens` each."""
-
-    def __init__(self, folder: Path, split: str, shard_tokens: int) -> None:
-        self.folder, self.split, self.shard_tokens = folder, split, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self._file = None
-        self._count = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = np.asarray(tokens, dtype=np.uint16)
-        while len(tokens):
-            if self._file is None:
-                path = self.folder / f"{self.split}_{len(self.shards):03d}.bin"
-                self._file = open(path, "wb")  # noqa: SIM115 - stays open across write() calls
-                self._count = 0
-            take = min(len(tokens), self.shard_tokens - self._count)
-            self._file.write(tokens[:take].tobytes())
-            self._count += take
-            tokens = tokens[take:]
-            if self._count == self.shard_tokens:
-                self._finish()
-
-    def close(self) -> list[dict[str, Any]]:
-        if self._file is not None:
-            self._finish()
-        return self.shards
-
-    def _finish(self) -> None:
-        self._file.close()
-        path = Path(self._file.name)
-        self.shards.append(
-            {"file": path.name, "split": self.split, "num_tokens": self._count, "sha256": file_sha256(path)}
-        )
-        self._file = None
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (created or replaced as a whole)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per .bin shard")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, help="share of books for val")
-    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--num-proc", type=int, default=1, help="worker processes reading and tokenizing books")
     parser.add_argument("--seed", type=int, default=0, help="salt of the train/val split hash")
     parser.add_argument("--mirror", default=DEFAULT_MIRROR, help="Project Gutenberg base URL for gutenberg:")
     parser.add_argument("--streaming", action="store_true", help="stream hf: datasets instead of downloading")

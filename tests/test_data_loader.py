@@ -179,3 +179,24 @@ def test_manifest_from_another_tokenizer_is_refused(prepared_books, tmp_path):
     (data / "manifest.json").write_text("{not json")
     with pytest.raises(DataPrepError, match="is not a valid manifest"):
         load_manifest(data)
+
+
+def test_format_1_dataset_still_loads_and_prepare_migrates_it(prepared_books, tmp_path):
+    """Format 1 kept per-document metadata inside manifest.json; its shards are the same bytes."""
+    from data_prep.prepare import prepare
+
+    data = _copy(prepared_books, tmp_path)
+    documents = list(load_manifest(data).documents())
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["source_key"]
+    manifest.update(format_version=1, documents=documents)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    (data / "documents.jsonl").unlink()
+    old = load_manifest(data, verify="sha256")
+    assert list(old.documents()) == documents
+    expected = list(islice(TokenLoader(prepared_books, "train", BLOCK, 8), 3))
+    assert _same(list(islice(TokenLoader(data, "train", BLOCK, 8), 3)), expected)
+
+    prepare(manifest["source"], data, **manifest["params"])  # not "up to date": rebuilt in format 2
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
+    assert all((data / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())

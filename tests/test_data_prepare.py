@@ -43,10 +43,10 @@ def _check_exact(data_dir: Path, source: str) -> None:
     enc = get_encoding()
     docs = {d.id: d for d in iter_documents(source)}
     manifest = load_manifest(data_dir, verify="sha256")
-    assert [d["id"] for d in manifest.documents] == list(docs)
+    assert [d["id"] for d in manifest.documents()] == list(docs)
     for split in ("train", "val"):
         tokens = _split_tokens(data_dir, split)
-        listed = [d for d in manifest.documents if d["split"] == split]
+        listed = [d for d in manifest.documents() if d["split"] == split]
         assert listed, f"no {split} documents"
         assert len(tokens) == manifest.splits[split]["num_tokens"] == sum(d["num_tokens"] for d in listed)
         assert len(tokens) == sum(len(enc.encode_ordinary(docs[d["id"]].text)) + 1 for d in listed)
@@ -54,8 +54,8 @@ def _check_exact(data_dir: Path, source: str) -> None:
         assert len(ends) == len(listed) and ends[-1] == len(tokens) - 1
         texts = [enc.decode(part.tolist()) for part in np.split(tokens, ends + 1)[:-1]]
         assert [t.removesuffix("<|endoftext|>") for t in texts] == [docs[d["id"]].text for d in listed]
-    train = {d["id"] for d in manifest.documents if d["split"] == "train"}
-    val = {d["id"] for d in manifest.documents if d["split"] == "val"}
+    train = {d["id"] for d in manifest.documents() if d["split"] == "train"}
+    val = {d["id"] for d in manifest.documents() if d["split"] == "val"}
     assert train.isdisjoint(val) and train | val == set(docs)
 
 
@@ -67,7 +67,7 @@ def test_prepared_books_fixture_is_exact_and_sharded(prepared_books):
     assert (manifest.vocab_size, manifest.eot_id, manifest.dtype) == (50257, EOT_ID, "uint16")
     assert manifest.params == {"shard_tokens": 40_000, "val_fraction": 0.1, "seed": 0}
     assert sorted(p.name for p in prepared_books.iterdir()) == sorted(
-        [s.file for s in manifest.shards] + ["manifest.json"]
+        [s.file for s in manifest.shards] + ["documents.jsonl", "manifest.json"]
     )
 
 
@@ -75,7 +75,7 @@ def test_whole_default_corpus_with_two_processes(tmp_path):
     prepare("default", tmp_path / "default", num_proc=2)
     _check_exact(tmp_path / "default", "default")
     manifest = load_manifest(tmp_path / "default")
-    assert len(manifest.documents) == 48
+    assert len(list(manifest.documents())) == 48
     assert manifest.splits["val"]["num_documents"] == 5
 
 
@@ -101,8 +101,18 @@ def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
     time.sleep(0.01)
     with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         prepare(source, out, val_fraction=0.25, num_proc=2)
-    assert "is up to date" in caplog.text
+    assert "is up to date (same inputs" in caplog.text
     assert _snapshot(out) == before
+
+    os.utime(books / "book2.txt", ns=(1, 1))  # touched, not changed: read again, shards kept as they are
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, val_fraction=0.25)
+        prepare(source, out, val_fraction=0.25)
+    assert "inputs read again, same content" in caplog.text and "is up to date (same inputs" in caplog.text
+    assert {k: v for k, v in _snapshot(out).items() if k != "manifest.json"} == {
+        k: v for k, v in before.items() if k != "manifest.json"
+    }
 
     (books / "book1.txt").write_text("A different book.\n", encoding="utf-8")
     caplog.clear()
@@ -176,12 +186,12 @@ def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".data.build-*")) and child.poll() is None and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".data.build")) and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert child.returncode == -signal.SIGKILL, "prepare finished before it could be interrupted"
-    assert list(tmp_path.glob(".data.build-*")), "no build dir to leave behind"
+    assert (tmp_path / ".data.build").is_dir(), "no build dir to leave behind"
     assert _snapshot(out) == before
     load_manifest(out, verify="sha256")
     prepare("default:sonnets,macbeth", out)  # up to date, and clears the killed run's leftovers
@@ -196,7 +206,7 @@ def test_cli_combines_repeated_sources_and_reports_errors(tmp_path, capsys):
     assert main(["--source", f"files:{a}", "--source", f"files:{b}/*.txt", "--out", str(out)]) == 0
     manifest = load_manifest(out)
     assert manifest.source == f"files:{a}+files:{b}/*.txt"
-    assert [d["id"] for d in manifest.documents] == ["files/a/book0.txt", "files/a/book1.txt", "files/b/book0.txt"]
+    assert [d["id"] for d in manifest.documents()] == ["files/a/book0.txt", "files/a/book1.txt", "files/b/book0.txt"]
     assert main(["--source", "nope:1", "--out", str(tmp_path / "other")]) == 1
     assert "error: unknown source kind 'nope'" in capsys.readouterr().err
     assert os.path.exists(out / "manifest.json") and not (tmp_path / "other").exists()

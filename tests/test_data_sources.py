@@ -2,7 +2,7 @@
 
 import pytest
 
-from data_prep import DataPrepError
+from data_prep import DataPrepError, sources
 from data_prep.sources import clean_text, default_book_names, iter_documents, parse_spec
 
 PG_MODERN = (
@@ -51,16 +51,23 @@ def test_clean_text_strips_gutenberg_boilerplate_modern_and_old():
     assert clean_text(" \r\n\n\t\n") == ""
 
 
-def test_files_directory_glob_and_single_file(tmp_path):
+def test_files_directory_tree_glob_and_single_file(tmp_path):
     books = tmp_path / "books"
-    (books / "sub").mkdir(parents=True)
+    (books / "sub" / "deeper").mkdir(parents=True)
     (books / "b.txt").write_text(PG_MODERN, encoding="utf-8")
     (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
     (books / "notes.md").write_text("not a book", encoding="utf-8")
     (books / "sub" / "c.txt").write_text("Gamma.\n", encoding="utf-8")
-    docs = list(iter_documents(f"files:{books}"))
-    assert [(d.id, d.title) for d in docs] == [("files/books/a.txt", "a"), ("files/books/b.txt", "Tiny Book")]
+    (books / "sub" / "deeper" / "d.txt").write_text("Delta.\n", encoding="utf-8")
+    docs = list(iter_documents(f"files:{books}"))  # a folder is its whole tree, as PG-19 lays out its books
+    assert [(d.id, d.title) for d in docs] == [
+        ("files/books/a.txt", "a"),
+        ("files/books/b.txt", "Tiny Book"),
+        ("files/books/sub/c.txt", "c"),
+        ("files/books/sub/deeper/d.txt", "d"),
+    ]
     assert docs[1].text == clean_text(PG_MODERN)
+    (books / "sub" / "deeper" / "d.txt").unlink()
     assert [d.id for d in iter_documents(f"files:{books}/**/*.txt")] == [
         "files/books/a.txt",
         "files/books/b.txt",
@@ -108,6 +115,7 @@ def test_gutenberg_reads_its_cache_and_reports_network_failure(tmp_path, monkeyp
     (tmp_path / "gutenberg" / "pg77.txt").write_text(PG_MODERN, encoding="utf-8")
     [doc] = iter_documents("gutenberg:77")
     assert (doc.id, doc.title, doc.text) == ("gutenberg/77", "Tiny Book", clean_text(PG_MODERN))
+    monkeypatch.setattr(sources, "RETRY_PAUSE", 0.01)
     with pytest.raises(DataPrepError, match=r"could not download Project Gutenberg book 145 from http://127.0.0.1:9/"):
         list(iter_documents("gutenberg:77,145", mirror="http://127.0.0.1:9"))
     assert sorted(p.name for p in (tmp_path / "gutenberg").iterdir()) == ["pg77.txt"]

@@ -1,0 +1,202 @@
+"""A library user's sources and runs: Gutenberg over HTTP (a local server), local hf datasets,
+bad files, and a preparation killed with SIGKILL that resumes to byte-identical output."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from data_prep import DataPrepError, sources
+from data_prep.loader import load_manifest
+from data_prep.prepare import prepare
+from data_prep.sources import clean_text, iter_documents
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _book(n: int) -> str:
+    return (
+        f"Title: Book {n}\n\n*** START OF THE PROJECT GUTENBERG EBOOK BOOK {n} ***\n"
+        + f"Chapter {n}. It was night number {n}.\n" * 20
+        + "*** END OF THE PROJECT GUTENBERG EBOOK ***\nlicense\n"
+    )
+
+
+class _Mirror(BaseHTTPRequestHandler):
+    """/cache/epub/N/pgN.txt for N in books; ids in flaky fail once with 503 first; others are 404."""
+
+    books: dict[int, str]
+    flaky: set[int]
+    requests: list[str]
+    active = peak = 0
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        cls = type(self)
+        with cls.lock:
+            cls.requests.append(self.path)
+            cls.active += 1
+            cls.peak = max(cls.peak, cls.active)
+        time.sleep(0.05)  # long enough for concurrent downloads to overlap
+        book = int(self.path.rsplit("/pg", 1)[1].removesuffix(".txt"))
+        with cls.lock:
+            cls.active -= 1
+            if book in cls.flaky:
+                cls.flaky.discard(book)
+                self.send_error(503)
+                return
+        if book not in cls.books:
+            self.send_error(404)
+            return
+        body = cls.books[book].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def mirror():
+    handler = type("Mirror", (_Mirror,), {"books": {n: _book(n) for n in range(1, 9)}, "flaky": {3}, "requests": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield handler, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join()
+
+
+def test_gutenberg_downloads_concurrently_retries_and_caches(tmp_path, monkeypatch, mirror):
+    handler, url = mirror
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "RETRY_PAUSE", 0.01)
+    docs = list(iter_documents("gutenberg:1,2,3,4,5,6,7,8", mirror=url))
+    assert [(d.id, d.title) for d in docs] == [(f"gutenberg/{n}", f"Book {n}") for n in range(1, 9)]
+    assert [d.text for d in docs] == [clean_text(_book(n)) for n in range(1, 9)]
+    assert len(handler.requests) == 9  # book 3 twice: a 503, then the retry
+    assert handler.peak > 1, "downloads did not overlap"
+    cached = sorted(p.name for p in (tmp_path / "cache" / "gutenberg").iterdir())
+    assert cached == [f"pg{n}.txt" for n in range(1, 9)]
+
+    handler.requests.clear()  # a second run reads the cache only
+    prepare("gutenberg:1,2,3,4,5,6,7,8", tmp_path / "data", mirror=url)
+    assert handler.requests == []
+    assert load_manifest(tmp_path / "data").splits["train"]["num_documents"] >= 1
+
+    with pytest.raises(DataPrepError, match=r"could not download Project Gutenberg book 404 from http://127.*404"):
+        list(iter_documents("gutenberg:1,404,9", mirror=url))
+    assert [p for p in handler.requests if "pg404" in p] == ["/cache/epub/404/pg404.txt"]  # a 404 is not retried
+    assert not (tmp_path / "cache" / "gutenberg" / "pg404.txt").exists()
+
+
+def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    rows = {"body": ["First book.\r\n", "Second book.", "Third."], "title": ["One", None, "Three"]}
+    ds = datasets.Dataset.from_dict(rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    ds.to_parquet(str(tmp_path / "books.parquet"))
+    (tmp_path / "folder").mkdir()
+    ds.to_parquet(str(tmp_path / "folder" / "part-0.parquet"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    for path in (tmp_path / "saved", tmp_path / "books.parquet", tmp_path / "folder", arrow):
+        docs = list(iter_documents(f"hf:{path}:train:body"))
+        assert [(d.title, d.text) for d in docs] == [
+            ("One", "First book.\n"),
+            (f"{path} #1", "Second book.\n"),
+            ("Three", "Third.\n"),
+        ], path
+    out = prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", tmp_path / "data", val_fraction=0.3).parent
+    assert [d["title"] for d in load_manifest(out).documents()] == ["One", f"{tmp_path / 'books.parquet'} #1", "Three"]
+    prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", out, val_fraction=0.3)  # listing alone: up to date
+    streamed = prepare(f"hf:{tmp_path / 'books.parquet'}:train:body", tmp_path / "s", val_fraction=0.3, streaming=True)
+    same = ("id", "title", "num_tokens")  # a streamed source's split is the hash rule alone (no fix-ups)
+    assert [[d[k] for k in same] for d in load_manifest(streamed.parent).documents()] == [
+        [d[k] for k in same] for d in load_manifest(out).documents()
+    ]
+    with pytest.raises(DataPrepError, match=r"no column 'text' \(columns: \['body', 'title'\]\)"):
+        prepare(f"hf:{tmp_path / 'books.parquet'}", tmp_path / "other")
+    datasets.Dataset.from_dict({"text": ["", " \n", None]}).to_parquet(str(tmp_path / "blank.parquet"))
+    with pytest.raises(DataPrepError, match=r"source 'hf:.*blank.parquet' produced no documents \(all empty\)"):
+        prepare(f"hf:{tmp_path / 'blank.parquet'}", tmp_path / "other", num_proc=2)
+    datasets.Dataset.from_dict({"text": []}).to_parquet(str(tmp_path / "none.parquet"))
+    with pytest.raises(DataPrepError, match=r"could not load Hugging Face dataset .*none.parquet.* no data") as e:
+        prepare(f"hf:{tmp_path / 'none.parquet'}", tmp_path / "other")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "other").exists()
+
+
+def test_binary_and_unreadable_files_are_one_clear_error(tmp_path):
+    books = tmp_path / "books"
+    (books / "sub").mkdir(parents=True)
+    (books / "good.txt").write_text("Good.\n", encoding="utf-8")
+    (books / "sub" / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(DataPrepError, match=r"cover.txt holds NUL bytes \(a binary file, or UTF-16 text\); convert"):
+        prepare(f"files:{books}", tmp_path / "data", num_proc=2)  # raised in a worker, reported the same
+    (books / "sub" / "cover.txt").unlink()
+    (books / "sub" / "locked.txt").write_text("Locked.\n", encoding="utf-8")
+    (books / "sub" / "locked.txt").chmod(0)
+    if os.access(books / "sub" / "locked.txt", os.R_OK):
+        pytest.skip("running as root: a mode-000 file is still readable")
+    with pytest.raises(DataPrepError, match=r"cannot read .*locked.txt \(Permission denied\)"):
+        prepare(f"files:{books}", tmp_path / "data")
+    assert not (tmp_path / "data").exists() and not (tmp_path / ".data.build").exists()
+
+
+def _library(folder: Path, books: int = 48) -> Path:
+    """A nested shelf of distinct ~120 kB books made from the embedded corpus."""
+    texts = [d.text for d in iter_documents("default")]
+    for i in range(books):
+        shelf = folder / f"shelf{i % 3}" / f"row{i % 2}"
+        shelf.mkdir(parents=True, exist_ok=True)
+        (shelf / f"book{i:03d}.txt").write_text(f"Book {i}.\n" + texts[i % len(texts)][:120_000], encoding="utf-8")
+    return folder
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
+    source = f"files:{_library(tmp_path / 'library')}"
+    args = {"shard_tokens": 300_000, "val_fraction": 0.2}
+    prepare(source, tmp_path / "whole", **args)
+
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "data_prep.prepare", "--source", source, "--out", str(out), "--num-proc", "2"]
+    cmd += ["--shard-tokens", "300000", "--val-fraction", "0.2"]
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = tmp_path / ".data.build" / "progress.json"
+    deadline = time.monotonic() + 60
+    while child.poll() is None and time.monotonic() < deadline:
+        if progress.is_file() and json.loads(progress.read_text())["records_done"] >= 10:
+            break
+        time.sleep(0.002)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
+    done = json.loads(progress.read_text())["records_done"]
+    assert 10 <= done < 48 and not out.exists()
+
+    with caplog.at_level("INFO", logger="data_prep.prepare"):
+        prepare(source, out, num_proc=1, **args)
+    assert f"after {done} books" in caplog.text
+    assert _files(out) == _files(tmp_path / "whole")
+    load_manifest(out, verify="sha256")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", ".whole.lock", "data", "library", "whole"]
+
+    (tmp_path / "library" / "shelf0" / "row0" / "book000.txt").write_text("Changed.\n", encoding="utf-8")
+    prepare(source, out, num_proc=2, **args)  # a changed input rebuilds
+    assert _files(out)["documents.jsonl"] != _files(tmp_path / "whole")["documents.jsonl"]
