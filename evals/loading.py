@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from evals import EvalError
-from modeling.config import GPTConfig, get_preset
+from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from training.checkpoint import list_checkpoints
 from training.config import ConfigError, TrainConfig, load_yaml
@@ -69,13 +68,9 @@ def run_model_config(run: Path) -> GPTConfig:
     if not path.is_file():
         raise EvalError(f"{path} is missing, so the model shape is unknown; is {run} a run folder?")
     try:
-        train_config = TrainConfig(**load_yaml(path))
-        config = get_preset(train_config.preset)
+        return TrainConfig(**load_yaml(path)).model_config()
     except (ConfigError, ValueError) as err:
         raise EvalError(f"{path}: {err}") from None
-    if train_config.block_size is not None:
-        config = dataclasses.replace(config, block_size=train_config.block_size)
-    return config
 
 
 def _from_checkpoint(run: Path, checkpoint: Path) -> GPT:

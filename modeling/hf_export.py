@@ -127,10 +127,9 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding | Non
     return out_dir
 
 
-def load_hf(folder: str | Path) -> GPT:
-    """A GPT (vocab padded to 50,304) from a transformers GPT-2 folder, such as export_hf writes."""
-    hf_model = GPT2LMHeadModel.from_pretrained(folder)
-    c = hf_model.config
+def load_hf_config(folder: str | Path) -> GPTConfig:
+    """The GPTConfig of a transformers GPT-2 folder or Hub id (config.json only, no weights)."""
+    c = GPT2Config.from_pretrained(folder)
     # What our GPT hard-codes; a folder that differs would load without error and compute something else.
     found = (c.vocab_size, c.activation_function, c.layer_norm_epsilon, c.n_inner or 4 * c.n_embd)
     wanted = (REAL_VOCAB_SIZE, "gelu_new", 1e-5, 4 * c.n_embd)
@@ -138,9 +137,18 @@ def load_hf(folder: str | Path) -> GPT:
         raise ValueError(
             f"{folder}: (vocab_size, activation_function, layer_norm_epsilon, n_inner) = {found}, our GPT is {wanted}"
         )
-    config = GPTConfig(
+    return GPTConfig(
         n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, dropout=c.resid_pdrop
     )
+
+
+def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
+    """A GPT (vocab padded to 50,304) from a transformers GPT-2 folder or Hub id, such as export_hf writes.
+    config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows."""
+    saved = load_hf_config(folder)
+    config = config or saved
+    state_dict = from_hf_state_dict(GPT2LMHeadModel.from_pretrained(folder).state_dict(), saved)
+    state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
-    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), config), strict=True)
+    model.load_state_dict(state_dict, strict=True)
     return model

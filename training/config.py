@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from modeling.config import get_preset
+from modeling.config import GPTConfig, get_preset
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 
@@ -33,6 +33,13 @@ class TrainConfig:
     preset: str = field(default="gpt2-124m", metadata={"help": "model preset from modeling.config.PRESETS"})
     block_size: int | None = field(
         default=None, metadata={"help": "context length; defaults to the preset's and may not exceed it"}
+    )
+    init_from: str = field(
+        default="",
+        metadata={
+            "help": "start from these weights instead of a random init: a transformers GPT-2 folder (a run's "
+            "export/) or a Hub id such as gpt2; its shape replaces the preset's"
+        },
     )
     data_dir: str = field(
         default=DEFAULT_DATA_DIR,
@@ -90,6 +97,23 @@ class TrainConfig:
     push_to_hub: str = field(
         default="", metadata={"help": "Hub repo id (you/name) to push the export and model card to at the end"}
     )
+
+    def model_config(self) -> GPTConfig:
+        """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
+        if self.init_from:
+            from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
+
+            try:
+                config, source = load_hf_config(self.init_from), f"{self.init_from}'s"
+            except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
+                raise ConfigError(f"init_from {self.init_from}: {err}") from None
+        else:
+            config, source = get_preset(self.preset), f"the {self.preset} preset's"
+        if self.block_size is None:
+            return config
+        if self.block_size > config.block_size:
+            raise ConfigError(f"block_size={self.block_size} exceeds {source} {config.block_size} positions")
+        return dataclasses.replace(config, block_size=self.block_size)
 
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""

@@ -68,6 +68,9 @@ def render_model_card(run_dir: str | Path) -> str:
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
         scores = {k: v for k, v in val[-1].items() if k.startswith(("hellaswag", "lambada"))}
         score_lines = "".join(f"| {name.replace('_', ' ')} (final) | {value:.4f} |\n" for name, value in scores.items())
+    init_from = config.get("init_from")
+    model = f"{init_from} (continued)" if init_from else config["preset"]
+    origin = f"from the weights of {init_from}" if init_from else "from scratch"
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -75,9 +78,9 @@ license: mit
 tags: [gpt2, text-generation, bookgpt, pretraining]
 ---
 
-# {run_dir.name}: a {config["preset"]} GPT trained with bookgpt
+# {run_dir.name}: a {model} GPT trained with bookgpt
 
-A GPT-2-architecture model pretrained from scratch on public-domain books with bookgpt
+A GPT-2-architecture model pretrained {origin} on public-domain books with bookgpt
 (a pretraining project built on Hugging Face Accelerate).
 
 ## Training data
@@ -86,7 +89,7 @@ A GPT-2-architecture model pretrained from scratch on public-domain books with b
 ## Training
 | | |
 |---|---|
-| preset | {config["preset"]} (context {config["block_size"] or "preset default"}) |
+| model | {model} (context {config["block_size"] or "the model's"}) |
 | optimizer steps | {last["step"]:,} |
 | tokens seen | {last["tokens_seen"]:,} |
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |

@@ -17,9 +17,9 @@ from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
-from modeling.config import GPTConfig, get_preset
+from modeling.config import GPTConfig
 from modeling.gpt import GPT
-from modeling.hf_export import export_hf
+from modeling.hf_export import export_hf, load_hf
 from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
@@ -65,15 +65,9 @@ class Run:
         return last or any(due(interval, step, last) for interval in intervals)
 
 
-def model_config_for(cfg: TrainConfig) -> GPTConfig:
-    model_config = get_preset(cfg.preset)
-    if cfg.block_size is None:
-        return model_config
-    if cfg.block_size > model_config.block_size:
-        raise ConfigError(
-            f"block_size={cfg.block_size} exceeds the {cfg.preset} preset's {model_config.block_size} positions"
-        )
-    return dataclasses.replace(model_config, block_size=cfg.block_size)
+def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
+    """GPT-2 init, or the weights of cfg.init_from."""
+    return load_hf(cfg.init_from, model_config) if cfg.init_from else GPT(model_config)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -83,7 +77,7 @@ def setup(cfg: TrainConfig) -> Run:
     ensure_writable(run_dir)
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
-    model_config = model_config_for(cfg)
+    model_config = cfg.model_config()
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     accelerator = build_accelerator(
@@ -104,7 +98,7 @@ def setup(cfg: TrainConfig) -> Run:
     manifest, train_loader, val_loader = build_data(cfg, accelerator, model_config)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
-    model = GPT(model_config)
+    model = initial_model(cfg, model_config)
     param_groups = model.optimizer_groups(cfg.weight_decay)
     optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
     total_steps = cfg.total_steps()
@@ -153,7 +147,7 @@ def build_data(
                 load_examples(task, cfg.eval_limit)
     if manifest.vocab_size > model_config.vocab_size:
         raise ConfigError(
-            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the {cfg.preset} model "
+            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the model "
             f"has {model_config.vocab_size} embeddings; prepare the data with the GPT-2 tokenizer"
         )
     block_size = model_config.block_size
@@ -187,7 +181,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
     if accelerator.is_main_process:
         (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     accelerator.print(
-        f"{cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
+        f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
