@@ -70,6 +70,7 @@ def test_prepared_books_fixture_is_exact_and_sharded(prepared_books):
     )
 
 
+@pytest.mark.slow
 def test_whole_default_corpus_with_two_processes(tmp_path):
     prepare("default", tmp_path / "default", num_proc=2)
     _check_exact(tmp_path / "default", "default")
