@@ -1,4 +1,5 @@
-# The README's commands: `make train`, `make test` (everything) and `make test-fast` (no process launches). Both set up .venv on first use.
+# The README's commands: `make train`, `make test` (everything), `make test-fast` (tests that launch no process).
+# Each sets up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.5 you already have.
