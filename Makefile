@@ -1,10 +1,11 @@
-# The README's two commands: `make train` and `make test`. Both set up .venv on first use.
+# The README's commands: `make train`, `make test` (everything), `make test-fast` (tests that launch no process).
+# Each sets up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.5 you already have.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint
+.PHONY: install train test test-fast lint
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +20,9 @@ train: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

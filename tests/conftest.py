@@ -1,4 +1,5 @@
-"""Shared data fixtures (the embedded corpus is downloaded once into the user cache, then offline)."""
+"""Shared fixtures: prepared books, a tiny GPT, an eval run folder (the embedded corpus and the eval data are
+downloaded once into the user cache, then offline)."""
 
 from pathlib import Path
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 
 from data_prep.prepare import prepare
+from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
+from testkit import TINY_MODEL, new_run, write_checkpoint
+from training.checkpoint import checkpoint_dir
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
@@ -32,3 +36,16 @@ def tiny_gpt() -> GPT:
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return gpt
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder as training leaves it: config.yaml and two checkpoints, the newest from a compiled model
+    (keys prefixed `_orig_mod.`)."""
+    provision()
+    run = new_run(tmp_path_factory.mktemp("evals"))
+    for step in (1, 2):
+        torch.manual_seed(step)
+        model = GPT(TINY_MODEL)
+        write_checkpoint(torch.compile(model) if step == 2 else model, checkpoint_dir(run, step))
+    return run

@@ -17,8 +17,7 @@ from data_prep.loader import load_manifest
 from data_prep.prepare import assign_splits, main, prepare
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import EOT_ID, get_encoding
-
-REPO = Path(__file__).resolve().parents[1]
+from testkit import REPO
 
 
 def _split_tokens(data_dir: Path, split: str) -> np.ndarray:
@@ -71,6 +70,7 @@ def test_prepared_books_fixture_is_exact_and_sharded(prepared_books):
     )
 
 
+@pytest.mark.slow
 def test_whole_default_corpus_with_two_processes(tmp_path):
     prepare("default", tmp_path / "default", num_proc=2)
     _check_exact(tmp_path / "default", "default")
@@ -174,6 +174,7 @@ def test_refuses_to_replace_a_folder_it_did_not_create(tmp_path):
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"]
 
 
+@pytest.mark.slow
 def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
     out = tmp_path / "data"
     prepare("default:sonnets,macbeth", out)

@@ -79,7 +79,7 @@ def test_cpu_precision_hint_measures_the_other_dtype_here():
 def test_cpu_peak_and_hint_are_bounded_whatever_the_dtype_costs_here(mixed_precision):
     """The start-up probe (peak of the launch dtype, then the other one for the hint) stays near its ~1 s budget
     even for a dtype without native kernels: bf16 on an AVX2-only CPU, where one 2048^2 matmul takes a minute.
-    The bound leaves room for a shared machine; the unbounded probe took over ten minutes here."""
+    The bound leaves room for a shared machine."""
     start = time.perf_counter()
     peak, _ = peak_tflops(torch.device("cpu"), mixed_precision)
     cpu_precision_hint(mixed_precision, peak)

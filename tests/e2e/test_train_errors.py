@@ -6,13 +6,13 @@ import hashlib
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from testkit import run, train_cmd
+
+pytestmark = pytest.mark.slow
 
 
 def snapshot(*folders: Path) -> dict[str, str]:
@@ -36,10 +36,8 @@ def workspace(prepared_books, tmp_path):
     return data, run_dir
 
 
-def fails(*args: str) -> str:
-    cmd = [sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--peak-tflops", "1", *args]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+def fails(run_dir: Path, data_dir: Path, *args: str) -> str:
+    result = run(train_cmd(None, run_dir, data_dir, *args), expect_rc=1, timeout=300)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     return result.stderr
 
@@ -86,7 +84,7 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
         damage(data)
     before = snapshot(data, run_dir)
     args = [a.format(tmp=tmp_path) for a in args]
-    stderr = fails("--data-dir", str(data), "--out-dir", str(run_dir), *args)
+    stderr = fails(run_dir, data, *args)
     assert stderr.startswith("error: ")
     assert re.search(message, stderr), stderr
     assert snapshot(data, run_dir) == before

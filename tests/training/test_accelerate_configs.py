@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,9 +15,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
+from testkit import REPO, free_port
 from training.distributed import _configure_deepspeed, deepspeed_fp32_gradients, fsdp_plugin
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "accelerate_configs"
+CONFIG_DIR = REPO / "accelerate_configs"
 YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 
 # name -> (distributed_type, machines, processes in total, mixed precision, dynamo backend or None)
@@ -132,12 +130,6 @@ def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(m
     # AcceleratorState then applies the launch's mixed_precision to the plugin: an explicit policy stays
     plugin.set_mixed_precision("bf16")
     assert plugin.mixed_precision_policy == bf16_policy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):

@@ -12,8 +12,7 @@ import pytest
 from data_prep import DataPrepError
 from data_prep.assets import cache_dir, sdist
 from data_prep.tokenizer import EOT_ID, TOKENIZER_SHA256, WHISPER_SDIST, get_encoding
-
-REPO = Path(__file__).resolve().parents[1]
+from testkit import REPO
 
 
 def _offline_env(cache: Path) -> dict[str, str]:
@@ -47,6 +46,7 @@ def test_encoding_is_gpt2():
     assert enc.decode(enc.encode_ordinary(text)) == text
 
 
+@pytest.mark.slow
 def test_provisions_ranks_from_cached_whisper_sdist_offline(tmp_path):
     archive = sdist(*WHISPER_SDIST)  # downloads into the user cache on the very first run
     (tmp_path / "downloads").mkdir()
@@ -58,6 +58,7 @@ def test_provisions_ranks_from_cached_whisper_sdist_offline(tmp_path):
     assert hashlib.sha256(ranks).hexdigest() == TOKENIZER_SHA256
 
 
+@pytest.mark.slow
 def test_unprovisionable_tokenizer_says_how_to_fix(tmp_path):
     result = _load_in_child(tmp_path)
     assert result.returncode != 0

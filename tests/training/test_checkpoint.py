@@ -7,7 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from training.checkpoint import ensure_writable
+
+pytestmark = pytest.mark.slow  # spawns worker processes
 
 
 def probe_together(run_dir: Path, barrier: Any, seconds: float) -> None:

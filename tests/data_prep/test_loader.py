@@ -87,7 +87,7 @@ def test_val_loader_gives_the_same_first_batches_every_time(prepared_books):
     assert x[0].tolist() == val.dataset[0][0].tolist() and x[1].tolist() == val.dataset[1][0].tolist()
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: worker processes
 def test_resume_yields_exactly_the_remaining_batches(prepared_books, num_workers):
     def make() -> TokenLoader:
         return TokenLoader(prepared_books, "train", BLOCK, 8, rank=1, world_size=2, seed=7, num_workers=num_workers)

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from testkit import launch
 from training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-# Keep launches quiet and fast: no MFU matmul probe, no samples, no export unless a test asks for it.
-QUIET = ["--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0", "--export-hf", "false"]
-
-
-def launch(accelerate_config: str, run_dir: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config),
-        str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--data-dir", str(data_dir),
-        "--out-dir", str(run_dir), *QUIET, *args,
-    ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
+pytestmark = pytest.mark.slow
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -8,9 +8,7 @@ FSDP2 runs compiled per block, as its GPU YAML does, so its save/resume is that 
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,19 +16,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from testkit import REPO, free_port, run, train_cmd
 from training.checkpoint import checkpoint_dir
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 STEPS, HALF = 6, 3
 TINY_PARAMS = 3_323_648  # GPT(get_preset("tiny-cpu")).num_params()
 COMMON = [
-    "--preset", "tiny-cpu", "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--max-steps", str(STEPS),
-    "--lr", "3e-3", "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--sample-interval", "0",
-    "--checkpoint-interval", str(HALF), "--keep-checkpoints", "2", "--peak-tflops", "1", "--num-workers", "0",
+    "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--max-steps", str(STEPS), "--lr", "3e-3",
+    "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", str(HALF),
+    "--keep-checkpoints", "2",
 ]  # fmt: skip
 # Different engines on the same batches: summation order differs (all-reduce vs reduce-scatter, flat buffers).
 ENGINE_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -44,10 +41,7 @@ RESUME_TOL = dict(rtol=0.0, atol=1e-6)
 def launch_cmd(
     accelerate_config: str, run_dir: Path, data_dir: Path, *args: str, launch_args: Sequence[str] = ()
 ) -> list[str]:
-    return [
-        ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config), *launch_args,
-        str(REPO / "train_accel.py"), "--data-dir", str(data_dir), "--out-dir", str(run_dir), *COMMON, *args,
-    ]  # fmt: skip
+    return train_cmd(accelerate_config, run_dir, data_dir, *COMMON, *args, launch_args=launch_args)
 
 
 def check(result: subprocess.CompletedProcess | subprocess.Popen, cmd: list[str], out: str, err: str) -> None:
@@ -56,10 +50,7 @@ def check(result: subprocess.CompletedProcess | subprocess.Popen, cmd: list[str]
 
 def launch(accelerate_config: str, run_dir: Path, data_dir: Path, *args: str) -> str:
     """Run to completion; the launcher's stdout."""
-    cmd = launch_cmd(accelerate_config, run_dir, data_dir, *args)
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    check(result, cmd, result.stdout, result.stderr)
-    return result.stdout
+    return run(launch_cmd(accelerate_config, run_dir, data_dir, *args)).stdout
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -154,12 +145,6 @@ def test_export_gathers_full_weights_loadable_in_transformers(sharded, ddp_run):
     assert got.keys() == want.keys()
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=1e-3, atol=1e-4, msg=name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path, ddp_run):

@@ -1,0 +1,39 @@
+"""`python -m evals` end to end: one process and two (through `accelerate launch`) score a run folder alike."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data_prep.tokenizer import get_encoding
+from evals.loading import load_model
+from evals.runner import run_task
+from testkit import REPO, run
+from training.checkpoint import checkpoint_dir
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(args: list[str], launcher: list[str]) -> subprocess.CompletedProcess:
+    return run([*launcher, *args], timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path):
+    args = ["--run", str(tiny_run), "--tasks", "hellaswag,lambada", "--limit", "12", "--batch-size", "5"]
+    one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"])
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp2.yaml"]
+    two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"])
+    assert "1 process(es)" in one.stdout and "2 process(es)" in two.stdout
+    assert "| hellaswag | acc_norm |" in one.stdout and "| lambada | ppl |" in one.stdout
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["source"] == two["source"] == f"checkpoint {checkpoint_dir(tiny_run, 2)}"  # the newest
+    assert one["examples"] == two["examples"] == {"hellaswag": 12, "lambada": 12}
+    assert one["predictions"] == two["predictions"]
+    assert one["metrics"] == two["metrics"]
+    # ... and what the library computes in-process from the same checkpoint.
+    model, _ = load_model(tiny_run)
+    local = run_task(model, "hellaswag", get_encoding(), limit=12)
+    assert local.predictions["pred_norm"].tolist() == one["predictions"]["hellaswag"]["pred_norm"]
+    assert local.metrics["hellaswag_acc_norm"] == one["metrics"]["hellaswag_acc_norm"]

@@ -1,0 +1,76 @@
+"""What the tests share besides fixtures: the repo's paths, the one way to launch train_accel.py, a checked run.
+
+Importable from any test folder (`pythonpath = ["tests"]` in pyproject); fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from modeling.config import get_preset
+from training.config import TrainConfig, config_to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+# Quiet, fast launches: no MFU matmul probe, no samples, no loader workers, no export unless a test asks for one
+# (a test's own flags come later on the command line, and the last one wins).
+QUIET = ["--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0", "--export-hf", "false"]
+
+
+def train_cmd(
+    accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str, launch_args: Sequence[str] = ()
+) -> list[str]:
+    """train_accel.py on the tiny-cpu preset with QUIET flags, through the real `accelerate launch` with
+    accelerate_configs/<accelerate_config>, or run directly as one process when that is None."""
+    launcher = [sys.executable]
+    if accelerate_config:
+        config = REPO / "accelerate_configs" / accelerate_config
+        launcher = [ACCELERATE, "launch", "--config_file", str(config), *launch_args]
+    return [*launcher, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", *QUIET,
+            "--data-dir", str(data_dir), "--out-dir", str(run_dir), *args]  # fmt: skip
+
+
+def run(
+    cmd: list[str], expect_rc: int = 0, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output."""
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def launch(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """Train to completion (exit status 0) as train_cmd builds the command; the finished process."""
+    return run(train_cmd(accelerate_config, run_dir, data_dir, *args))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Eval run folders (tests/evals, tests/e2e): tiny-cpu at the block_size that new_run's config.yaml gives it.
+TINY_MODEL = dataclasses.replace(get_preset("tiny-cpu"), block_size=32)
+
+
+def write_checkpoint(model: torch.nn.Module, folder: Path) -> None:
+    """model.safetensors as accelerator.save_state writes it: the tied head/embedding stored once."""
+    folder.mkdir(parents=True)
+    save_model(model, str(folder / "model.safetensors"))
+
+
+def new_run(root: Path, preset: str = "tiny-cpu") -> Path:
+    """A run folder holding only the config.yaml of a block_size-32 run of `preset`."""
+    run = root / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(config_to_yaml(TrainConfig(preset=preset, block_size=32, out_dir=str(run))))
+    return run
