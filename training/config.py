@@ -103,6 +103,12 @@ class TrainConfig:
         if self.init_from:
             from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
 
+            # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
+            if not Path(self.init_from).exists() and (self.init_from.count("/") > 1 or self.init_from[0] in "/.~"):
+                raise ConfigError(
+                    f"init_from {self.init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
+                    "export/ (runs/NAME/export) or a Hub id such as gpt2"
+                )
             try:
                 config, source = load_hf_config(self.init_from), f"{self.init_from}'s"
             except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
@@ -117,6 +123,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""
+        self.init_from = str(Path(self.init_from).expanduser()) if self.init_from.startswith("~") else self.init_from
         try:
             get_preset(self.preset)
         except ValueError as err:  # unknown name: the message lists the valid ones

@@ -113,3 +113,26 @@ def test_ddp_two_processes_match_one_process_with_double_accumulation(batch_layo
         torch.testing.assert_close(w, final_weights(one)[name], rtol=1e-3, atol=1e-4, msg=name)
     # and the curve is not trivially flat: training happened
     assert losses(one)[-1] < losses(one)[0] - 0.5
+
+
+def test_init_from_an_export_starts_from_its_weights(readme_run, prepared_books, tmp_path):
+    """--init-from a run's export/ (nanoGPT's init_from): the first step's loss is the export's own loss on that
+    batch, and the run continues from there; a run from scratch starts near ln(50257)."""
+    export = readme_run[0] / "export"
+    run = tmp_path / "continued"
+    args = ["--max-steps", "2", "--micro-batch-size", "8", "--total-batch-tokens", "512", "--log-interval", "1",
+            "--eval-interval", "0", "--export-hf", "true", "--init-from", str(export)]  # fmt: skip
+    launch("cpu_eager.yaml", run, prepared_books, *args)
+
+    from data_prep.loader import TokenLoader
+    from modeling.hf_export import load_hf
+    from training.config import TrainConfig
+
+    model = load_hf(export)
+    x, y = next(iter(TokenLoader(prepared_books, "train", 64, 8, seed=TrainConfig().seed)))
+    with torch.no_grad():
+        _, want = model(x, y)
+    got = losses(run)
+    assert want.item() < 8.0  # the export learned something: a random init would be ~10.8
+    assert got[0] == pytest.approx(want.item(), rel=1e-5)
+    assert "| model | " + str(export) + " (continued)" in (run / "export" / "README.md").read_text()

@@ -72,6 +72,7 @@ CASES = {
     "negative_lr": (None, ["--lr", "-1"], r"lr must be > 0, got -1.0"),
     "keep_no_checkpoint": (None, ["--keep-checkpoints", "0"], r"keep_checkpoints must be >= 1.* --checkpoint-interval"),
     "zero_peak_tflops": (None, ["--peak-tflops", "0"], r"peak_tflops must be > 0"),
+    "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
 }
 
 

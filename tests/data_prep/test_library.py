@@ -17,8 +17,7 @@ from data_prep import DataPrepError, sources
 from data_prep.loader import load_manifest
 from data_prep.prepare import prepare
 from data_prep.sources import clean_text, iter_documents
-
-REPO = Path(__file__).resolve().parents[1]
+from testkit import REPO
 
 
 def _book(n: int) -> str:
@@ -99,6 +98,7 @@ def test_gutenberg_downloads_concurrently_retries_and_caches(tmp_path, monkeypat
     assert not (tmp_path / "cache" / "gutenberg" / "pg404.txt").exists()
 
 
+@pytest.mark.slow  # num_proc=2 worker processes
 def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
     import datasets
 
@@ -137,6 +137,7 @@ def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow  # num_proc=2 worker processes
 def test_binary_and_unreadable_files_are_one_clear_error(tmp_path):
     books = tmp_path / "books"
     (books / "sub").mkdir(parents=True)
