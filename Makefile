@@ -19,7 +19,7 @@ train: install
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml train_accel.py --config configs/cpu_small.yaml
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

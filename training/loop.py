@@ -19,7 +19,6 @@ from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
-from modeling.hf_export import export_hf, load_hf
 from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
@@ -67,7 +66,11 @@ class Run:
 
 def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
     """GPT-2 init, or the weights of cfg.init_from."""
-    return load_hf(cfg.init_from, model_config) if cfg.init_from else GPT(model_config)
+    if not cfg.init_from:
+        return GPT(model_config)
+    from modeling.hf_export import load_hf  # imports transformers (~3 s): only runs that need it pay for it
+
+    return load_hf(cfg.init_from, model_config)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -147,8 +150,9 @@ def build_data(
                 load_examples(task, cfg.eval_limit)
     if manifest.vocab_size > model_config.vocab_size:
         raise ConfigError(
-            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the model "
-            f"has {model_config.vocab_size} embeddings; prepare the data with the GPT-2 tokenizer"
+            f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the "
+            f"{cfg.init_from or cfg.preset} model has {model_config.vocab_size} embeddings; prepare the data with the "
+            "GPT-2 tokenizer"
         )
     block_size = model_config.block_size
     loader_args = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, seed=cfg.seed)
@@ -299,6 +303,8 @@ def write_outputs(run: Run) -> None:
     if cfg.export_hf:
         state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
+            from modeling.hf_export import export_hf  # imports transformers (~3 s), here at the end only
+
             export_model = GPT(run.model_config)
             export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
             export_hf(export_model, run_dir / "export", get_encoding())
