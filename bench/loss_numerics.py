@@ -4,8 +4,8 @@
 
 For each precision a launch YAML can select (fp32, bf16 and fp16 autocast) and each confidence level, prints the
 relative error of the loss and of its gradients w.r.t. the hidden states (grad_h) and the head (grad_w), for
-F.cross_entropy over the full logits and for modeling.fused_ce. Confident predictions are what long training on
-a small corpus reaches (memorized text): there the softmax and the one-hot target nearly cancel.
+F.cross_entropy over the full logits and for modeling.fused_ce, eager and compiled. Confident predictions are what
+long training on a small corpus reaches (memorized text): there the softmax and the one-hot target nearly cancel.
 """
 
 from __future__ import annotations
@@ -86,7 +86,11 @@ def main() -> None:
     parser.add_argument("--p-target", type=float, nargs="+", default=[0.5, 0.94, 0.99995, 1 - 1e-8])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
-    fns = {"F.cross_entropy": plain_cross_entropy, "fused": fused_linear_cross_entropy}
+    fns = {
+        "F.cross_entropy": plain_cross_entropy,
+        "fused": fused_linear_cross_entropy,
+        "fused, compiled": torch.compile(fused_linear_cross_entropy),  # the form every launch YAML runs
+    }
     print("| precision | mean p(target) | " + " | ".join(f"{k}: loss / grad_h / grad_w" for k in fns) + " |")
     print("|---|---|" + "---|" * len(fns))
     for p in args.p_target:

@@ -55,6 +55,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # Under bf16 autocast torch.compile (inductor) sums the chunks' (V, E) grad_w products in one kernel after
         # the last chunk, so all of them are alive at once: cap their number (a bigger batch gets bigger chunks).
         chunk_rows = max(chunk_rows, -(-h.shape[0] // MAX_CHUNKS))
+        # The same arithmetic in two forms, each slow in the other mode: inductor writes a scatter_'s (chunk, V)
+        # input out whole, eager allocates every where() (BENCHMARKS.md, "Loss accuracy").
+        compiled = torch.compiler.is_compiling()
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             target = safe_targets[rows]
@@ -63,10 +66,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # exp() once per logit, in place (eager CPU pays a page fault per touched page of a new big tensor)
             row_max = logits.amax(dim=-1, keepdim=True)
             exp = logits.sub_(row_max).exp_()
-            exp_target = exp.gather(1, target)
             # The other ids' mass, summed without the target's term: 1 - p_target = other / (other + exp_target)
             # stays exact as p_target -> 1, where the full sum minus exp_target would cancel to 0.
-            other = exp.scatter_(1, target, 0.0).sum(dim=-1, keepdim=True)
+            if compiled:  # masked sums: inductor fuses them with exp() into one pass per row, in cache
+                is_target = torch.arange(exp.shape[1], device=exp.device) == target  # (chunk, V)
+                exp_target = torch.where(is_target, exp, 0.0).sum(dim=-1, keepdim=True)
+                other = torch.where(is_target, 0.0, exp).sum(dim=-1, keepdim=True)
+            else:  # eager: in place, no new (chunk, V) tensor
+                exp_target = exp.gather(1, target)
+                other = exp.scatter_(1, target, 0.0).sum(dim=-1, keepdim=True)
             sum_exp = other + exp_target
             # loss = -log p_target: log1p keeps its precision near 0 (confident rows); the lse form when the
             # target's exp underflows.
@@ -79,7 +87,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # d(mean loss)/d(logits) = (softmax - onehot) * row_scale, whole in fp32 before the cast to
             # compute_dtype; its target entry p_target - 1 = -other / sum_exp.
             inv = row_scale[rows] / sum_exp
-            grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
+            if compiled:
+                grad_logits = torch.where(is_target, -other * inv, exp.mul_(inv)).to(compute_dtype)
+            else:
+                grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
             if need_grad_h:
                 grad_h[rows] = grad_logits @ w_c
             if need_grad_w:

@@ -92,19 +92,24 @@ def confident(request):
     return h, weight, targets, numerics.reference(h, weight, targets)
 
 
-def test_fp32_matches_the_fp64_reference_even_when_confident(confident):
-    h, weight, targets, want = confident
+# Every launch YAML compiles the loss, which then takes its masked-sum form; eager takes gather/scatter_.
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def fused(request):
     fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=64)  # 4 chunks
+    return torch.compile(fused) if request.param == "compiled" else fused
+
+
+def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused):
+    h, weight, targets, want = confident
     errors = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, "fp32"), want)
     # F.cross_entropy in fp32 is 2e-3 (loss) and 8e-2 (grads) off at p_target = 1 - 1e-8
     assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_is_at_least_as_accurate_as_cross_entropy(confident, precision):
+def test_low_precision_is_at_least_as_accurate_as_cross_entropy(confident, fused, precision):
     """Against fp64, under the autocast dtype a launch YAML selects (fp16 with accelerate's loss scaling)."""
     h, weight, targets, want = confident
-    fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=64)
     got = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, precision), want)
     plain = numerics.loss_and_grads(numerics.plain_cross_entropy, h, weight, targets, precision)
     plain_errors = numerics.relative_errors(plain, want)
