@@ -32,6 +32,7 @@ from bench.report import cpu_model, device_name, markdown_table, plot, profile_m
 from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, compile_backend, full_recipe_trainer, launch_config
 from data_prep import ensure_default_corpus
 from modeling.config import get_preset
+from training.compile_cache import isolate_inductor_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
 
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("--max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     device = torch.device(args.device)
+    isolate_inductor_cache()  # rungs 8-11 and the compiled peer compile
     config = get_preset(args.preset)
     ensure_default_corpus(args.data_dir, log=partial(print, flush=True))
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modeling.fused_ce import fused_linear_cross_entropy
+from training.compile_cache import isolate_inductor_cache
 
 IGNORE_EVERY = 9  # every 9th row is ignore_index, as padded or masked positions are
 FP16_LOSS_SCALE = 2.0**16  # torch.amp.GradScaler's initial scale
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--p-target", type=float, nargs="+", default=[0.5, 0.94, 0.99995, 1 - 1e-8])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
+    isolate_inductor_cache()
     fns = {
         "F.cross_entropy": plain_cross_entropy,
         "fused": fused_linear_cross_entropy,

@@ -12,9 +12,16 @@ from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from testkit import TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
+from training.compile_cache import isolate_inductor_cache
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache_per_isa() -> None:
+    """The tests that compile in this process; the processes they launch isolate their own."""
+    isolate_inductor_cache()
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
+from training.compile_cache import isolate_inductor_cache
 
 
 def _launched_with(engine: str) -> bool:
@@ -48,6 +50,8 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     if _launched_with("FSDP"):
         kwargs["fsdp_plugin"] = fsdp_plugin()
     accelerator = Accelerator(**kwargs)
+    if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        isolate_inductor_cache()  # before prepare() compiles
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)

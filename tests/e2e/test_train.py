@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import launch
+import testkit
+from testkit import launch, train_cmd
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -32,10 +34,11 @@ README_RUN = ["--max-steps", "60", "--micro-batch-size", "8", "--total-batch-tok
 def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
     """cpu.yaml (fp32 + inductor) as the README launches it, with evals, samples and the HF export."""
     run = tmp_path_factory.mktemp("readme") / "run"
-    result = launch(
+    cmd = train_cmd(
         "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "30", "--eval-batches", "4",
         "--sample-interval", "60", "--export-hf", "true", "--eval-tasks", "hellaswag", "--eval-limit", "8",
     )  # fmt: skip
+    result = testkit.run(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run.parent / "inductor")})
     return run, result.stdout
 
 
@@ -43,6 +46,9 @@ def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
     """The README path: cpu.yaml (fp32 + inductor). Val loss falls well below its start; export loads."""
     run, stdout = readme_run
     assert "fp32, dynamo INDUCTOR" in stdout
+    # the compiled graphs in the subfolder of this process's vector ISA (training.compile_cache)
+    isa_folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this process's, isolated by conftest
+    assert [p.parent.name for p in (run.parent / "inductor").glob("*/fxgraph")] == [isa_folder]
     val = {r["step"]: r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r}
     assert sorted(val) == [0, 30, 60]
     scores = [r["hellaswag_acc_norm"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]

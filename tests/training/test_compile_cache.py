@@ -1,0 +1,69 @@
+"""training.compile_cache: a graph compiled for one CPU vector ISA is never served to a process compiling for others."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from testkit import run
+from training.compile_cache import PREFIX, isolate_inductor_cache
+
+# ATEN_CPU_CAPABILITY=default: no vector ISA (scalar kernels) on every CPU, so another ISA than the native one even
+# on an AVX2-only machine.
+SCALAR = {"ATEN_CPU_CAPABILITY": "default"}
+
+
+def test_one_subfolder_per_isa_under_the_users_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    native = isolate_inductor_cache()
+    assert native.parent == tmp_path and native.name.startswith(PREFIX)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(native)
+    assert isolate_inductor_cache() == native  # idempotent: train_accel.py's processes inherit the variable
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", SCALAR["ATEN_CPU_CAPABILITY"])
+    scalar = isolate_inductor_cache()  # a child with another ISA moves to the sibling, not below
+    assert scalar.parent == tmp_path and scalar != native
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert isolate_inductor_cache() == native
+
+
+PROBE = textwrap.dedent("""
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    if sys.argv[1] == "isolate":
+        from training.compile_cache import isolate_inductor_cache
+        isolate_inductor_cache()
+    f = lambda x: torch.nn.functional.gelu(x * 2 + 1).sum(-1)
+    x = torch.randn(37, 40)  # ragged against every vector width
+    torch.testing.assert_close(torch.compile(f)(x), f(x))
+    print(json.dumps(counters["inductor"]))
+""")
+
+
+def compile_probe(cache: Path, isolate: bool, env: dict[str, str] | None = None) -> dict[str, int]:
+    """Compile a small function in a fresh process on the cache folder `cache`; inductor's cache counters."""
+    inherited = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env = {**inherited, "TORCHINDUCTOR_CACHE_DIR": str(cache), **(env or {})}
+    cmd = [sys.executable, "-c", PROBE, "isolate" if isolate else "shared"]
+    return json.loads(run(cmd, env=env).stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
+    """Without the subfolders inductor serves the scalar build to the vectorizing process (torch 2.13): the cache key
+    misses the ISA. With them the second process compiles its own, and a third finds it."""
+    shared, isolated = tmp_path / "shared", tmp_path / "isolated"
+    compile_probe(shared, isolate=False, env=SCALAR)
+    served = compile_probe(shared, isolate=False).get("fxgraph_cache_hit", 0)
+    assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
+
+    compile_probe(isolated, isolate=True, env=SCALAR)
+    second = compile_probe(isolated, isolate=True)
+    assert second.get("fxgraph_cache_hit", 0) == 0 and second["fxgraph_cache_miss"] == 1
+    assert compile_probe(isolated, isolate=True)["fxgraph_cache_hit"] == 1

@@ -1,0 +1,32 @@
+"""One torch.compile cache folder per CPU vector ISA.
+
+Inductor's FX graph cache keys a compiled graph on the graph, its inputs and inductor's config, but not on the
+vector ISA its C++ kernels were generated for (AVX-512, AVX2 or none: picked from the CPU's flags and
+ATEN_CPU_CAPABILITY). A process that picks AVX-512 and finds a graph generated under AVX2 rebuilds its 8-lane
+loops with 16-lane vectors, which write past their buffers: heap corruption, then a crash or wrong numbers
+(torch 2.13; BENCHMARKS.md, "Compile cache"). It happens on one machine (ATEN_CPU_CAPABILITY=avx2 is how AVX2-only
+CPUs are emulated) and across machines sharing a cache folder (a home directory on NFS). A subfolder per ISA makes
+every hit one this process may run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+PREFIX = "isa-"
+
+
+def isolate_inductor_cache() -> Path:
+    """Point TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for the ISA this process
+    compiles for, and return it. Call before the first compile. Idempotent; a child process that inherits the
+    variable but compiles for another ISA moves to the sibling subfolder."""
+    current = Path(cache_dir())
+    base = current.parent if current.name.startswith(PREFIX) else current
+    folder = base / (PREFIX + re.sub(r"\W+", "_", str(pick_vec_isa())).lower())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
