@@ -24,6 +24,7 @@ from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from training.distributed import finish
 from training.metrics import dtype_name
+from training.vector_math import warm_up_vector_math
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         tasks = parse_tasks(args.tasks)
         model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
+        if accelerator.device.type == "cpu":
+            warm_up_vector_math()  # 1 and 2 processes score alike only if no first call runs a sloppier exp
         model.to(accelerator.device)
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 from torch.distributed.tensor import DTensor
 
 from training.compile_cache import isolate_inductor_cache
+from training.vector_math import warm_up_vector_math
 
 
 def _launched_with(engine: str) -> bool:
@@ -52,6 +53,8 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     accelerator = Accelerator(**kwargs)
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache()  # before prepare() compiles
+    if accelerator.device.type == "cpu":
+        warm_up_vector_math()  # so that a fresh process's first step is the one any other process computes
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
