@@ -13,15 +13,18 @@ from modeling.gpt import GPT
 from testkit import TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import isolate_inductor_cache
+from training.vector_math import warm_up_vector_math
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def inductor_cache_per_isa() -> None:
-    """The tests that compile in this process; the processes they launch isolate their own."""
+def cpu_process_set_up() -> None:
+    """As train_accel.py sets up its processes, for the tests that compute in this one: a compile cache per ISA,
+    and no first call of MKL's vector math inside a comparison."""
     isolate_inductor_cache()
+    warm_up_vector_math()
 
 
 @pytest.fixture(scope="session")
