@@ -200,8 +200,8 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
             f"launch with {CPU_YAML[other]} (fp32) instead"
         )
     return (
-        f"hint: this CPU multiplies {other_name} matrices faster than {name} ({speeds}): launching with "
-        f"{CPU_YAML[other]} ({other_name}) should train up to {ratio:.1f}x faster"
+        f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): launching "
+        f"with {CPU_YAML[other]} ({other_name}) should train faster (a step gains less than its matmuls)"
     )
 
 
