@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         tasks = parse_tasks(args.tasks)
         model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
-        if accelerator.device.type == "cpu":
-            warm_up_vector_math()  # 1 and 2 processes score alike only if no first call runs a sloppier exp
+        warm_up_vector_math(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
         model.to(accelerator.device)
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}

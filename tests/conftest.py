@@ -24,7 +24,7 @@ def cpu_process_set_up() -> None:
     """As train_accel.py sets up its processes, for the tests that compute in this one: a compile cache per ISA,
     and no first call of MKL's vector math inside a comparison."""
     isolate_inductor_cache()
-    warm_up_vector_math()
+    warm_up_vector_math(torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,7 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     accelerator = Accelerator(**kwargs)
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache()  # before prepare() compiles
-    if accelerator.device.type == "cpu":
-        warm_up_vector_math()  # so that a fresh process's first step is the one any other process computes
+    warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)

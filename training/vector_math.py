@@ -15,9 +15,10 @@ import torch
 GRAIN = 32_768  # torch's parallel_for grain (at::internal::GRAIN_SIZE): elements per thread at the least
 
 
-def warm_up_vector_math() -> None:
-    """Call each VML function a GPT step uses once on all of torch's threads; no-op where torch has no MKL."""
-    if not torch.backends.mkl.is_available():
+def warm_up_vector_math(device: torch.device) -> None:
+    """Call each VML function a GPT step uses once on all of torch's threads, before a process computes on `device`;
+    no-op off the CPU or where torch has no MKL."""
+    if device.type != "cpu" or not torch.backends.mkl.is_available():
         return
     x = torch.ones(GRAIN * torch.get_num_threads())
     for op in (torch.exp, torch.log, torch.tanh, torch.sqrt, torch.erf):

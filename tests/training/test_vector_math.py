@@ -15,13 +15,13 @@ from testkit import run
 PROBE = textwrap.dedent("""
     import torch
     from training.vector_math import warm_up_vector_math
-    warm_up_vector_math()
+    warm_up_vector_math(torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(256, 64, generator=g) @ (torch.randn(50304, 64, generator=g) * 0.02).t()
     first = [logits.exp(), logits.abs().log()]
     print(all(torch.equal(a, b) for a, b in zip(first, [logits.exp(), logits.abs().log()])))
 """)
-PROCESSES = 24  # without the warm-up 1 to 5 of them differed on a Xeon with AMX (BENCHMARKS.md)
+PROCESSES = 24  # without the warm-up 1 to 3 in 12 processes differed on a Xeon with AMX (BENCHMARKS.md)
 
 
 def evict_torch_libraries() -> None:
