@@ -1,0 +1,187 @@
+"""Where rung 11's training step spends its time, and how fast its matmuls alone would be.
+
+    python -m bench.profile --precision bf16 [--preset small-cpu] [--micro-batch-size 8] [--threads N]
+        [--warmup 3] [--steps 3] [--data-dir data/default]
+
+Builds the ladder's rung 11 (train_accel.py's train_step under cpu_bf16.yaml for bf16, cpu.yaml for fp32), runs
+warm-up steps, then profiles --steps steps with torch.profiler, inductor's generated kernels each recorded under
+its own name. Prints the step's self time by kind (matmuls, the fused loss's softmax kernels, LayerNorm/GELU and
+the other fused kernels, attention, optimizer, clipping, zeroing, casts and copies, data) and the top ops. Then
+the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them)
+timed alone on fresh tensors, summed per step, beside the step's own time. On a shared machine --threads 1 keeps
+the figures steady (no core waits for another); the shares, not the absolute times, are what compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._inductor.config as inductor_config
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench.report import cpu_model
+from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
+from data_prep import ensure_default_corpus
+from data_prep.loader import TokenLoader
+from modeling.config import get_preset
+from training.compile_cache import isolate_inductor_cache
+
+YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
+MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
+# (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
+KINDS: list[tuple[str, Callable[[str], bool]]] = [
+    ("matmul (mm, addmm, bmm)", lambda n: n in MATMULS),
+    ("attention (SDPA flash, fwd + bwd)", lambda n: "scaled_dot_product" in n or "flash_attention" in n),
+    ("fused loss: softmax over the vocab (inductor)", lambda n: "cpp_fused" in n and "exp" in n),
+    ("LayerNorm (inductor)", lambda n: "cpp_fused" in n and "layer_norm" in n),
+    ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n)),
+    ("other fused kernels: residuals, casts, bias grads (inductor)", lambda n: "cpp_fused" in n),
+    ("embedding fwd/bwd", lambda n: "embedding" in n or "index" in n),
+    ("optimizer (AdamW)", lambda n: "adam" in n.lower() or n.startswith("Optimizer.step")),
+    ("grad clip (norm, scale)", lambda n: "norm" in n or n in ("aten::mul_", "aten::_foreach_mul_", "aten::stack")),
+    ("zeroing (fill_, zero_)", lambda n: n in ("aten::fill_", "aten::zero_") or "zero_grad" in n),
+    ("casts and copies", lambda n: n in ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::to")),
+    ("data (next batch)", lambda n: n == "data"),
+    ("compiled-graph calls (Python wrappers, guards)", lambda n: "CompiledFxGraph" in n or "Compiled" in n),
+]
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, test in KINDS if test(name)), "other")
+
+
+def build_step(precision: str, preset: str, micro_batch_size: int, data_dir: Path) -> Callable[[], None]:
+    """Rung 11's step on the next real batch (the loader's read recorded as "data")."""
+    config = get_preset(preset)
+    launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
+    trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, None)
+    loader = TokenLoader(data_dir, "train", config.block_size, micro_batch_size, seed=TRAIN.seed)
+    batches = iter(loader)
+
+    def step() -> None:
+        with record_function("data"):
+            x, y = next(batches)
+        trainer.step(x, y)
+
+    return step
+
+
+def self_times(prof: profile, steps: int) -> dict[str, float]:
+    """Self CPU ms per step by op name (the profiler's events on the calling thread)."""
+    return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+
+
+def matmul_calls(prof: profile, steps: int) -> dict[tuple, int]:
+    """(op, shapes, strides, dtypes) -> calls per step, for every matmul the profiled steps ran."""
+    calls: dict[tuple, int] = defaultdict(int)
+    for e in prof.events():
+        if e.name in MATMULS:
+            shapes = tuple(tuple(s) for s in e.structured_input_shapes if s)
+            strides = tuple(tuple(s) for s in e.structured_input_strides if s)
+            dtypes = tuple(d for d, s in zip(e.input_dtypes, e.structured_input_shapes, strict=False) if s)
+            calls[(e.name, shapes[:3], strides[:3], dtypes[:3])] += 1
+    return {k: v // steps for k, v in calls.items()}
+
+
+DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
+
+
+def time_matmul(op: str, shapes: tuple, strides: tuple, dtypes: tuple, repeats: int = 7) -> tuple[float, float]:
+    """Median ms of one call of the op alone on fresh tensors laid out as in the step, and its GFLOP."""
+    args = [
+        torch.empty_strided(shape, stride, dtype=DTYPES[d]).normal_()
+        for shape, stride, d in zip(shapes, strides, dtypes, strict=True)
+    ]
+    if op == "aten::mm":
+        a, b = args[:2]  # a third is out=
+        run, flop = (lambda: torch.mm(a, b)), 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    elif op in ("aten::addmm", "aten::addmm_"):
+        c, a, b = args[:3]
+        run = (lambda: c.addmm_(a, b)) if op == "aten::addmm_" else (lambda: torch.addmm(c, a, b))
+        flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    else:  # bmm, baddbmm
+        a, b = args[-2:]
+        run, flop = (lambda: torch.bmm(a, b)), 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, flop / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n")[0])
+    p.add_argument("--precision", choices=tuple(YAML), default="bf16", help="bf16: cpu_bf16.yaml, fp32: cpu.yaml")
+    p.add_argument("--preset", default="small-cpu")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--data-dir", type=Path, default=Path("data/default"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    isolate_inductor_cache()
+    inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
+    ensure_default_corpus(args.data_dir, log=print)
+    step = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir)
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(args.steps):
+            step()
+    ops = self_times(prof, args.steps)
+    total = sum(ops.values())
+    step_ms = statistics.median(times) * 1e3
+    print(
+        f"\n{args.preset} B{args.micro_batch_size}, {args.precision} ({YAML[args.precision]}), CPU: {cpu_model()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}: step {step_ms:.0f} ms (median of "
+        f"{args.steps} unprofiled), {total:.0f} ms of op self time per profiled step\n"
+    )
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in ops.items():
+        by_kind[kind_of(name)] += ms
+    print("| where | ms/step | share |\n|---|---:|---:|")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {ms:.1f} | {ms / total:.1%} |")
+    print("\n| top ops by self time | kind | ms/step | share |\n|---|---|---:|---:|")
+    for name, ms in sorted(ops.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"| `{name[:90]}` | {kind_of(name)} | {ms:.1f} | {ms / total:.1%} |")
+
+    print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
+
+
+def print_matmul_bound(calls: dict[tuple, int], in_step_ms: float, step_ms: float) -> None:
+    """Each matmul timed alone, and their sum per step beside the step (in_step_ms: the profiled matmul share)."""
+    rows: list[tuple[Any, ...]] = []
+    for (op, shapes, strides, dtypes), count in calls.items():
+        ms, gflop = time_matmul(op, shapes, strides, dtypes)
+        operands = shapes[:2] if op == "aten::mm" else shapes[-2:]  # addmm's first is the bias
+        rows.append((f"{op} {' @ '.join('x'.join(map(str, s)) for s in operands)}", dtypes[-1], count, ms, gflop))
+    alone = sum(count * ms for _, _, count, ms, _ in rows)
+    gflop = sum(count * g for _, _, count, _, g in rows)
+    print("\n| matmul | dtype | calls/step | ms alone | GFLOP/s alone |\n|---|---|---:|---:|---:|")
+    for name, dtype, count, ms, g in sorted(rows, key=lambda r: -r[2] * r[3]):
+        print(f"| {name} | {dtype} | {count} | {ms:.2f} | {g / ms * 1e3:.0f} |")
+    print(
+        f"\nmatmul bound: the step's {sum(r[2] for r in rows)} matmuls ({gflop:.0f} GFLOP) take {alone:.0f} ms alone "
+        f"({gflop / alone * 1e3:.0f} GFLOP/s), ~{in_step_ms:.0f} ms within the step; the step ({step_ms:.0f} ms) "
+        f"runs at {alone / step_ms:.0%} of its matmul bound"
+    )
+
+
+if __name__ == "__main__":
+    main()

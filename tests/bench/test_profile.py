@@ -1,0 +1,51 @@
+"""bench.profile's matmul bound: the profiled matmuls are found with their layouts, and each is timed as it ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.profile import kind_of, matmul_calls, time_matmul
+
+
+def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
+    """A linear layer's forward and backward run three matmuls per step; each is found once per step (over two
+    profiled steps) with its shapes, strides and dtype, and timing it alone computes the same product."""
+    layer = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(32, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            layer(x).square().sum().backward()
+    calls = matmul_calls(prof, steps=2)
+    assert sorted((op, shapes) for op, shapes, _, _ in calls) == sorted(
+        [
+            ("aten::mm", ((32, 16), (16, 8))),  # forward: x @ W.T
+            ("aten::mm", ((32, 8), (8, 16))),  # grad_x = grad_y @ W
+            ("aten::mm", ((8, 32), (32, 16))),  # grad_W = grad_y.T @ x
+        ]
+    )
+    assert set(calls.values()) == {1}
+    forward = next(k for k in calls if k[1] == ((32, 16), (16, 8)))
+    assert forward[2] == ((16, 1), (1, 16))  # W.T: a transposed view, timed as such
+    assert forward[3] == ("float", "float")
+    ms, gflop = time_matmul(*forward, repeats=2)
+    assert ms > 0
+    assert gflop == pytest.approx(2 * 32 * 16 * 8 / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("aten::mm", "matmul (mm, addmm, bmm)"),
+        ("graph_0_cpp_fused__to_copy_add_amax_arange_clamp_div_eq_exp_gather_gt_log_log1p_mul_native",
+         "fused loss: softmax over the vocab (inductor)"),
+        ("graph_0_cpp_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_12", "LayerNorm (inductor)"),
+        ("graph_0_cpp_fused_gelu_view_3", "GELU (inductor)"),
+        ("aten::_fused_adamw_", "optimizer (AdamW)"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention (SDPA flash, fwd + bwd)"),
+    ],
+)  # fmt: skip
+def test_kernels_are_sorted_by_what_they_compute(name: str, kind: str):
+    """Names as torch 2.13's profiler reports them for rung 11 (inductor kernels under enable_kernel_profile)."""
+    assert kind_of(name) == kind
