@@ -8,8 +8,9 @@ warm-up steps, then profiles --steps steps with torch.profiler, inductor's gener
 its own name. Prints the step's self time by kind (matmuls, the fused loss's softmax kernels, LayerNorm/GELU and
 the other fused kernels, attention, optimizer, clipping, zeroing, casts and copies, data) and the top ops. Then
 the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them)
-timed alone on fresh tensors, summed per step, beside the step's own time. On a shared machine --threads 1 keeps
-the figures steady (no core waits for another); the shares, not the absolute times, are what compares.
+timed alone on fresh tensors, summed per step, beside the step's own time. With --threads 1 both are timed in
+process CPU time, which other jobs on a shared machine disturb far less than wall time (the profiler's shares stay
+wall time); with more threads in wall time, as idle threads spin.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench.measure import flops_per_token
 from bench.report import cpu_model
 from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
 from data_prep import ensure_default_corpus
@@ -44,9 +46,9 @@ KINDS: list[tuple[str, Callable[[str], bool]]] = [
     ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n)),
     ("other fused kernels: residuals, casts, bias grads (inductor)", lambda n: "cpp_fused" in n),
     ("embedding fwd/bwd", lambda n: "embedding" in n or "index" in n),
+    ("zeroing (fill_, zero_)", lambda n: n in ("aten::fill_", "aten::zero_") or "zero_grad" in n),
     ("optimizer (AdamW)", lambda n: "adam" in n.lower() or n.startswith("Optimizer.step")),
     ("grad clip (norm, scale)", lambda n: "norm" in n or n in ("aten::mul_", "aten::_foreach_mul_", "aten::stack")),
-    ("zeroing (fill_, zero_)", lambda n: n in ("aten::fill_", "aten::zero_") or "zero_grad" in n),
     ("casts and copies", lambda n: n in ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::to")),
     ("data (next batch)", lambda n: n == "data"),
     ("compiled-graph calls (Python wrappers, guards)", lambda n: "CompiledFxGraph" in n or "Compiled" in n),
@@ -57,8 +59,8 @@ def kind_of(name: str) -> str:
     return next((kind for kind, test in KINDS if test(name)), "other")
 
 
-def build_step(precision: str, preset: str, micro_batch_size: int, data_dir: Path) -> Callable[[], None]:
-    """Rung 11's step on the next real batch (the loader's read recorded as "data")."""
+def build_step(precision: str, preset: str, micro_batch_size: int, data_dir: Path) -> tuple[Callable[[], None], float]:
+    """Rung 11's step on the next real batch (the loader's read recorded as "data"), and its model GFLOP."""
     config = get_preset(preset)
     launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
     trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, None)
@@ -70,7 +72,7 @@ def build_step(precision: str, preset: str, micro_batch_size: int, data_dir: Pat
             x, y = next(batches)
         trainer.step(x, y)
 
-    return step
+    return step, flops_per_token(trainer.model, config) * micro_batch_size * config.block_size / 1e9
 
 
 def self_times(prof: profile, steps: int) -> dict[str, float]:
@@ -93,6 +95,11 @@ def matmul_calls(prof: profile, steps: int) -> dict[tuple, int]:
 DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
 
 
+def clock() -> float:
+    """CPU time of this process with one thread (steady on a busy machine), else wall time."""
+    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def time_matmul(op: str, shapes: tuple, strides: tuple, dtypes: tuple, repeats: int = 7) -> tuple[float, float]:
     """Median ms of one call of the op alone on fresh tensors laid out as in the step, and its GFLOP."""
     args = [
@@ -112,9 +119,9 @@ def time_matmul(op: str, shapes: tuple, strides: tuple, dtypes: tuple, repeats: 
     run()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3, flop / 1e9
 
 
@@ -133,23 +140,24 @@ def main(argv: list[str] | None = None) -> None:
     isolate_inductor_cache()
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
     ensure_default_corpus(args.data_dir, log=print)
-    step = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir)
+    step, step_gflop = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir)
     times = []
     for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+        start = clock()
         step()
         if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.steps):
             step()
     ops = self_times(prof, args.steps)
     total = sum(ops.values())
     step_ms = statistics.median(times) * 1e3
+    timing = "CPU time" if torch.get_num_threads() == 1 else "wall time"
     print(
         f"\n{args.preset} B{args.micro_batch_size}, {args.precision} ({YAML[args.precision]}), CPU: {cpu_model()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}: step {step_ms:.0f} ms (median of "
-        f"{args.steps} unprofiled), {total:.0f} ms of op self time per profiled step\n"
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}: step {step_ms:.0f} ms {timing} (median of "
+        f"{args.steps} unprofiled), {total:.0f} ms of op self time (wall) per profiled step\n"
     )
     by_kind: dict[str, float] = defaultdict(float)
     for name, ms in ops.items():
@@ -162,6 +170,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| `{name[:90]}` | {kind_of(name)} | {ms:.1f} | {ms / total:.1%} |")
 
     print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
+    dtype = {"bf16": "c10::BFloat16", "fp32": "float"}[args.precision]
+    probe_ms, probe_gflop = time_matmul("aten::mm", ((2048, 2048),) * 2, ((2048, 1),) * 2, (dtype, dtype))
+    peak = probe_gflop / probe_ms * 1e3
+    print(
+        f"MFU: the step's model FLOPs (6N + 12LTC, {step_gflop:.0f} GFLOP) at {step_gflop / step_ms * 1e3:.0f} "
+        f"GFLOP/s, {step_gflop / step_ms * 1e3 / peak:.0%} of a 2048x2048 {args.precision} matmul's {peak:.0f} GFLOP/s"
+    )
 
 
 def print_matmul_bound(calls: dict[tuple, int], in_step_ms: float, step_ms: float) -> None:

@@ -43,6 +43,7 @@ def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
         ("graph_0_cpp_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_12", "LayerNorm (inductor)"),
         ("graph_0_cpp_fused_gelu_view_3", "GELU (inductor)"),
         ("aten::_fused_adamw_", "optimizer (AdamW)"),
+        ("Optimizer.zero_grad#AdamW.zero_grad", "zeroing (fill_, zero_)"),
         ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention (SDPA flash, fwd + bwd)"),
     ],
 )  # fmt: skip
