@@ -1,4 +1,5 @@
-"""bench.profile's matmul bound: the profiled matmuls are found with their layouts, and each is timed as it ran."""
+"""bench.profile's matmul bound: the profiled matmuls are found with their layouts, and each is timed as it ran; the
+CPU named precisely in every figure."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.profile import kind_of, matmul_calls, time_matmul
+from bench.report import cpu_model
 
 
 def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
@@ -50,3 +52,15 @@ def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
 def test_kernels_are_sorted_by_what_they_compute(name: str, kind: str):
     """Names as torch 2.13's profiler reports them for rung 11 (inductor kernels under enable_kernel_profile)."""
     assert kind_of(name) == kind
+
+
+def test_the_cpu_is_named_with_its_family_and_matmul_isa(monkeypatch: pytest.MonkeyPatch):
+    """Two VMs reporting the same bare 'AMD EPYC' (a Zen 3 and a Zen 4) are told apart in every figure's label."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    zen = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\nmodel name\t: AMD EPYC\n"
+    zen3 = zen.format(n=0, model=1) + "flags\t\t: fpu sse avx avx2 fma\n\n"
+    zen4 = "".join(zen.format(n=n, model=17) + "flags\t\t: avx2 avx512f avx512_bf16\n\n" for n in range(2))
+    assert cpu_model(zen3) == "AMD EPYC (family 25 model 1, avx2)"
+    assert cpu_model(zen4) == "AMD EPYC (family 25 model 17, avx512_bf16)"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_model(zen4) == "AMD EPYC (family 25 model 17, avx512_bf16, capped at AVX2)"
