@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 from torch.distributed.tensor import DTensor
 
 from training.compile_cache import isolate_inductor_cache
+from training.malloc import keep_freed_memory
 from training.vector_math import warm_up_vector_math
 
 
@@ -54,6 +55,7 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache()  # before prepare() compiles
     warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
+    keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)

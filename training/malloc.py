@@ -1,0 +1,29 @@
+"""Keep the memory a CPU training step frees, instead of handing it back to the kernel and faulting it in again.
+
+glibc serves every allocation above its mmap threshold (32 MB at most) with a fresh mmap and unmaps it on free. A
+CPU step allocates and frees the same big buffers every time (the fused loss's (chunk, vocab) logits and its bf16
+head-grad products, the 50,304 x 256 gradients): small-cpu B8 page-faults ~88,000 times a step in bf16, ~58,000 in
+fp32, 130-210 ms of kernel time a step on one core (BENCHMARKS.md, "Profile (Zen bf16)"). With mmap off and no
+trimming, freed blocks stay in the process and the next step reuses them: the process holds its peak, as it would
+in the middle of a step anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import torch
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_MAX = -4
+
+
+def keep_freed_memory(device: torch.device) -> None:
+    """Before a process computes on the CPU: glibc's malloc keeps freed memory for reuse (no mmap per big block, no
+    trimming). No-op off the CPU and without glibc (macOS, Windows, musl)."""
+    if device.type != "cpu" or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
