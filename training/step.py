@@ -77,6 +77,8 @@ class Trainer:
         self.stopping = False  # a stop was requested on some rank, as of the last settled step
         self.bad_steps = 0  # consecutive steps skipped for non-finite gradients
         self._pending: Tensor | None = None  # the unread verdict of the last step: (non-finite, stop) summed
+        self._pinned: Tensor | None = None  # on CUDA, the host copy of _pending's verdict
+        self._copied: torch.cuda.Event | None = None  # recorded after that copy
 
     def train_step(self, batches: Batches) -> StepOutput:
         accelerator, model, device = self.accelerator, self.model, self.accelerator.device
@@ -95,6 +97,7 @@ class Trainer:
         status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
         status = accelerator.reduce(status, "sum")
         self.progress.tokens_seen += self.tokens_per_step
+        self._stage(status)
         # No per-step host sync: fused AdamW skips a non-finite update on the device (found_inf), so the host reads
         # the verdict a step late (settle) and still counts, schedules and reports exactly as if it had waited.
         if self.masks:
@@ -102,9 +105,7 @@ class Trainer:
             inner.found_inf = (status[0] > 0).float()  # fused AdamW leaves weights and state alone where 1
             self.optimizer.step()
             del inner.found_inf
-            self._pending = status
         else:
-            self._pending = status
             if self._read_verdict():
                 self.optimizer.step()
             self._record()
@@ -118,8 +119,23 @@ class Trainer:
             self._record()
         return self.bad_steps == 0
 
+    def _stage(self, status: Tensor) -> None:
+        """Queue the verdict for the host. On CUDA a non-blocking copy into pinned memory and an event after it: the
+        read then waits for this step only, where .tolist() would also wait for the next step's backward, queued on
+        the same stream by then. The buffer is reused: the last verdict is always read before the next is staged."""
+        if status.device.type == "cuda":
+            if self._pinned is None:
+                self._pinned = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+                self._copied = torch.cuda.Event()
+            self._pinned.copy_(status, non_blocking=True)
+            self._copied.record()
+            status = self._pinned
+        self._pending = status
+
     def _read_verdict(self) -> bool:
-        nonfinite, stopping = (v > 0 for v in self._pending.tolist())  # the host sync
+        if self._copied is not None:
+            self._copied.synchronize()  # the host sync: up to that step's verdict, not past it
+        nonfinite, stopping = (v > 0 for v in self._pending.tolist())
         self._pending = None
         self.stopping = self.stopping or stopping
         self.bad_steps = self.bad_steps + 1 if nonfinite else 0
