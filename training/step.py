@@ -19,11 +19,11 @@ Batches = Iterator[tuple[Tensor, Tensor]]
 
 
 class TrainingAborted(RuntimeError):
-    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path]) -> None:
+    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path], why: str = "") -> None:
         last_good = str(checkpoints[-1]) if checkpoints else None
+        why = why or f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}"
         super().__init__(
-            f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}; aborting. "
-            f"Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
+            f"{why}; aborting. Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
             + (f", then continue with --resume {last_good}" if last_good else "")
         )
 
@@ -94,6 +94,8 @@ class Trainer:
         grad_norm = clip_grad_norm(accelerator, model, self.grad_clip)
         status = torch.zeros(2, device=device)
         status[0] = ~torch.isfinite(grad_norm)
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            status[0] = self._deepspeed_skipped(status[0])
         status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
         status = accelerator.reduce(status, "sum")
         self.progress.tokens_seen += self.tokens_per_step
@@ -111,6 +113,20 @@ class Trainer:
             self._record()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss_sum / self.grad_accum, grad_norm)
+
+    def _deepspeed_skipped(self, nonfinite: Tensor) -> float:
+        """Whether DeepSpeed skipped the update it made inside accelerator.backward, by its own account: ZeRO skips
+        one whose gradient norm is not finite (deepspeed 0.19.8: fp32, and bf16 unless its check_grad_overflow is
+        off). One it applied with non-finite gradients cannot be undone: stop at once, saying so."""
+        applied = self.model.was_step_applied()
+        if applied and nonfinite.item():
+            checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
+            why = (
+                f"DeepSpeed applied step {self.progress.step + 1}'s update with non-finite gradients (is bf16 "
+                "check_grad_overflow off in its config?)"
+            )
+            raise TrainingAborted(1, self.progress.step, checkpoints, why)
+        return float(not applied)
 
     def settle(self) -> bool:
         """Read the last step's verdict now if it is still pending; whether that step was applied."""
