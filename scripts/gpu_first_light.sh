@@ -12,7 +12,7 @@
 #               wrong-gradient bugs for compiled autograd.Functions, pytorch#180642/#184113), the one-step-late
 #               verdict on CUDA, and `python -m bench.loss_numerics --device cuda`
 #   2 train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
-#               to TRAIN_STEPS (300) steps: metrics.jsonl, samples, loss.png, a checkpoint and the export
+#               to TRAIN_STEPS (200) steps: metrics.jsonl, samples, loss.png, a checkpoint and the export
 #   3 ladder    python -m bench.ladder at gpt2-124m, rungs LADDER_RUNGS (0,2,5,7,9,11), build-nanogpt beside it
 #               (--peer-dir: a folder holding its train_gpt2.py; skipped without one), --profile-steps 3
 #   4 loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory)
@@ -81,8 +81,8 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end i
 else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
     DDP_YAML=accelerate_configs/8xh100.yaml
-    TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-300}" --log-interval 25 --eval-interval 100 --sample-interval 150
-        --checkpoint-interval "${TRAIN_STEPS:-300}")
+    TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
+        --checkpoint-interval "${TRAIN_STEPS:-200}")
     DDP_ARGS=(--max-steps 20 --log-interval 5 --eval-interval 0 --sample-interval 0)
     TESTS=(tests/modeling/test_fused_ce.py "$VERDICT_TEST")
     LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
