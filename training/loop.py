@@ -122,7 +122,7 @@ def setup(cfg: TrainConfig) -> Run:
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
     if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
-        hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
+        hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
     run = Run(
