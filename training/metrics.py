@@ -179,9 +179,8 @@ def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
     """TFLOP/s of an n x n CPU matmul by mixed_precision value ('no': fp32, 'bf16'), to compare the two: one
     thread's best single matmul times the threads torch uses (as measure_matmul_tflops), the dtypes taking turns
     for about `seconds`. On a busy machine some short matmuls still run undisturbed and both dtypes meet the same
-    load, so the ratio holds: on a 2-core Zen 5 at load 10-18, 30 readings gave bf16 2.0-2.5x fp32, where
-    peak_tflops of each dtype in turn gave 0.3-9.7x (one thread's fp32 there has spells at 1/4 speed of 0.1 s
-    and more, which a second of turns outlasts). n = 512: a small model's matmul, done between preemptions."""
+    load, so the ratio holds where peak_tflops of each dtype in turn swings with the load each one met
+    (BENCHMARKS.md, "`make train`'s precision"). n = 512: a small model's matmul, done between preemptions."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
