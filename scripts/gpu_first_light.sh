@@ -70,7 +70,7 @@ VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_
 if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end in about a minute
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
-    TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-batches 1
+    TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
         --sample-interval 4 --checkpoint-interval 4)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 0 --sample-interval 0)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
