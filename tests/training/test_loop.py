@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from data_prep.loader import EvalWindows
 from training.config import TrainConfig
@@ -121,8 +122,17 @@ def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fus
     assert not torch.equal(states[3]["weights"]["lin.weight"], states[2]["weights"]["lin.weight"])  # trains on
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one state per process, its device set by the first Accelerator (here the CPU tests'): the
+    CUDA case starts from none, and leaves none behind for the tests after it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one(device):
+def test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one(device, fresh_accelerate_state):
     """Masked on the device and read during the next step == read before the update, bit for bit: the same losses,
     step counts and weights. On CUDA the verdict comes through pinned memory behind an event (the first-light script
     runs this on a GPU)."""
