@@ -49,6 +49,10 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
+# Paths as given (from the caller's folder), then the commands run from the repository root.
+absolute() { [[ -z $1 || $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }
+OUT=$(absolute "$OUT") DATA=$(absolute "$DATA") PEER=$(absolute "$PEER") WHEELS=$(absolute "$WHEELS")
+[[ -z ${BOOKGPT_CACHE:-} ]] || BOOKGPT_CACHE=$(absolute "$BOOKGPT_CACHE")
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [[ -f $DATA/manifest.json ]] || die "no prepared corpus in $DATA (manifest.json): prepare it where there is network \
