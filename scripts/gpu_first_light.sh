@@ -59,6 +59,7 @@ PY=${PYTHON:-python3}
 (python -m data_prep.prepare --source default --out $DATA) and carry it along"
 [[ -z $PEER || -f $PEER/train_gpt2.py ]] || die "no train_gpt2.py in --peer-dir $PEER"
 [[ -z $LIMIT || $LIMIT =~ ^[0-9]+$ ]] || die "--time-limit takes whole seconds, not $LIMIT"
+[[ ! -e $OUT || -z $(ls -A "$OUT") ]] || die "$OUT is not empty: give a new folder (nothing in it is replaced)"
 mkdir -p "$OUT" || die "cannot create $OUT"
 OUT=$(cd "$OUT" && pwd)
 if [[ -n $WHEELS ]]; then
@@ -71,7 +72,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one
-if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end in about a minute
+if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, about a minute of CPU time
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2

@@ -50,15 +50,19 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
         ([], "give the output folder first"),
         (["OUT", "--data-dir", "no/such/folder"], "no/such/folder (manifest.json): prepare it where there is network"),
         (["OUT", "--bogus"], "unknown argument --bogus"),
+        (["FULL"], "is not empty: give a new folder (nothing in it is replaced)"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, args, message):
-    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "summary.md").write_text("an earlier run")
+    args = [str(tmp_path / a.lower()) if a in ("OUT", "FULL") else a for a in args]
     result = subprocess.run([SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     last = result.stderr.splitlines()[-1]
     assert last.startswith("error: ") and message in last
     assert not (tmp_path / "out").exists()  # nothing written
+    assert (tmp_path / "full" / "summary.md").read_text() == "an earlier run"  # nor replaced
 
 
 def test_steps_past_the_time_limit_are_stopped_or_skipped_and_the_pack_still_written(prepared_books, tmp_path):
