@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -235,7 +235,25 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
-    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    peak = peak_rss_bytes()
+    return {} if peak is None else {"mem_rss_peak_gib": peak / gib}
+
+
+def rss_bytes(ru_maxrss: int, platform: str) -> int:
+    """getrusage()'s ru_maxrss in bytes: macOS counts bytes, Linux and the BSDs KiB."""
+    return ru_maxrss if platform == "darwin" else ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory: getrusage() on POSIX, psutil's peak working set on Windows (which has
+    no `resource` module); None where neither says."""
+    try:
+        import resource
+    except ImportError:
+        import psutil  # accelerate's own dependency
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
+    return rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
 
 
 class JSONLTracker(GeneralTracker):
