@@ -227,6 +227,17 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     )
 
 
+def gpu_precision_hint(mixed_precision: str, bf16_supported: bool, gpu_name: str) -> str | None:
+    """A one-line warning when a bf16 launch YAML meets a GPU without bf16 (T4, V100 and older: emulated or
+    unsupported), naming the fp16 YAML; None otherwise."""
+    if mixed_precision != "bf16" or bf16_supported:
+        return None
+    return (
+        f"warning: this GPU ({gpu_name}) has no native bf16; launch with accelerate_configs/1xgpu_fp16.yaml "
+        "(fp16 autocast with loss scaling; for several GPUs set mixed_precision: fp16 in your YAML)"
+    )
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GiB: CUDA peak allocated/reserved, or the process's peak resident memory on CPU."""
     gib = 2**30
