@@ -110,6 +110,7 @@ def setup(cfg: TrainConfig) -> Run:
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
+    model.activation_checkpointing = cfg.activation_checkpointing
     param_groups = model.optimizer_groups(cfg.weight_decay)
     optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
     total_steps = cfg.total_steps()
