@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.fused_ce import fused_linear_cross_entropy
@@ -82,6 +83,9 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Trade compute for memory: store only each block's input and recompute its activations in backward
+        # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
+        self.activation_checkpointing = False
         # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -114,7 +118,10 @@ class GPT(nn.Module):
         pos = torch.arange(seq_len, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # keeps only x; backward recomputes the block
+            else:
+                x = block(x)
         return self.transformer.ln_f(x)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:

@@ -13,6 +13,7 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from modeling.device import accelerator_needs_cpu
 from training.compile_cache import isolate_inductor_cache
 from training.vector_math import warm_up_vector_math
 
@@ -28,8 +29,9 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     micro_batch_size and grad_clip are the training config's; DeepSpeed must know them before prepare()
     (our loader does not go through prepare, and DeepSpeed clips inside its own step).
 
-    With CUDA this is a plain Accelerator. Without it, accelerate would quietly drop FSDP and DeepSpeed
-    YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the GPU configs get real sharding over gloo:
+    With CUDA this is a plain Accelerator; a single process on a Mac uses its GPU (MPS). Otherwise, accelerate
+    would quietly drop FSDP and DeepSpeed YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the
+    GPU configs get real sharding over gloo:
     - DeepSpeed: gloo named as the process-group backend (deepspeed.comm initializes it), no `cpu=True`;
     - FSDP: the gloo CPU state accelerate builds for `cpu=True`, presented as MULTI_GPU so that the
       Accelerator applies the FSDP plugin to it (the device stays the CPU).
@@ -46,11 +48,14 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
             state = PartialState(cpu=True)
             if state.distributed_type == DistributedType.MULTI_CPU:
                 state.distributed_type = DistributedType.MULTI_GPU
-        else:
-            kwargs["cpu"] = True  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo
+        else:  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo; one process may use MPS
+            kwargs["cpu"] = accelerator_needs_cpu()
     if _launched_with("FSDP"):
         kwargs["fsdp_plugin"] = fsdp_plugin()
     accelerator = Accelerator(**kwargs)
+    if accelerator.device.type == "mps" and accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
+        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache()  # before prepare() compiles
     warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes

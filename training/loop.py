@@ -23,7 +23,15 @@ from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
-from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
+from training.metrics import (
+    JSONLTracker,
+    cpu_precision_hint,
+    gpu_precision_hint,
+    memory_stats,
+    peak_tflops,
+    plot_losses,
+    precision_name,
+)
 from training.optim import build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
 
@@ -102,6 +110,7 @@ def setup(cfg: TrainConfig) -> Run:
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
+    model.activation_checkpointing = cfg.activation_checkpointing
     param_groups = model.optimizer_groups(cfg.weight_decay)
     optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
     total_steps = cfg.total_steps()
@@ -121,6 +130,12 @@ def setup(cfg: TrainConfig) -> Run:
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
+    if device.type == "cuda" and accelerator.is_main_process:
+        hint = gpu_precision_hint(
+            accelerator.mixed_precision, torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device)
+        )
+        if hint:
+            accelerator.print(hint)
     if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
         hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:

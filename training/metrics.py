@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,17 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     )
 
 
+def gpu_precision_hint(mixed_precision: str, bf16_supported: bool, gpu_name: str) -> str | None:
+    """A one-line warning when a bf16 launch YAML meets a GPU without bf16 (T4, V100 and older: emulated or
+    unsupported), naming the fp16 YAML; None otherwise."""
+    if mixed_precision != "bf16" or bf16_supported:
+        return None
+    return (
+        f"warning: this GPU ({gpu_name}) has no native bf16; launch with accelerate_configs/1xgpu_fp16.yaml "
+        "(fp16 autocast with loss scaling; for several GPUs set mixed_precision: fp16 in your YAML)"
+    )
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GiB: CUDA peak allocated/reserved, or the process's peak resident memory on CPU."""
     gib = 2**30
@@ -235,7 +246,25 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
-    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    peak = peak_rss_bytes()
+    return {} if peak is None else {"mem_rss_peak_gib": peak / gib}
+
+
+def rss_bytes(ru_maxrss: int, platform: str) -> int:
+    """getrusage()'s ru_maxrss in bytes: macOS counts bytes, Linux and the BSDs KiB."""
+    return ru_maxrss if platform == "darwin" else ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory: getrusage() on POSIX, psutil's peak working set on Windows (which has
+    no `resource` module); None where neither says."""
+    try:
+        import resource
+    except ImportError:
+        import psutil  # accelerate's own dependency
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
+    return rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
 
 
 class JSONLTracker(GeneralTracker):

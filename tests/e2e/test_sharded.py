@@ -169,3 +169,12 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
     for out in (machine0.stdout, out1):  # each machine's local main process reports the global world
         assert "2 process(es) on cpu" in out
     assert_losses_close(losses(run), losses(ddp_run), **ENGINE_TOL)
+
+
+@pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
+def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_path, ddp_run, config):
+    """Recomputed blocks under DDP and under FSDP2 (compiled per block): the plain DDP run's losses."""
+    run_dir = tmp_path / "run"
+    out = launch(config, run_dir, prepared_books, "--activation-checkpointing", "true")
+    assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text() and "2 process(es)" in out
+    assert_losses_close(losses(run_dir), losses(ddp_run), **(FSDP2_TOL if config == "cpu_fsdp2.yaml" else RESUME_TOL))

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from testkit import REPO
 from training.metrics import (
     PEAK_TFLOPS,
     JSONLTracker,
@@ -13,6 +14,7 @@ from training.metrics import (
     cpu_precision_hint,
     cuda_matmul_kind,
     datasheet_peak,
+    gpu_precision_hint,
     gpu_product,
     measure_matmul_tflops,
     memory_stats,
@@ -147,3 +149,15 @@ def test_peak_table_variants_differ_where_the_datasheets_do():
 def test_memory_stats_on_cpu_reports_rss():
     stats = memory_stats(torch.device("cpu"))
     assert 0.01 < stats["mem_rss_peak_gib"] < 64
+
+
+@pytest.mark.parametrize(
+    ("precision", "bf16_supported", "warns"),
+    [("bf16", False, True), ("bf16", True, False), ("fp16", False, False), ("no", False, False)],
+)
+def test_gpu_precision_hint_names_the_fp16_yaml_on_a_gpu_without_bf16(precision, bf16_supported, warns):
+    hint = gpu_precision_hint(precision, bf16_supported, "Tesla V100-SXM2-16GB")
+    assert (hint is not None) == warns
+    if warns:
+        assert hint.startswith("warning: this GPU (Tesla V100-SXM2-16GB) has no native bf16")
+        assert "accelerate_configs/1xgpu_fp16.yaml" in hint and (REPO / "accelerate_configs/1xgpu_fp16.yaml").exists()
