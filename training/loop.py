@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from data_prep import ensure_default_corpus
 from data_prep.loader import Manifest, TokenLoader, load_manifest
@@ -26,6 +26,9 @@ from training.hub import push, require_token, write_model_card
 from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
 from training.optim import build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
+
+# Engines whose optimizer sees parameter shards (FSDP's DTensors, DeepSpeed's flat partitions), not whole matrices.
+SHARDED_ENGINES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -90,6 +93,12 @@ def setup(cfg: TrainConfig) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
+    if cfg.optimizer == "muon" and accelerator.distributed_type in SHARDED_ENGINES:
+        raise ConfigError(
+            f"optimizer muon runs on one process or DDP only, not {accelerator.distributed_type.value}: Muon "
+            "orthogonalizes whole matrices and this engine hands the optimizer shards of them; launch with a DDP "
+            "accelerate config (e.g. accelerate_configs/8xh100.yaml) or use --optimizer adamw"
+        )
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
@@ -102,12 +111,16 @@ def setup(cfg: TrainConfig) -> Run:
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
-    param_groups = model.optimizer_groups(cfg.weight_decay)
-    optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
+    param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
+    optimizer = build_optimizer(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum,
+    )  # fmt: skip
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
-        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
-    )
+        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
+        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction,
+    )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -191,8 +204,22 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
-        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
+        + describe_optimizer(cfg, param_groups)
     )
+
+
+def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
+    """The optimizer(s) with their peak lrs and parameter groups, then the schedule (the start-up line's end)."""
+
+    def listing(groups: list[dict]) -> str:
+        return ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']:g})" for g in groups)
+
+    text = f"AdamW lr {cfg.lr:g}: {listing([g for g in param_groups if g['name'] != 'muon'])}"
+    if cfg.optimizer == "muon":
+        muon = [g for g in param_groups if g["name"] == "muon"]
+        text = f"Muon lr {cfg.muon_lr:g} momentum {cfg.muon_momentum:g}: {listing(muon)}; {text}"
+    decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
+    return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 
 
 def trainer_for(run: Run, stop: object) -> Trainer:
@@ -238,9 +265,11 @@ class TrainMetrics:
         world_size = accelerator.num_processes
         row = {
             "train_loss": accelerator.reduce(out.loss, "mean").item(),
-            "lr": run.scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],  # AdamW's (its groups come first)
             "grad_norm": out.grad_norm.item(),
         }
+        if run.cfg.optimizer == "muon":
+            row["muon_lr"] = run.scheduler.get_last_lr()[-1]  # the last group's (GPT.optimizer_groups)
         if self.window_steps:  # none when the first step is also a log step
             step_s = self.window_s / self.window_steps
             tokens_per_sec = run.cfg.total_batch_tokens / step_s
