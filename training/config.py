@@ -71,6 +71,10 @@ class TrainConfig:
         default=0.02, metadata={"help": "peak learning rate of Muon's matrices (optimizer muon; Keller Jordan's units)"}
     )
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
+    muon_momentum_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0: none"},
+    )
     lr_schedule: str = field(
         default="cosine",
         metadata={
@@ -163,7 +167,14 @@ class TrainConfig:
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "num_workers"):
+        for name in (
+            "warmup_steps",
+            "muon_momentum_warmup_steps",
+            "eval_interval",
+            "sample_interval",
+            "checkpoint_interval",
+            "num_workers",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("block_size", "max_tokens", "eval_limit"):

@@ -24,11 +24,15 @@ from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_t
 from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
 from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
-from training.optim import build_optimizer, build_scheduler
+from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
 
 # Engines whose optimizer sees parameter shards (FSDP's DTensors, DeepSpeed's flat partitions), not whole matrices.
-SHARDED_ENGINES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+SHARDED_ENGINES = {
+    DistributedType.FSDP: "FSDP",
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+}
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -93,11 +97,12 @@ def setup(cfg: TrainConfig) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
-    if cfg.optimizer == "muon" and accelerator.distributed_type in SHARDED_ENGINES:
+    engine = SHARDED_ENGINES.get(accelerator.distributed_type)
+    if cfg.optimizer == "muon" and engine:
         raise ConfigError(
-            f"optimizer muon runs on one process or DDP only, not {accelerator.distributed_type.value}: Muon "
-            "orthogonalizes whole matrices and this engine hands the optimizer shards of them; launch with a DDP "
-            "accelerate config (e.g. accelerate_configs/8xh100.yaml) or use --optimizer adamw"
+            f"optimizer muon runs on one process or DDP only, not {engine}: Muon orthogonalizes whole matrices "
+            "and this engine hands the optimizer shards of them; launch with a DDP accelerate config (e.g. "
+            "accelerate_configs/8xh100.yaml) or use --optimizer adamw"
         )
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
@@ -119,7 +124,7 @@ def setup(cfg: TrainConfig) -> Run:
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
         optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
-        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction,
+        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, momentum_warmup=cfg.muon_momentum_warmup_steps,
     )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
@@ -217,7 +222,10 @@ def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
     text = f"AdamW lr {cfg.lr:g}: {listing([g for g in param_groups if g['name'] != 'muon'])}"
     if cfg.optimizer == "muon":
         muon = [g for g in param_groups if g["name"] == "muon"]
-        text = f"Muon lr {cfg.muon_lr:g} momentum {cfg.muon_momentum:g}: {listing(muon)}; {text}"
+        momentum, warmup = f"momentum {cfg.muon_momentum:g}", cfg.muon_momentum_warmup_steps
+        if warmup:
+            momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
+        text = f"Muon lr {cfg.muon_lr:g} {momentum}: {listing(muon)}; {text}"
     decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
     return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 

@@ -101,6 +101,30 @@ def build_optimizer(
     return AdamWWithMuon(adamw, muon)
 
 
+MUON_MOMENTUM_START = 0.85  # modded-nanogpt's Muon momentum warmup: 0.85 to 0.95 over its first 300 steps
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR (each group's lr = its initial lr × the multiplier), which also warms up the momentum of the groups
+    that have one (Muon's) linearly from 0.85 to its initial value over the first ``momentum_warmup`` steps. The
+    momenta follow from the step alone, so a resumed run sets the same ones at the same step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, *, momentum_warmup: int = 0) -> None:
+        self.momentum_warmup = momentum_warmup  # before LambdaLR's first step() reads it
+        for group in optimizer.param_groups:
+            if "momentum" in group:
+                group.setdefault("initial_momentum", group["momentum"])  # kept in the optimizer's state_dict
+        super().__init__(optimizer, lr_lambda)
+
+    def step(self) -> None:
+        super().step()
+        frac = min(1.0, self.last_epoch / self.momentum_warmup) if self.momentum_warmup else 1.0
+        for group in self.optimizer.param_groups:
+            if "momentum" in group:
+                start = min(MUON_MOMENTUM_START, group["initial_momentum"])
+                group["momentum"] = start + frac * (group["initial_momentum"] - start)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -109,10 +133,12 @@ def build_scheduler(
     min_lr_ratio: float,
     schedule: str = "cosine",
     decay_fraction: float = 0.2,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """One LambdaLR: every group's lr is its own initial lr times lr_multiplier (Muon's and AdamW's alike)."""
+    momentum_warmup: int = 0,
+) -> Schedule:
+    """One schedule for every group: its lr is its own initial lr times lr_multiplier (Muon's and AdamW's alike),
+    and Muon's momentum warms up over the first momentum_warmup steps (0: none)."""
     multiplier = partial(
         lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
         schedule=schedule, decay_fraction=decay_fraction,
     )  # fmt: skip
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    return Schedule(optimizer, multiplier, momentum_warmup=momentum_warmup)

@@ -9,7 +9,7 @@ import torch
 
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
-from training.optim import AdamWWithMuon, build_optimizer, build_scheduler, lr_multiplier
+from training.optim import AdamWWithMuon, Schedule, build_optimizer, build_scheduler, lr_multiplier
 
 
 def test_warmup_is_linear_then_cosine_reaches_floor():
@@ -93,10 +93,10 @@ def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generat
 SCHEDULE = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.5)
 
 
-def muon_run(model: GPT) -> tuple[AdamWWithMuon, torch.optim.lr_scheduler.LambdaLR]:
+def muon_run(model: GPT, momentum_warmup: int = 0) -> tuple[AdamWWithMuon, Schedule]:
     optimizer = build_optimizer(model.optimizer_groups(0.1, muon=True), lr=3e-3, betas=(0.9, 0.95),
                                 device_type="cpu", muon_lr=0.02, muon_momentum=0.9)  # fmt: skip
-    return optimizer, build_scheduler(optimizer, **SCHEDULE)
+    return optimizer, build_scheduler(optimizer, **SCHEDULE, momentum_warmup=momentum_warmup)
 
 
 def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_hand():
@@ -130,24 +130,42 @@ def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_
     assert [g["lr"] for g in ours.param_groups] == pytest.approx([3e-3 * peak] * 2 + [0.02 * peak])
 
 
+def test_muon_momentum_warms_up_linearly_and_adamw_is_left_alone():
+    p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+    optimizer = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.95)
+    schedule = build_scheduler(optimizer, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    momenta = []
+    for _ in range(6):
+        momenta.append(optimizer.param_groups[-1]["momentum"])
+        schedule.step()
+    assert momenta == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert "momentum" not in optimizer.param_groups[0] and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+    low = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.5)
+    build_scheduler(low, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    assert low.param_groups[-1]["momentum"] == 0.5  # a peak below 0.85 is held from the start
+
+
 def test_muon_state_dict_resumes_exactly():
     """3 steps, state_dict of optimizer and schedule through torch.save, a fresh build loading them, 2 more steps
-    == 5 straight steps, bit for bit (what accelerate's save_state / load_state do with it)."""
+    == 5 straight steps, bit for bit (what accelerate's save_state / load_state do with it), also in the middle of
+    the momentum warmup."""
     torch.manual_seed(0)
     straight = GPT(get_preset("tiny-cpu"))
     resumed = copy.deepcopy(straight)
-    optimizer, schedule = muon_run(straight)
+    optimizer, schedule = muon_run(straight, momentum_warmup=4)
     train(straight, [optimizer], [schedule], torch.Generator().manual_seed(0), steps=5)
 
     batches = torch.Generator().manual_seed(0)
-    optimizer, schedule = muon_run(resumed)
+    optimizer, schedule = muon_run(resumed, momentum_warmup=4)
     train(resumed, [optimizer], [schedule], batches, steps=3)
     buffer = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     assert set(saved["optimizer"]) == {"adamw", "muon"} and saved["optimizer"]["muon"]["state"]
-    optimizer, schedule = muon_run(resumed)
+    optimizer, schedule = muon_run(resumed, momentum_warmup=4)
     optimizer.load_state_dict(saved["optimizer"])
     schedule.load_state_dict(saved["schedule"])
     train(resumed, [optimizer], [schedule], batches, steps=2)
