@@ -68,7 +68,11 @@ class TrainConfig:
     )
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate of AdamW (under muon: of its tensors)"})
     muon_lr: float = field(
-        default=0.02, metadata={"help": "peak learning rate of Muon's matrices (optimizer muon; Keller Jordan's units)"}
+        default=0.02,
+        metadata={
+            "help": "peak learning rate of Muon's matrices (optimizer muon), scaled per matrix by "
+            "sqrt(max(1, rows / cols)) as in modded-nanogpt"
+        },
     )
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
     muon_momentum_warmup_steps: int = field(
