@@ -27,7 +27,9 @@ from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, pea
 from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
 
-# Engines whose optimizer sees parameter shards (FSDP's DTensors, DeepSpeed's flat partitions), not whole matrices.
+# Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
+# orthogonalizes whole matrices, is neither verified equal to DDP under them nor checkpointed by them (FSDP2's
+# distributed optimizer state dict wants one optimizer's standard layout), so it stops at start-up.
 SHARDED_ENGINES = {
     DistributedType.FSDP: "FSDP",
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -100,9 +102,9 @@ def setup(cfg: TrainConfig) -> Run:
     engine = SHARDED_ENGINES.get(accelerator.distributed_type)
     if cfg.optimizer == "muon" and engine:
         raise ConfigError(
-            f"optimizer muon runs on one process or DDP only, not {engine}: Muon orthogonalizes whole matrices "
-            "and this engine hands the optimizer shards of them; launch with a DDP accelerate config (e.g. "
-            "accelerate_configs/8xh100.yaml) or use --optimizer adamw"
+            f"optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that Muon "
+            "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
+            "use --optimizer adamw"
         )
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)

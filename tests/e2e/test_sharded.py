@@ -173,14 +173,13 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
 
 @pytest.mark.parametrize("config, engine", [("cpu_fsdp2.yaml", "FSDP"), ("cpu_zero2.yaml", "DeepSpeed")])
 def test_muon_stops_at_start_up_under_sharded_engines(prepared_books, tmp_path, config, engine):
-    """Muon orthogonalizes whole matrices and these engines give the optimizer shards of them (FSDP2's DTensor
-    rows, DeepSpeed's flat partitions): every rank stops before the model is built, with the line naming the
-    engines that run it."""
+    """Muon orthogonalizes whole matrices and these engines shard them (FSDP2's DTensor rows, DeepSpeed's flat
+    partitions): every rank stops before the model is built, with the line naming the engines that run it."""
     if "zero" in config:
         pytest.importorskip("deepspeed")
     result = run(launch_cmd(config, tmp_path / "run", prepared_books, "--optimizer", "muon"), expect_rc=1)
     assert (
-        f"error: optimizer muon runs on one process or DDP only, not {engine}: Muon orthogonalizes whole matrices"
-        in result.stderr
+        f"error: optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that "
+        "Muon orthogonalizes whole); launch with a DDP accelerate config" in result.stderr
     )
     assert not any((tmp_path / "run").iterdir())  # no checkpoint, log or config written
