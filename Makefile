@@ -2,7 +2,7 @@
 # Each sets up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.6 you already have.
+# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.9 you already have.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-fast lint

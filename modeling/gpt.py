@@ -178,12 +178,21 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.block_size * c.n_embd
 
-    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+    def optimizer_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
         """AdamW parameter groups: decay every tensor with 2+ dims (matmul weights and the tied embedding),
         not biases or LayerNorm gains. Each group has a "name" ("decay" / "no_decay") for logging, e.g.
-        f'{g["name"]}: {len(g["params"])} tensors, {sum(p.numel() for p in g["params"]):,} params'."""
+        f'{g["name"]}: {len(g["params"])} tensors, {sum(p.numel() for p in g["params"]):,} params'.
+        With muon, the blocks' matrices (c_attn, c_proj, c_fc) leave "decay" for a last group "muon" of their
+        own, for torch.optim.Muon; the tied embedding/head and wpe stay in "decay" (Muon is for hidden layers)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"name": "decay", "params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        hidden = {id(p) for p in self.transformer.h.parameters() if p.dim() == 2} if muon else set()
+        groups = [
+            {"name": "decay", "params": [p for p in params if p.dim() >= 2 and id(p) not in hidden],
+             "weight_decay": weight_decay},
             {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        ]  # fmt: skip
+        if muon:
+            groups.append(
+                {"name": "muon", "params": [p for p in params if id(p) in hidden], "weight_decay": weight_decay}
+            )
+        return groups

@@ -21,6 +21,8 @@ import yaml
 from modeling.config import GPTConfig, get_preset
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")
 
 
 class ConfigError(ValueError):
@@ -64,10 +66,42 @@ class TrainConfig:
     )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
     # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
-    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "adamw: AdamW for every tensor; muon: torch.optim.Muon for the blocks' 2-D matrices (at muon_lr) "
+            "and AdamW (at lr) for the embeddings, LayerNorm gains and biases"
+        },
+    )
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate of AdamW (under muon: of its tensors)"})
+    muon_lr: float = field(
+        default=0.02,
+        metadata={
+            "help": "peak learning rate of Muon's matrices (optimizer muon), scaled per matrix by "
+            "sqrt(max(1, rows / cols)) as in modded-nanogpt"
+        },
+    )
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
+    muon_momentum_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0: none"},
+    )
+    lr_schedule: str = field(
+        default="cosine",
+        metadata={
+            "help": "after the linear warmup: cosine (decay to min_lr_ratio over the remaining steps) or wsd "
+            "(warmup-stable-decay: constant, then linear decay to min_lr_ratio over the last decay_fraction of steps)"
+        },
+    )
+    decay_fraction: float = field(
+        default=0.2, metadata={"help": "fraction of all steps spent in the final linear decay (lr_schedule wsd)"}
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2D+ tensors only"})
+    weight_decay: float = field(
+        default=0.1,
+        metadata={"help": "decoupled weight decay on 2D+ tensors only (AdamW's and, under muon, Muon's matrices)"},
+    )
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"})
@@ -150,16 +184,30 @@ class TrainConfig:
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "num_workers"):
+        for name in (
+            "warmup_steps",
+            "muon_momentum_warmup_steps",
+            "eval_interval",
+            "sample_interval",
+            "checkpoint_interval",
+            "num_workers",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("block_size", "max_tokens", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (or null for the default), got {getattr(self, name)}")
+        choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))
+        for name, valid in choices:
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         floats = (  # name, whether its value is valid, the rule; every float must also be finite
             ("lr", self.lr > 0, "> 0"),
+            ("muon_lr", self.muon_lr > 0, "> 0"),
+            ("muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)"),
+            ("decay_fraction", 0 <= self.decay_fraction <= 1, "in [0, 1]"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from data_prep import ensure_default_corpus
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
@@ -32,8 +32,17 @@ from training.metrics import (
     plot_losses,
     precision_name,
 )
-from training.optim import build_optimizer, build_scheduler
+from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
+
+# Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
+# orthogonalizes whole matrices, is neither verified equal to DDP under them nor checkpointed by them (FSDP2's
+# distributed optimizer state dict wants one optimizer's standard layout), so it stops at start-up.
+SHARDED_ENGINES = {
+    DistributedType.FSDP: "FSDP",
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+}
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -98,6 +107,13 @@ def setup(cfg: TrainConfig) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
+    engine = SHARDED_ENGINES.get(accelerator.distributed_type)
+    if cfg.optimizer == "muon" and engine:
+        raise ConfigError(
+            f"optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that Muon "
+            "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
+            "use --optimizer adamw"
+        )
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
@@ -111,12 +127,16 @@ def setup(cfg: TrainConfig) -> Run:
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
-    param_groups = model.optimizer_groups(cfg.weight_decay)
-    optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
+    param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
+    optimizer = build_optimizer(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum,
+    )  # fmt: skip
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
-        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
-    )
+        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
+        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, momentum_warmup=cfg.muon_momentum_warmup_steps,
+    )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -209,8 +229,25 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
         f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
-        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
+        + describe_optimizer(cfg, param_groups)
     )
+
+
+def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
+    """The optimizer(s) with their peak lrs and parameter groups, then the schedule (the start-up line's end)."""
+
+    def listing(groups: list[dict]) -> str:
+        return ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']:g})" for g in groups)
+
+    text = f"AdamW lr {cfg.lr:g}: {listing([g for g in param_groups if g['name'] != 'muon'])}"
+    if cfg.optimizer == "muon":
+        muon = [g for g in param_groups if g["name"] == "muon"]
+        momentum, warmup = f"momentum {cfg.muon_momentum:g}", cfg.muon_momentum_warmup_steps
+        if warmup:
+            momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
+        text = f"Muon lr {cfg.muon_lr:g} {momentum}: {listing(muon)}; {text}"
+    decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
+    return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 
 
 def trainer_for(run: Run, stop: object) -> Trainer:
@@ -256,9 +293,11 @@ class TrainMetrics:
         world_size = accelerator.num_processes
         row = {
             "train_loss": accelerator.reduce(out.loss, "mean").item(),
-            "lr": run.scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],  # AdamW's (its groups come first)
             "grad_norm": out.grad_norm.item(),
         }
+        if run.cfg.optimizer == "muon":
+            row["muon_lr"] = run.scheduler.get_last_lr()[-1]  # the last group's (GPT.optimizer_groups)
         if self.window_steps:  # none when the first step is also a log step
             step_s = self.window_s / self.window_steps
             tokens_per_sec = run.cfg.total_batch_tokens / step_s

@@ -178,3 +178,17 @@ def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_
     out = launch(config, run_dir, prepared_books, "--activation-checkpointing", "true")
     assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text() and "2 process(es)" in out
     assert_losses_close(losses(run_dir), losses(ddp_run), **(FSDP2_TOL if config == "cpu_fsdp2.yaml" else RESUME_TOL))
+
+
+@pytest.mark.parametrize("config, engine", [("cpu_fsdp2.yaml", "FSDP"), ("cpu_zero2.yaml", "DeepSpeed")])
+def test_muon_stops_at_start_up_under_sharded_engines(prepared_books, tmp_path, config, engine):
+    """Muon orthogonalizes whole matrices and these engines shard them (FSDP2's DTensor rows, DeepSpeed's flat
+    partitions): every rank stops before the model is built, with the line naming the engines that run it."""
+    if "zero" in config:
+        pytest.importorskip("deepspeed")
+    result = run(launch_cmd(config, tmp_path / "run", prepared_books, "--optimizer", "muon"), expect_rc=1)
+    assert (
+        f"error: optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that "
+        "Muon orthogonalizes whole); launch with a DDP accelerate config" in result.stderr
+    )
+    assert not any((tmp_path / "run").iterdir())  # no checkpoint, log or config written

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows
 from training.config import TrainConfig
@@ -54,12 +55,16 @@ def nan_grads_at(steps: set[int], counter: list[int]):
 
 
 def small_trainer(
-    fused: bool, bad: set[int], max_bad_steps: int = 5, device: str = "cpu"
+    fused: bool, bad: set[int], max_bad_steps: int = 5, device: str = "cpu", muon: bool = False
 ) -> tuple[Trainer, torch.nn.Module, list[int]]:
+    """fused AdamW; plain AdamW (fused False); or Muon for the weight matrix with fused AdamW for the bias."""
     torch.manual_seed(0)
     model = ModelWithLoss().to(device)
     groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
-    if fused:
+    if muon:
+        groups = [{"name": "no_decay", "params": [model.lin.bias], "weight_decay": 0.0},
+                  {"name": "muon", "params": [model.lin.weight], "weight_decay": 0.1}]  # fmt: skip
+    if fused or muon:
         optimizer = build_optimizer(groups, lr=1e-2, betas=(0.9, 0.95), device_type=device)
     else:
         optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), foreach=False, fused=False)
@@ -101,24 +106,26 @@ def run_steps(trainer: Trainer, counter: list[int], n: int) -> list[dict]:
                 "step": trainer.progress.step,
                 "lr": trainer.scheduler.get_last_lr()[0],
                 "weights": copy.deepcopy(trainer.model.state_dict()),
-                "opt": copy.deepcopy(trainer.optimizer.state_dict()["state"]),
+                "opt": copy.deepcopy(tree_leaves(trainer.optimizer.state_dict())),  # both optimizers' under muon
             }
         )
     return states
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["masked-on-device", "checked-on-host"])
-def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fused):
-    trainer, _, counter = small_trainer(fused, bad={2})
-    assert masks_on_device(trainer.accelerator, trainer.optimizer) is fused
+@pytest.mark.parametrize(
+    "fused, muon", [(True, False), (False, False), (False, True)], ids=["masked-on-device", "checked-on-host", "muon"]
+)
+def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fused, muon):
+    trainer, _, counter = small_trainer(fused, bad={2}, muon=muon)
+    assert masks_on_device(trainer.accelerator, trainer.optimizer) is fused  # Muon has no found_inf
     states = run_steps(trainer, counter, 4)
     assert [s["step"] for s in states] == [1, 2, 2, 3]  # call 2 skipped
     assert states[2]["lr"] == states[1]["lr"]  # the schedule did not advance
     for key, value in states[1]["weights"].items():
         assert torch.equal(states[2]["weights"][key], value), key
-    for pid, param_state in states[1]["opt"].items():
-        for key, value in param_state.items():
-            assert torch.equal(states[2]["opt"][pid][key], value), key
+    before, after = states[1]["opt"], states[2]["opt"]  # every tensor and hyperparameter of the state
+    assert len(after) == len(before) and any(isinstance(v, torch.Tensor) and v.any() for v in before)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(after, before))
     assert not torch.equal(states[3]["weights"]["lin.weight"], states[2]["weights"]["lin.weight"])  # trains on
 
 
