@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
+from modeling.runtime import finish
 from training.checkpoint import save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
-from training.distributed import finish
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.signals import StopRequest
