@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import resource
 import time
@@ -168,20 +169,41 @@ def precision_name(mixed_precision: str) -> str:
 
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
-CPU = torch.device("cpu")
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
 NO_NATIVE_BF16 = 5.0  # bf16 this many times slower than fp32 is emulated (AVX2-only), not native (>= ~0.5x fp32)
 
 
-def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | None:
+def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
+    """TFLOP/s of an n x n CPU matmul by mixed_precision value ('no': fp32, 'bf16'), to compare the two: one
+    thread's best single matmul times the threads torch uses (as measure_matmul_tflops), the dtypes taking turns
+    for about `seconds`. On a busy machine some short matmuls still run undisturbed and both dtypes meet the same
+    load, so the ratio holds where peak_tflops of each dtype in turn swings with the load each one met
+    (BENCHMARKS.md, "`make train`'s precision"). n = 512: a small model's matmul, done between preemptions."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mats = {mp: torch.randn(n, n, dtype=torch.bfloat16 if mp == "bf16" else torch.float32) for mp in CPU_YAML}
+        for a in mats.values():
+            a @ a  # warm-up: oneDNN builds its kernel on the first call
+        best: dict[str, float] = {}
+        deadline = time.perf_counter() + seconds
+        while not best or time.perf_counter() < deadline:
+            for mp, a in mats.items():
+                start = time.perf_counter()
+                a @ a
+                best[mp] = min(best.get(mp, math.inf), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}
+
+
+def cpu_precision_hint(mixed_precision: str) -> str | None:
     """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
-    YAML's (measured_tflops, from peak_tflops): bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16
-    Xeons and ~1/100 on AVX2-only cores (no native bf16). None when the YAML's choice is right (or not a CPU one).
-    Measures the other dtype (peak_tflops: about half a second)."""
+    YAML's: bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16 Xeons and ~1/100 on AVX2-only cores
+    (no native bf16). None when the YAML's choice is right (or not a CPU one). Measures both (~1 s)."""
     if mixed_precision not in CPU_YAML:
         return None
-    (other,) = set(CPU_YAML) - {mixed_precision}
-    return precision_advice(mixed_precision, {mixed_precision: measured_tflops, other: peak_tflops(CPU, other)[0]})
+    return precision_advice(mixed_precision, cpu_matmul_speeds())
 
 
 def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | None:
