@@ -35,8 +35,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers' key prefixes
-_FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's sharded state dict
-_FSDP_FULL = "pytorch_model_fsdp.bin"  # ... and for a full one (fsdp_state_dict_type FULL_STATE_DICT)
+_FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
 
 
@@ -120,8 +119,6 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
             dcp_to_torch_save(checkpoint / _FSDP_SHARDS, Path(tmp) / "model.pt")
             state = torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)["model"]  # as saved
         return state, "FSDP shards merged with torch's dcp_to_torch_save"
-    if (checkpoint / _FSDP_FULL).is_file():
-        return torch.load(checkpoint / _FSDP_FULL, map_location="cpu", weights_only=True), _FSDP_FULL
     if (checkpoint / _ZERO_TAG).is_dir():
         try:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
