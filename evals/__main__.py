@@ -22,9 +22,8 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu
-from training.distributed import finish
-from training.metrics import dtype_name
-from training.vector_math import warm_up_vector_math
+from modeling.runtime import dtype_name, finish
+from modeling.vector_math import warm_up_vector_math
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        model, _ = load_model_from_args(args)
+        model, source = load_model_from_args(args)
+        print(f"model: {source}", file=sys.stderr)  # stdout is the text alone
         model.to(default_device())
         print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
     except EvalError as err:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from modeling.config import GPTConfig, get_preset
+from modeling.runs import model_shape
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 OPTIMIZERS = ("adamw", "muon")
@@ -147,26 +148,10 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
-        if self.init_from:
-            from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
-
-            # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
-            if not Path(self.init_from).exists() and (self.init_from.count("/") > 1 or self.init_from[0] in "/.~"):
-                raise ConfigError(
-                    f"init_from {self.init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
-                    "export/ (runs/NAME/export) or a Hub id such as gpt2"
-                )
-            try:
-                config, source = load_hf_config(self.init_from), f"{self.init_from}'s"
-            except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
-                raise ConfigError(f"init_from {self.init_from}: {err}") from None
-        else:
-            config, source = get_preset(self.preset), f"the {self.preset} preset's"
-        if self.block_size is None:
-            return config
-        if self.block_size > config.block_size:
-            raise ConfigError(f"block_size={self.block_size} exceeds {source} {config.block_size} positions")
-        return dataclasses.replace(config, block_size=self.block_size)
+        try:
+            return model_shape(self.preset, self.block_size, self.init_from)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from typing import Any
 
 import torch
@@ -14,8 +13,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 from torch.distributed.tensor import DTensor
 
 from modeling.device import accelerator_needs_cpu
+from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
-from training.vector_math import warm_up_vector_math
 
 
 def _launched_with(engine: str) -> bool:
@@ -136,18 +135,3 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
         register_fsdp_forward_method(root, "generate")
         root.generate = torch.compiler.set_stance("force_eager")(root.generate)
     return root
-
-
-def finish(accelerator: Accelerator) -> None:
-    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last.
-
-    On gloo (CPU runs with 2+ processes) the process then exits at once with status 0: gloo's threads can abort
-    the interpreter's teardown after a complete run ("terminate called without an active exception", status 1;
-    seen in about 1 FSDP run in 5), which would fail a finished job. Everything is written by then; skipping
-    the teardown loses nothing."""
-    on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-    accelerator.end_training()
-    if on_gloo:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)

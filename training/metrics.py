@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 
+from modeling.runs import read_metrics
+from modeling.runtime import dtype_name
+
 # Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
 # (what fp32 matmuls run as while TF32 is allowed) and fp32 (CUDA cores, TF32 off).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -159,11 +162,6 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul{threads}"
 
 
-def dtype_name(mixed_precision: str) -> str:
-    """The compute dtype of accelerate's mixed_precision value: 'no' is plain fp32."""
-    return "fp32" if mixed_precision == "no" else mixed_precision
-
-
 def precision_name(mixed_precision: str) -> str:
     """accelerate's mixed_precision as the run log says it."""
     return dtype_name(mixed_precision) + ("" if mixed_precision == "no" else " mixed precision")
@@ -288,15 +286,6 @@ class JSONLTracker(GeneralTracker):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """metrics.jsonl rows; when a resumed run logged a step again, the later row wins."""
-    rows: dict[tuple[int | None, frozenset], dict] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        rows[(row.get("step"), frozenset(row))] = row
-    return sorted(rows.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:

@@ -28,6 +28,11 @@ class TrainingAborted(RuntimeError):
         )
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: torch.OutOfMemoryError on accelerators, a RuntimeError from the allocator on the CPU."""
+    return isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err)
+
+
 @dataclass
 class StepOutput:
     loss: Tensor  # this rank's mean loss over the step's micro-batches, detached, on the device
@@ -80,16 +85,22 @@ class Trainer:
         self._pinned: Tensor | None = None  # on CUDA, the host copy of _pending's verdict
         self._copied: torch.cuda.Event | None = None  # recorded after that copy
 
+        # Out of memory in forward/backward: the step is redone with each micro-batch in twice as many slices.
+        # One process only: other ranks would wait in a collective for the one that failed.
+        self.pieces = 1
+        self.may_halve = accelerator.num_processes == 1 and accelerator.distributed_type != DistributedType.DEEPSPEED
+
     def train_step(self, batches: Batches) -> StepOutput:
         accelerator, model, device = self.accelerator, self.model, self.accelerator.device
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(self.grad_accum):  # accumulate() skips the DDP all-reduce until the last micro-batch
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with accelerator.accumulate(model):
-                _, loss = model(x, y)
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
+        kept: list[tuple[Tensor, Tensor]] = []  # the step's micro-batches as loaded, replayed after out of memory
+        while (loss_sum := self._forward_backward(batches, kept)) is None:
+            rows = len(kept[0][0])
+            failed, self.pieces = -(-rows // self.pieces), min(2 * self.pieces, rows)  # never an empty slice
+            accelerator.print(
+                f"step {self.progress.step + 1}: out of memory at micro-batch {failed}; retrying at "
+                f"{-(-rows // self.pieces)} × {self.grad_accum * self.pieces} accumulation (the same "
+                f"{self.tokens_per_step:,} tokens in the same order)"
+            )
         self.settle()  # the previous step's verdict, read while this step's backward runs
         grad_norm = clip_grad_norm(accelerator, model, self.grad_clip)
         status = torch.zeros(2, device=device)
@@ -127,6 +138,33 @@ class Trainer:
             )
             raise TrainingAborted(1, self.progress.step, checkpoints, why)
         return float(not applied)
+
+    def _forward_backward(self, batches: Batches, kept: list[tuple[Tensor, Tensor]]) -> Tensor | None:
+        """Forward and backward over the step's grad_accum micro-batches, each cut into `pieces` row slices whose
+        losses are weighted by their share of rows (the gradient of the whole micro-batch's mean loss); the sum of
+        the micro-batches' mean losses. None when out of memory with a smaller slice left to try: the gradients
+        are then cleared and `kept` holds the micro-batches loaded so far, to replay the step from its start."""
+        accelerator, model, device = self.accelerator, self.model, self.accelerator.device
+        micro_steps = accelerator.step  # accumulate() counts micro-steps to find the last one (the sync)
+        loss_sum = torch.zeros((), device=device)
+        try:
+            for i in range(self.grad_accum):  # accumulate() skips the DDP all-reduce until the last micro-batch
+                if i == len(kept):
+                    kept.append(next(batches))
+                x, y = (t.to(device, non_blocking=True) for t in kept[i])
+                with accelerator.accumulate(model):
+                    for xs, ys in zip(x.tensor_split(self.pieces), y.tensor_split(self.pieces)):
+                        _, loss = model(xs, ys)
+                        loss = loss * (len(xs) / len(x)) if self.pieces > 1 else loss
+                        accelerator.backward(loss)
+                        loss_sum += loss.detach()
+            return loss_sum
+        except RuntimeError as err:
+            if not (self.may_halve and is_out_of_memory(err) and kept and self.pieces < len(kept[0][0])):
+                raise
+        self.optimizer.zero_grad(set_to_none=True)
+        accelerator.step = micro_steps
+        return None
 
     def settle(self) -> bool:
         """Read the last step's verdict now if it is still pending; whether that step was applied."""

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from modeling.runtime import finish
 from training.config import parse_config
-from training.distributed import finish
 from training.loop import setup, trainer_for
 
 
