@@ -2,7 +2,7 @@
 # Each sets up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.5 you already have.
+# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.9 you already have.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-fast lint
@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The CPU YAML of the faster precision here: cpu_bf16.yaml where bf16 matmuls are clearly faster, else cpu.yaml.
 train: install
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml train_accel.py --config configs/cpu_small.yaml
+	yaml=$$($(PY) -m training.pick_cpu_config) && \
+	$(VENV)/bin/accelerate launch --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
 
 test: install
 	$(PY) -m pytest -q --durations=15

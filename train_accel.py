@@ -11,18 +11,17 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
 from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
+from modeling.runtime import finish
 from training.checkpoint import save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
-from training.distributed import finish
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.signals import StopRequest
-from training.step import TrainingAborted
+from training.step import TrainingAborted, is_out_of_memory
 
 
 def fit(run: Run, launched: float) -> bool:
@@ -94,7 +93,9 @@ if __name__ == "__main__":
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except torch.OutOfMemoryError as err:
+    except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
+        if not is_out_of_memory(err):
+            raise
         print(
             f"error: out of memory ({str(err).splitlines()[0]}); lower --micro-batch-size (total_batch_tokens stays, "
             "accumulation grows) or find the largest that fits with `python -m bench.ladder`",

@@ -29,7 +29,17 @@ import torch
 from bench import peer
 from bench.measure import Bench, Result, largest_micro_batch, measure_ladder_rung, unless_out_of_memory
 from bench.report import cpu_model, device_name, markdown_table, plot, profile_markdown, summary_line, target_lines
-from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, compile_backend, full_recipe_trainer, launch_config
+from bench.rungs import (
+    REPO,
+    RUNGS,
+    Recipe,
+    Role,
+    Trainer,
+    compile_backend,
+    full_recipe_trainer,
+    launch_config,
+    tf32_matmuls,
+)
 from data_prep import ensure_default_corpus
 from modeling.config import get_preset
 from training.compile_cache import isolate_inductor_cache
@@ -159,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     launch = launch_config(launch_path)
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.
-    peaks = {kind: peak_tflops(device, mode, args.peak_tflops) for kind, mode in (("bf16", "bf16"), ("fp32", "no"))}
+    # On CUDA the fp32 rows that allow TF32 (rungs 2-4, rung 11 in fp32, the fp32 peer) against the TF32 peak.
+    peaks = {"bf16": peak_tflops(device, "bf16", args.peak_tflops)}
+    for kind, tf32 in (("fp32", False), ("tf32", True))[: 2 if device.type == "cuda" else 1]:
+        with tf32_matmuls(tf32):  # peak_tflops reads the TF32 setting of the moment
+            peaks[kind] = peak_tflops(device, "no", args.peak_tflops)
     peak = {kind: tflops for kind, (tflops, _) in peaks.items()}
     # A GPU's datasheet peak is the MFU convention; the MFU target is against what its bf16 matmuls really sustain.
     measured_bf16 = measure_matmul_tflops(device, torch.bfloat16) if device.type == "cuda" else None

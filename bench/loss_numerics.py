@@ -1,6 +1,6 @@
 """Accuracy of the training loss against an fp64 reference, from uniform to confident predictions.
 
-    python -m bench.loss_numerics
+    python -m bench.loss_numerics [--device cuda]
 
 For each precision a launch YAML can select (fp32, bf16 and fp16 autocast) and each confidence level, prints the
 relative error of the loss and of its gradients w.r.t. the hidden states (grad_h) and the head (grad_w), for
@@ -62,7 +62,7 @@ def loss_and_grads(loss_fn: LossFn, h: Tensor, weight: Tensor, targets: Tensor, 
     the gradients, as accelerate's GradScaler does."""
     h, weight = h.float().requires_grad_(), weight.float().requires_grad_()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+    with torch.autocast(h.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
         loss = loss_fn(h, weight, targets)
     scale = FP16_LOSS_SCALE if precision == "fp16" else 1.0
     (loss * scale).backward()
@@ -79,13 +79,14 @@ def reference(h: Tensor, weight: Tensor, targets: Tensor) -> list[Tensor]:
 
 def relative_errors(got: list[Tensor], want: list[Tensor]) -> list[float]:
     """|got - want| / |want| for the loss, grad_h and grad_w (Frobenius norms)."""
-    return [((g - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
+    return [((g.cpu() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--p-target", type=float, nargs="+", default=[0.5, 0.94, 0.99995, 1 - 1e-8])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)")
     args = parser.parse_args()
     isolate_inductor_cache()
     fns = {
@@ -101,7 +102,8 @@ def main() -> None:
         for precision in args.precisions:
             cells = []
             for fn in fns.values():
-                errs = relative_errors(loss_and_grads(fn, h, weight, targets, precision), want)
+                inputs = (t.to(args.device) for t in (h, weight, targets))
+                errs = relative_errors(loss_and_grads(fn, *inputs, precision), want)
                 cells.append(" / ".join(f"{e:.2g}" for e in errs))
             print(f"| {precision} | {_mean_p_target(h, weight, targets):.8g} | " + " | ".join(cells) + " |")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -72,8 +71,10 @@ def _child(argv: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _rss_mb(who: int) -> float:
-    return resource.getrusage(who).ru_maxrss / 1024  # kB on Linux
+def _rss_mb(who: str) -> float:
+    import resource  # POSIX only: this benchmark measures worker processes as Linux reports them
+
+    return resource.getrusage(getattr(resource, who)).ru_maxrss / 1024  # kB on Linux
 
 
 def _prepare_child(library: str, out: str, num_proc: int) -> None:
@@ -85,7 +86,7 @@ def _prepare_child(library: str, out: str, num_proc: int) -> None:
     seconds = time.perf_counter() - start
     tokens = sum(s["num_tokens"] for s in manifest["splits"].values())
     result = {"seconds": seconds, "tokens": tokens, "books": manifest["documents"]["count"]}
-    result |= {"rss_main": _rss_mb(resource.RUSAGE_SELF), "rss_worker": _rss_mb(resource.RUSAGE_CHILDREN)}
+    result |= {"rss_main": _rss_mb("RUSAGE_SELF"), "rss_worker": _rss_mb("RUSAGE_CHILDREN")}
     print(json.dumps(result))
 
 
@@ -94,13 +95,13 @@ def _loader_child(data_dir: str) -> None:
 
     from data_prep.loader import TokenLoader
 
-    before = _rss_mb(resource.RUSAGE_SELF)
+    before = _rss_mb("RUSAGE_SELF")
     start = time.perf_counter()
     loader = TokenLoader(data_dir, "train", 1024, 8)
     batches = iter(loader)
     next(batches)
     seconds = time.perf_counter() - start
-    rss = _rss_mb(resource.RUSAGE_SELF) - before  # before the timed batches fault in memmapped shard pages
+    rss = _rss_mb("RUSAGE_SELF") - before  # before the timed batches fault in memmapped shard pages
     start = time.perf_counter()
     for _ in islice(batches, LOADER_BATCHES):
         pass

@@ -17,7 +17,6 @@ inputs and parameters. Re-running with the same inputs and parameters is a no-op
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 from tqdm import tqdm
 
 from data_prep import DataPrepError
@@ -355,9 +355,8 @@ def _same_output(out: Path, manifest: dict[str, Any]) -> bool:
 
 @contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
-    # A POSIX lock belongs to this process alone: forked workers don't hold it, its death frees it.
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.lockf(lock, fcntl.LOCK_EX)
+    # An OS lock (flock on POSIX, msvcrt on Windows): the holder's death frees it (its workers exit with it).
+    with FileLock(out.parent / f".{out.name}.lock"):
         yield
 
 

@@ -15,16 +15,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
-from training.distributed import finish
-from training.metrics import dtype_name
-from training.vector_math import warm_up_vector_math
+from modeling.device import accelerator_needs_cpu
+from modeling.runtime import dtype_name, finish
+from modeling.vector_math import warm_up_vector_math
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tasks = parse_tasks(args.tasks)
         model, source = load_model_from_args(args)
-        accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
+        accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
         warm_up_vector_math(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
         model.to(accelerator.device)
         encoding = get_encoding()

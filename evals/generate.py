@@ -18,6 +18,7 @@ from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from modeling.config import EOT_ID
+from modeling.device import default_device
 
 
 def generate_text(
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        model, _ = load_model_from_args(args)
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        model, source = load_model_from_args(args)
+        print(f"model: {source}", file=sys.stderr)  # stdout is the text alone
+        model.to(default_device())
         print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
     except EvalError as err:
         sys.exit(f"error: {err}")

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from training.metrics import read_metrics
+from modeling.runs import read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")
 

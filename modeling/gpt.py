@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.fused_ce import fused_linear_cross_entropy
@@ -82,6 +83,9 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Trade compute for memory: store only each block's input and recompute its activations in backward
+        # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
+        self.activation_checkpointing = False
         # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -114,7 +118,10 @@ class GPT(nn.Module):
         pos = torch.arange(seq_len, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # keeps only x; backward recomputes the block
+            else:
+                x = block(x)
         return self.transformer.ln_f(x)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
@@ -171,12 +178,21 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.block_size * c.n_embd
 
-    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+    def optimizer_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
         """AdamW parameter groups: decay every tensor with 2+ dims (matmul weights and the tied embedding),
         not biases or LayerNorm gains. Each group has a "name" ("decay" / "no_decay") for logging, e.g.
-        f'{g["name"]}: {len(g["params"])} tensors, {sum(p.numel() for p in g["params"]):,} params'."""
+        f'{g["name"]}: {len(g["params"])} tensors, {sum(p.numel() for p in g["params"]):,} params'.
+        With muon, the blocks' matrices (c_attn, c_proj, c_fc) leave "decay" for a last group "muon" of their
+        own, for torch.optim.Muon; the tied embedding/head and wpe stay in "decay" (Muon is for hidden layers)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"name": "decay", "params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        hidden = {id(p) for p in self.transformer.h.parameters() if p.dim() == 2} if muon else set()
+        groups = [
+            {"name": "decay", "params": [p for p in params if p.dim() >= 2 and id(p) not in hidden],
+             "weight_decay": weight_decay},
             {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        ]  # fmt: skip
+        if muon:
+            groups.append(
+                {"name": "muon", "params": [p for p in params if id(p) in hidden], "weight_decay": weight_decay}
+            )
+        return groups

@@ -106,13 +106,9 @@ def from_hf_state_dict(state_dict: dict[str, Tensor], config: GPTConfig) -> dict
     return out
 
 
-def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding | None = None) -> Path:
+def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> Path:
     """Write a transformers folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
-    tokenizer_config.json) for model and the GPT-2 tiktoken encoding (default data_prep's); returns out_dir."""
-    if encoding is None:
-        from data_prep.tokenizer import get_encoding  # the project's offline-provisioned GPT-2 BPE
-
-        encoding = get_encoding()
+    tokenizer_config.json) for model and its GPT-2 tiktoken encoding (data_prep.tokenizer's); returns out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_model = GPT2LMHeadModel(hf_config(model.config))

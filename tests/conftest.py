@@ -10,10 +10,10 @@ from data_prep.prepare import prepare
 from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
+from modeling.vector_math import warm_up_vector_math
 from testkit import TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import isolate_inductor_cache
-from training.vector_math import warm_up_vector_math
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"

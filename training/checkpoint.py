@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+from modeling.runs import checkpoint_dir, is_checkpoint_dir, list_checkpoints
 
 
 def _not_the_tied_head(record: logging.LogRecord) -> bool:
@@ -55,18 +54,6 @@ def ensure_writable(run_dir: str | Path) -> None:
         ) from None
 
 
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-
-
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     """'' -> None; 'auto' -> newest complete checkpoint of this run (None if there is none); else that path."""
     if not resume:
@@ -75,7 +62,7 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
         found = list_checkpoints(run_dir)
         return found[-1] if found else None
     path = Path(resume)
-    if not (path.is_dir() and _STEP_DIR.match(path.name)):
+    if not (path.is_dir() and is_checkpoint_dir(path)):
         raise FileNotFoundError(
             f"--resume {resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN); "
             f"complete ones in {run_dir}: {[str(p) for p in list_checkpoints(run_dir)] or 'none'}"

@@ -19,8 +19,11 @@ from typing import Any
 import yaml
 
 from modeling.config import GPTConfig, get_preset
+from modeling.runs import model_shape
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")
 
 
 class ConfigError(ValueError):
@@ -45,6 +48,13 @@ class TrainConfig:
         default=DEFAULT_DATA_DIR,
         metadata={"help": f"folder with manifest.json and shards; {DEFAULT_DATA_DIR} is prepared on first use"},
     )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "recompute each block's activations in backward instead of storing them (per block, any engine): "
+            "activation memory falls to ~1/9 + 1/n_layer of it for ~1/3 more compute; for models that do not fit"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
     # --- batch and budget (the token budget is the source of truth) ---
     micro_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass per device"})
@@ -57,10 +67,42 @@ class TrainConfig:
     )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
     # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
-    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "adamw: AdamW for every tensor; muon: torch.optim.Muon for the blocks' 2-D matrices (at muon_lr) "
+            "and AdamW (at lr) for the embeddings, LayerNorm gains and biases"
+        },
+    )
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate of AdamW (under muon: of its tensors)"})
+    muon_lr: float = field(
+        default=0.02,
+        metadata={
+            "help": "peak learning rate of Muon's matrices (optimizer muon), scaled per matrix by "
+            "sqrt(max(1, rows / cols)) as in modded-nanogpt"
+        },
+    )
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
+    muon_momentum_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0: none"},
+    )
+    lr_schedule: str = field(
+        default="cosine",
+        metadata={
+            "help": "after the linear warmup: cosine (decay to min_lr_ratio over the remaining steps) or wsd "
+            "(warmup-stable-decay: constant, then linear decay to min_lr_ratio over the last decay_fraction of steps)"
+        },
+    )
+    decay_fraction: float = field(
+        default=0.2, metadata={"help": "fraction of all steps spent in the final linear decay (lr_schedule wsd)"}
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on 2D+ tensors only"})
+    weight_decay: float = field(
+        default=0.1,
+        metadata={"help": "decoupled weight decay on 2D+ tensors only (AdamW's and, under muon, Muon's matrices)"},
+    )
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"})
@@ -72,7 +114,13 @@ class TrainConfig:
     out_dir: str = field(default="runs/default", metadata={"help": "run folder for logs, checkpoints, export"})
     log_interval: int = field(default=5, metadata={"help": "steps between logged metrics"})
     eval_interval: int = field(default=25, metadata={"help": "steps between val-loss evals; 0 disables"})
-    eval_batches: int = field(default=20, metadata={"help": "val micro-batches per rank per eval"})
+    eval_windows: int = field(
+        default=320,
+        metadata={
+            "help": "val windows (block_size tokens each) per eval, spread evenly over the val split: the same set "
+            "on any number of processes (all windows when the split has fewer)"
+        },
+    )
     eval_tasks: str = field(
         default="", metadata={"help": "benchmarks scored at every eval, e.g. hellaswag,lambada (see evals/)"}
     )
@@ -100,26 +148,10 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
-        if self.init_from:
-            from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
-
-            # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
-            if not Path(self.init_from).exists() and (self.init_from.count("/") > 1 or self.init_from[0] in "/.~"):
-                raise ConfigError(
-                    f"init_from {self.init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
-                    "export/ (runs/NAME/export) or a Hub id such as gpt2"
-                )
-            try:
-                config, source = load_hf_config(self.init_from), f"{self.init_from}'s"
-            except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
-                raise ConfigError(f"init_from {self.init_from}: {err}") from None
-        else:
-            config, source = get_preset(self.preset), f"the {self.preset} preset's"
-        if self.block_size is None:
-            return config
-        if self.block_size > config.block_size:
-            raise ConfigError(f"block_size={self.block_size} exceeds {source} {config.block_size} positions")
-        return dataclasses.replace(config, block_size=self.block_size)
+        try:
+            return model_shape(self.preset, self.block_size, self.init_from)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""
@@ -133,20 +165,34 @@ class TrainConfig:
                 f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}: the newest checkpoint is the run's "
                 "resumable state; to save less often raise --checkpoint-interval (0: at the end only)"
             )
-        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_batches")
+        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_windows")
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "num_workers"):
+        for name in (
+            "warmup_steps",
+            "muon_momentum_warmup_steps",
+            "eval_interval",
+            "sample_interval",
+            "checkpoint_interval",
+            "num_workers",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("block_size", "max_tokens", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (or null for the default), got {getattr(self, name)}")
+        choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))
+        for name, valid in choices:
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         floats = (  # name, whether its value is valid, the rule; every float must also be finite
             ("lr", self.lr > 0, "> 0"),
+            ("muon_lr", self.muon_lr > 0, "> 0"),
+            ("muon_momentum", 0 <= self.muon_momentum < 1, "in [0, 1)"),
+            ("decay_fraction", 0 <= self.decay_fraction <= 1, "in [0, 1]"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),

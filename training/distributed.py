@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from typing import Any
 
 import torch
@@ -13,9 +12,10 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from modeling.device import accelerator_needs_cpu
+from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
 from training.malloc import keep_freed_memory
-from training.vector_math import warm_up_vector_math
 
 
 def _launched_with(engine: str) -> bool:
@@ -29,8 +29,9 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     micro_batch_size and grad_clip are the training config's; DeepSpeed must know them before prepare()
     (our loader does not go through prepare, and DeepSpeed clips inside its own step).
 
-    With CUDA this is a plain Accelerator. Without it, accelerate would quietly drop FSDP and DeepSpeed
-    YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the GPU configs get real sharding over gloo:
+    With CUDA this is a plain Accelerator; a single process on a Mac uses its GPU (MPS). Otherwise, accelerate
+    would quietly drop FSDP and DeepSpeed YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the
+    GPU configs get real sharding over gloo:
     - DeepSpeed: gloo named as the process-group backend (deepspeed.comm initializes it), no `cpu=True`;
     - FSDP: the gloo CPU state accelerate builds for `cpu=True`, presented as MULTI_GPU so that the
       Accelerator applies the FSDP plugin to it (the device stays the CPU).
@@ -47,11 +48,14 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
             state = PartialState(cpu=True)
             if state.distributed_type == DistributedType.MULTI_CPU:
                 state.distributed_type = DistributedType.MULTI_GPU
-        else:
-            kwargs["cpu"] = True  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo
+        else:  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo; one process may use MPS
+            kwargs["cpu"] = accelerator_needs_cpu()
     if _launched_with("FSDP"):
         kwargs["fsdp_plugin"] = fsdp_plugin()
     accelerator = Accelerator(**kwargs)
+    if accelerator.device.type == "mps" and accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
+        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache()  # before prepare() compiles
     warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
@@ -121,29 +125,15 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
     """The module to call generate() on, for the prepared model. Call it once, after prepare().
 
     FSDP2 gathers the root's sharded parameters (embeddings, head) only around forward(), so generate() is
-    registered as a forward method of the FSDP root, which is the torch.compile wrapper when compiled whole.
-    Compiled per block (regional compilation), the blocks stay compiled in place, so generate() runs them
-    eagerly: every new sequence length would otherwise recompile them (static shapes) up to dynamo's limit.
-    Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3) generate() gathers them with
-    collectives: every rank must call it, not just the main one."""
-    root = accelerator.unwrap_model(model, keep_torch_compile=True)
+    registered as a forward method of the FSDP root. Compiled per block (regional compilation), the blocks stay
+    compiled in place, so generate() runs them eagerly: every new sequence length would otherwise recompile them
+    (static shapes) up to dynamo's limit. Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3)
+    generate() gathers them with collectives: every rank must call it, not just the main one.
+
+    Never unwrap with keep_torch_compile=True here: accelerate 1.15 then re-points the compile wrapper's _orig_mod
+    at the bare GPT, and a compiled DDP model loses its no_sync (accumulate() all-reduced every micro-batch)."""
+    root = accelerator.unwrap_model(model, keep_torch_compile=False)
     if isinstance(root, FSDPModule):
         register_fsdp_forward_method(root, "generate")
         root.generate = torch.compiler.set_stance("force_eager")(root.generate)
-        return root
-    return accelerator.unwrap_model(model, keep_torch_compile=False)
-
-
-def finish(accelerator: Accelerator) -> None:
-    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last.
-
-    On gloo (CPU runs with 2+ processes) the process then exits at once with status 0: gloo's threads can abort
-    the interpreter's teardown after a complete run ("terminate called without an active exception", status 1;
-    seen in about 1 FSDP run in 5), which would fail a finished job. Everything is written by then; skipping
-    the teardown loses nothing."""
-    on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-    accelerator.end_training()
-    if on_gloo:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    return root

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from training.metrics import read_metrics
+from modeling.runs import read_metrics
 
 
 class HubError(RuntimeError):

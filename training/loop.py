@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from data_prep import ensure_default_corpus
-from data_prep.loader import Manifest, TokenLoader, load_manifest
+from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
@@ -23,9 +23,26 @@ from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
-from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
-from training.optim import build_optimizer, build_scheduler
+from training.metrics import (
+    JSONLTracker,
+    cpu_precision_hint,
+    gpu_precision_hint,
+    memory_stats,
+    peak_tflops,
+    plot_losses,
+    precision_name,
+)
+from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer
+
+# Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
+# orthogonalizes whole matrices, is neither verified equal to DDP under them nor checkpointed by them (FSDP2's
+# distributed optimizer state dict wants one optimizer's standard layout), so it stops at start-up.
+SHARDED_ENGINES = {
+    DistributedType.FSDP: "FSDP",
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+}
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -43,7 +60,7 @@ class Run:
     accelerator: Accelerator
     manifest: Manifest
     train_loader: TokenLoader
-    val_loader: TokenLoader
+    val_windows: EvalWindows
     model: torch.nn.Module  # prepared
     sampler: torch.nn.Module  # the module to call generate() on (training.distributed.generation_model)
     optimizer: torch.optim.Optimizer
@@ -90,6 +107,13 @@ def setup(cfg: TrainConfig) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
+    engine = SHARDED_ENGINES.get(accelerator.distributed_type)
+    if cfg.optimizer == "muon" and engine:
+        raise ConfigError(
+            f"optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that Muon "
+            "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
+            "use --optimizer adamw"
+        )
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
@@ -98,16 +122,21 @@ def setup(cfg: TrainConfig) -> Run:
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
 
-    manifest, train_loader, val_loader = build_data(cfg, accelerator, model_config)
+    manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
-    param_groups = model.optimizer_groups(cfg.weight_decay)
-    optimizer = build_optimizer(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
+    optimizer = build_optimizer(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum,
+    )  # fmt: skip
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
-        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
-    )
+        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
+        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, momentum_warmup=cfg.muon_momentum_warmup_steps,
+    )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -121,12 +150,18 @@ def setup(cfg: TrainConfig) -> Run:
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
+    if device.type == "cuda" and accelerator.is_main_process:
+        hint = gpu_precision_hint(
+            accelerator.mixed_precision, torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device)
+        )
+        if hint:
+            accelerator.print(hint)
     if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
-        hint = cpu_precision_hint(accelerator.mixed_precision, peak)  # fp32 or bf16: which is faster here?
+        hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
     run = Run(
-        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
+        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak,
     )  # fmt: skip
@@ -136,9 +171,10 @@ def setup(cfg: TrainConfig) -> Run:
 
 def build_data(
     cfg: TrainConfig, accelerator: Accelerator, model_config: GPTConfig
-) -> tuple[Manifest, TokenLoader, TokenLoader]:
-    """The manifest and this rank's train and val loaders. Prepared shards are the contract with data_prep; the
-    default corpus is prepared on first use, and benchmark data is provisioned now, not at the first eval."""
+) -> tuple[Manifest, TokenLoader, EvalWindows]:
+    """The manifest, this rank's train loader and its share of the val windows. Prepared shards are the contract
+    with data_prep; the default corpus is prepared on first use, and benchmark data is provisioned now, not at the
+    first eval."""
     if cfg.data_dir == DEFAULT_DATA_DIR:
         with accelerator.main_process_first():
             if accelerator.is_main_process:
@@ -160,10 +196,11 @@ def build_data(
         cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
         num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
     )  # fmt: skip
-    val_loader = TokenLoader(
-        cfg.data_dir, "val", block_size, cfg.micro_batch_size, **loader_args, shuffle=False, infinite=False
-    )
-    return manifest, train_loader, val_loader
+    val_windows = EvalWindows(
+        cfg.data_dir, "val", block_size, cfg.eval_windows, cfg.micro_batch_size,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+    )  # fmt: skip
+    return manifest, train_loader, val_windows
 
 
 def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list[dict]) -> None:
@@ -190,9 +227,27 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
+        f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
-        + ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']})" for g in param_groups)
+        + describe_optimizer(cfg, param_groups)
     )
+
+
+def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
+    """The optimizer(s) with their peak lrs and parameter groups, then the schedule (the start-up line's end)."""
+
+    def listing(groups: list[dict]) -> str:
+        return ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']:g})" for g in groups)
+
+    text = f"AdamW lr {cfg.lr:g}: {listing([g for g in param_groups if g['name'] != 'muon'])}"
+    if cfg.optimizer == "muon":
+        muon = [g for g in param_groups if g["name"] == "muon"]
+        momentum, warmup = f"momentum {cfg.muon_momentum:g}", cfg.muon_momentum_warmup_steps
+        if warmup:
+            momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
+        text = f"Muon lr {cfg.muon_lr:g} {momentum}: {listing(muon)}; {text}"
+    decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
+    return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 
 
 def trainer_for(run: Run, stop: object) -> Trainer:
@@ -238,9 +293,11 @@ class TrainMetrics:
         world_size = accelerator.num_processes
         row = {
             "train_loss": accelerator.reduce(out.loss, "mean").item(),
-            "lr": run.scheduler.get_last_lr()[0],
+            "lr": run.scheduler.get_last_lr()[0],  # AdamW's (its groups come first)
             "grad_norm": out.grad_norm.item(),
         }
+        if run.cfg.optimizer == "muon":
+            row["muon_lr"] = run.scheduler.get_last_lr()[-1]  # the last group's (GPT.optimizer_groups)
         if self.window_steps:  # none when the first step is also a log step
             step_s = self.window_s / self.window_steps
             tokens_per_sec = run.cfg.total_batch_tokens / step_s
@@ -258,17 +315,28 @@ class TrainMetrics:
 
 
 @torch.no_grad()
+def window_loss_sum(model: torch.nn.Module, windows: EvalWindows, device: torch.device) -> torch.Tensor:
+    """The sum of the mean losses of this rank's share of `windows`; summed over ranks and divided by
+    len(windows.indices) it is the mean over the whole set. `model(x, y)` returns (anything, the mean loss over
+    the targets that are not IGNORE_INDEX), as our GPT and nanoGPT-style models do."""
+    total = torch.zeros((), device=device)
+    for x, y in windows:
+        real = int((y[:, 0] != IGNORE_INDEX).sum())  # windows of the set; the other rows fill the micro-batch
+        _, loss = model(x.to(device), y.to(device))
+        if real:
+            total += loss * real
+    return total
+
+
+@torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Val loss over the first `eval_batches` val micro-batches of every rank (a fixed set, so evals compare),
-    plus the `eval_tasks` benchmark scores; the same numbers on every rank."""
+    """Val loss over the `eval_windows` windows spread over the val split (a fixed set, so evals compare), plus
+    the `eval_tasks` benchmark scores; the same numbers on every rank."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     model.eval()
-    losses = []
-    for _, (x, y) in zip(range(cfg.eval_batches), run.val_loader):
-        _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        losses.append(loss)
+    loss_sum = accelerator.reduce(window_loss_sum(model, run.val_windows, accelerator.device), "sum")
     model.train()
-    metrics = {"val_loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+    metrics = {"val_loss": loss_sum.item() / len(run.val_windows.indices)}
     if cfg.eval_tasks:
         metrics.update(evaluate_tasks(model, accelerator, cfg.eval_tasks, cfg.eval_limit, get_encoding()))
     return metrics

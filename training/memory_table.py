@@ -10,7 +10,8 @@ Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.ya
 Not counted: transient buffers (FSDP2's all-gathered bf16 blocks, ZeRO-3's gathered layers, DDP's gradient
 buckets, autocast's bf16 weight copies, the fused loss's fp32 head gradient), the CUDA context and allocator
 fragmentation: budget a few GiB more. No engine shards activations: their column is an estimate (see
-activation_bytes), the same for all four; lower --micro-batch-size (accumulation keeps the batch) to cut it.
+activation_bytes), the same for all four, without and with activation checkpointing
+(`--activation-checkpointing true`); lower --micro-batch-size (accumulation keeps the batch) to cut it too.
 """
 
 from __future__ import annotations
@@ -67,14 +68,18 @@ def state_bytes(params: int, engine: str, gpus: int) -> dict[str, float]:
     return out
 
 
-def activation_bytes(config: GPTConfig, micro_batch_size: int) -> int:
+def activation_bytes(config: GPTConfig, micro_batch_size: int, checkpointed: bool = False) -> int:
     """Activations saved for backward per GPU, one micro-batch at full context: 36·T·B·C bytes per block.
 
     36 is what autograd saves per token and channel for our Block under bf16 autocast, measured with
     torch.autograd.graph.saved_tensors_hooks (Korthikanti et al. 2022 count 34 for an all-16-bit block; our
     residual stream and LayerNorm inputs stay fp32). SDPA's fused kernels keep no T×T scores and the fused loss
-    no logits, so nothing grows with T² or the vocabulary. No activation checkpointing."""
-    return 36 * config.block_size * micro_batch_size * config.n_embd * config.n_layer
+    no logits, so nothing grows with T² or the vocabulary. With activation checkpointing each block keeps only
+    its fp32 input (4·T·B·C), and backward holds one block's 36·T·B·C at a time while it recomputes it."""
+    per_block = config.block_size * micro_batch_size * config.n_embd
+    if checkpointed:
+        return 4 * per_block * config.n_layer + 36 * per_block
+    return 36 * per_block * config.n_layer
 
 
 def markdown_table(presets: list[str], gpus: int, micro_batch_size: int) -> str:
@@ -82,18 +87,19 @@ def markdown_table(presets: list[str], gpus: int, micro_batch_size: int) -> str:
         f"Per-GPU memory (GiB) with {gpus} GPUs, bf16 mixed precision, AdamW; activations (estimated, the same "
         f"for every engine) at micro-batch {micro_batch_size} × full context.",
         "",
-        "| preset | params | engine | weights | grads | optimizer | states total | activations |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for preset in presets:
         config = get_preset(preset)
         params = count_params(config)
         activations = activation_bytes(config, micro_batch_size) / GIB
+        checkpointed = activation_bytes(config, micro_batch_size, checkpointed=True) / GIB
         for engine in ENGINES:
             b = state_bytes(params, engine, gpus)
             lines.append(
                 f"| {preset} | {params / 1e6:,.1f}M | {engine} | {b['weights'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
-                f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} |"
+                f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} | {checkpointed:.1f} |"
             )
     return "\n".join(lines)
 

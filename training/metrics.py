@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import re
-import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.tracking import GeneralTracker
+
+from modeling.runs import read_metrics
+from modeling.runtime import dtype_name
 
 # Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
 # (what fp32 matmuls run as while TF32 is allowed) and fp32 (CUDA cores, TF32 off).
@@ -158,11 +162,6 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul{threads}"
 
 
-def dtype_name(mixed_precision: str) -> str:
-    """The compute dtype of accelerate's mixed_precision value: 'no' is plain fp32."""
-    return "fp32" if mixed_precision == "no" else mixed_precision
-
-
 def precision_name(mixed_precision: str) -> str:
     """accelerate's mixed_precision as the run log says it."""
     return dtype_name(mixed_precision) + ("" if mixed_precision == "no" else " mixed precision")
@@ -170,20 +169,41 @@ def precision_name(mixed_precision: str) -> str:
 
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
-CPU = torch.device("cpu")
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
 NO_NATIVE_BF16 = 5.0  # bf16 this many times slower than fp32 is emulated (AVX2-only), not native (>= ~0.5x fp32)
 
 
-def cpu_precision_hint(mixed_precision: str, measured_tflops: float) -> str | None:
+def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
+    """TFLOP/s of an n x n CPU matmul by mixed_precision value ('no': fp32, 'bf16'), to compare the two: one
+    thread's best single matmul times the threads torch uses (as measure_matmul_tflops), the dtypes taking turns
+    for about `seconds`. On a busy machine some short matmuls still run undisturbed and both dtypes meet the same
+    load, so the ratio holds where peak_tflops of each dtype in turn swings with the load each one met
+    (BENCHMARKS.md, "`make train`'s precision"). n = 512: a small model's matmul, done between preemptions."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mats = {mp: torch.randn(n, n, dtype=torch.bfloat16 if mp == "bf16" else torch.float32) for mp in CPU_YAML}
+        for a in mats.values():
+            a @ a  # warm-up: oneDNN builds its kernel on the first call
+        best: dict[str, float] = {}
+        deadline = time.perf_counter() + seconds
+        while not best or time.perf_counter() < deadline:
+            for mp, a in mats.items():
+                start = time.perf_counter()
+                a @ a
+                best[mp] = min(best.get(mp, math.inf), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}
+
+
+def cpu_precision_hint(mixed_precision: str) -> str | None:
     """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
-    YAML's (measured_tflops, from peak_tflops): bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16
-    Xeons and ~1/100 on AVX2-only cores (no native bf16). None when the YAML's choice is right (or not a CPU one).
-    Measures the other dtype (peak_tflops: about half a second)."""
+    YAML's: bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16 Xeons and ~1/100 on AVX2-only cores
+    (no native bf16). None when the YAML's choice is right (or not a CPU one). Measures both (~1 s)."""
     if mixed_precision not in CPU_YAML:
         return None
-    (other,) = set(CPU_YAML) - {mixed_precision}
-    return precision_advice(mixed_precision, {mixed_precision: measured_tflops, other: peak_tflops(CPU, other)[0]})
+    return precision_advice(mixed_precision, cpu_matmul_speeds())
 
 
 def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | None:
@@ -205,6 +225,17 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     )
 
 
+def gpu_precision_hint(mixed_precision: str, bf16_supported: bool, gpu_name: str) -> str | None:
+    """A one-line warning when a bf16 launch YAML meets a GPU without bf16 (T4, V100 and older: emulated or
+    unsupported), naming the fp16 YAML; None otherwise."""
+    if mixed_precision != "bf16" or bf16_supported:
+        return None
+    return (
+        f"warning: this GPU ({gpu_name}) has no native bf16; launch with accelerate_configs/1xgpu_fp16.yaml "
+        "(fp16 autocast with loss scaling; for several GPUs set mixed_precision: fp16 in your YAML)"
+    )
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """GiB: CUDA peak allocated/reserved, or the process's peak resident memory on CPU."""
     gib = 2**30
@@ -213,7 +244,25 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
-    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    peak = peak_rss_bytes()
+    return {} if peak is None else {"mem_rss_peak_gib": peak / gib}
+
+
+def rss_bytes(ru_maxrss: int, platform: str) -> int:
+    """getrusage()'s ru_maxrss in bytes: macOS counts bytes, Linux and the BSDs KiB."""
+    return ru_maxrss if platform == "darwin" else ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory: getrusage() on POSIX, psutil's peak working set on Windows (which has
+    no `resource` module); None where neither says."""
+    try:
+        import resource
+    except ImportError:
+        import psutil  # accelerate's own dependency
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
+    return rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
 
 
 class JSONLTracker(GeneralTracker):
@@ -237,15 +286,6 @@ class JSONLTracker(GeneralTracker):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """metrics.jsonl rows; when a resumed run logged a step again, the later row wins."""
-    rows: dict[tuple[int | None, frozenset], dict] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        rows[(row.get("step"), frozenset(row))] = row
-    return sorted(rows.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:

@@ -1,33 +1,144 @@
-"""Optimizer and learning-rate schedule: AdamW with decay/no-decay groups, cosine decay after linear warmup."""
+"""Optimizer and learning-rate schedule: AdamW with decay/no-decay groups, or Muon for the blocks' matrices with
+AdamW for the rest (one optimizer object holding both); linear warmup, then cosine or warmup-stable-decay."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import torch
 
 
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Fraction of the peak lr at optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
+def lr_multiplier(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    schedule: str = "cosine",
+    decay_fraction: float = 0.2,
+) -> float:
+    """Fraction of each group's peak lr at optimizer step ``step`` (0-based): linear warmup, then
+    cosine: a half cosine from 1 to min_lr_ratio at total_steps;
+    wsd (warmup-stable-decay): 1 until the last ``decay_fraction`` of all steps, then a straight line to
+    min_lr_ratio at total_steps (where a short run's decay would start inside the warmup, the lower of the two)."""
+    warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
     if step >= total_steps:
         return min_lr_ratio
+    if schedule == "wsd":
+        decay_steps = decay_fraction * total_steps
+        to_go = total_steps - step  # in [1, total_steps]
+        decay = 1.0 if to_go >= decay_steps else min_lr_ratio + (1.0 - min_lr_ratio) * to_go / decay_steps
+        return min(warmup, decay)
+    if step < warmup_steps:
+        return warmup
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+class AdamWWithMuon(torch.optim.Optimizer):
+    """AdamW and torch.optim.Muon as one optimizer, for what takes exactly one (the Trainer, accelerate's prepare,
+    save_state and load_state, one LambdaLR): step() steps both, state_dict() holds both, and param_groups and
+    state are both optimizers' own, read live (load_state_dict replaces them), so the schedule scales each group
+    from its own initial lr. Muon has no fused found_inf, so neither has this (no _step_supports_amp_scaling):
+    the Trainer reads each step's finiteness verdict before stepping."""
+
+    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
+        self.adamw, self.muon = adamw, muon
+        super().__init__([{"params": []}], {})  # an Optimizer's hooks; its groups and state are the two below
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.adamw.param_groups + self.muon.param_groups  # as GPT.optimizer_groups orders them
+
+    @param_groups.setter
+    def param_groups(self, _: list) -> None:  # Optimizer.__init__'s own (empty) list: not used
+        pass
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        return {**self.adamw.state, **self.muon.state}  # disjoint parameters
+
+    @state.setter
+    def state(self, _: dict) -> None:  # Optimizer.__init__'s own (empty) state: not used
+        pass
+
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError("AdamWWithMuon.step takes no closure")
+        self.adamw.step()
+        self.muon.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+
+
 def build_optimizer(
-    param_groups: list[dict], *, lr: float, betas: tuple[float, float], device_type: str
-) -> torch.optim.AdamW:
-    """AdamW, fused where torch has a fused kernel for the device (CUDA, and CPU since torch 2.4), else foreach."""
+    param_groups: list[dict],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    device_type: str,
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
+) -> torch.optim.Optimizer:
+    """AdamW over the groups, fused where torch has a fused kernel for the device (CUDA, and CPU since torch 2.4),
+    else foreach. A group named "muon" (GPT.optimizer_groups(muon=True)) goes to torch.optim.Muon instead, with
+    Nesterov momentum and Keller Jordan's lr scaling ("original": sqrt(max(1, rows / cols)), the one whose lr
+    0.02 modded-nanogpt tuned; "match_rms_adamw" would instead make muon_lr an AdamW-sized lr), the rest to AdamW."""
     fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=1e-8, fused=fused, foreach=None if fused else True)
+    adamw_groups = [g for g in param_groups if g.get("name") != "muon"]
+    adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=1e-8, fused=fused, foreach=None if fused else True)
+    muon_groups = [g for g in param_groups if g.get("name") == "muon"]
+    if not muon_groups:
+        return adamw
+    muon = torch.optim.Muon(muon_groups, lr=muon_lr, momentum=muon_momentum, nesterov=True, adjust_lr_fn="original")
+    return AdamWWithMuon(adamw, muon)
+
+
+MUON_MOMENTUM_START = 0.85  # modded-nanogpt's Muon momentum warmup: 0.85 to 0.95 over its first 300 steps
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR (each group's lr = its initial lr × the multiplier), which also warms up the momentum of the groups
+    that have one (Muon's) linearly from 0.85 to its initial value over the first ``momentum_warmup`` steps. The
+    momenta follow from the step alone, so a resumed run sets the same ones at the same step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, *, momentum_warmup: int = 0) -> None:
+        self.momentum_warmup = momentum_warmup  # before LambdaLR's first step() reads it
+        for group in optimizer.param_groups:
+            if "momentum" in group:
+                group.setdefault("initial_momentum", group["momentum"])  # kept in the optimizer's state_dict
+        super().__init__(optimizer, lr_lambda)
+
+    def step(self) -> None:
+        super().step()
+        frac = min(1.0, self.last_epoch / self.momentum_warmup) if self.momentum_warmup else 1.0
+        for group in self.optimizer.param_groups:
+            if "momentum" in group:
+                start = min(MUON_MOMENTUM_START, group["initial_momentum"])
+                group["momentum"] = start + frac * (group["initial_momentum"] - start)
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float
-) -> torch.optim.lr_scheduler.LambdaLR:
-    schedule = partial(lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    schedule: str = "cosine",
+    decay_fraction: float = 0.2,
+    momentum_warmup: int = 0,
+) -> Schedule:
+    """One schedule for every group: its lr is its own initial lr times lr_multiplier (Muon's and AdamW's alike),
+    and Muon's momentum warms up over the first momentum_warmup steps (0: none)."""
+    multiplier = partial(
+        lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
+        schedule=schedule, decay_fraction=decay_fraction,
+    )  # fmt: skip
+    return Schedule(optimizer, multiplier, momentum_warmup=momentum_warmup)

@@ -19,13 +19,18 @@ Batches = Iterator[tuple[Tensor, Tensor]]
 
 
 class TrainingAborted(RuntimeError):
-    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path]) -> None:
+    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path], why: str = "") -> None:
         last_good = str(checkpoints[-1]) if checkpoints else None
+        why = why or f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}"
         super().__init__(
-            f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}; aborting. "
-            f"Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
+            f"{why}; aborting. Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
             + (f", then continue with --resume {last_good}" if last_good else "")
         )
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: torch.OutOfMemoryError on accelerators, a RuntimeError from the allocator on the CPU."""
+    return isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err)
 
 
 @dataclass
@@ -77,24 +82,35 @@ class Trainer:
         self.stopping = False  # a stop was requested on some rank, as of the last settled step
         self.bad_steps = 0  # consecutive steps skipped for non-finite gradients
         self._pending: Tensor | None = None  # the unread verdict of the last step: (non-finite, stop) summed
+        self._pinned: Tensor | None = None  # on CUDA, the host copy of _pending's verdict
+        self._copied: torch.cuda.Event | None = None  # recorded after that copy
+
+        # Out of memory in forward/backward: the step is redone with each micro-batch in twice as many slices.
+        # One process only: other ranks would wait in a collective for the one that failed.
+        self.pieces = 1
+        self.may_halve = accelerator.num_processes == 1 and accelerator.distributed_type != DistributedType.DEEPSPEED
 
     def train_step(self, batches: Batches) -> StepOutput:
         accelerator, model, device = self.accelerator, self.model, self.accelerator.device
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(self.grad_accum):  # accumulate() skips the DDP all-reduce until the last micro-batch
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with accelerator.accumulate(model):
-                _, loss = model(x, y)
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
+        kept: list[tuple[Tensor, Tensor]] = []  # the step's micro-batches as loaded, replayed after out of memory
+        while (loss_sum := self._forward_backward(batches, kept)) is None:
+            rows = len(kept[0][0])
+            failed, self.pieces = -(-rows // self.pieces), min(2 * self.pieces, rows)  # never an empty slice
+            accelerator.print(
+                f"step {self.progress.step + 1}: out of memory at micro-batch {failed}; retrying at "
+                f"{-(-rows // self.pieces)} × {self.grad_accum * self.pieces} accumulation (the same "
+                f"{self.tokens_per_step:,} tokens in the same order)"
+            )
         self.settle()  # the previous step's verdict, read while this step's backward runs
         grad_norm = clip_grad_norm(accelerator, model, self.grad_clip)
         status = torch.zeros(2, device=device)
         status[0] = ~torch.isfinite(grad_norm)
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            status[0] = self._deepspeed_skipped(status[0])
         status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
         status = accelerator.reduce(status, "sum")
         self.progress.tokens_seen += self.tokens_per_step
+        self._stage(status)
         # No per-step host sync: fused AdamW skips a non-finite update on the device (found_inf), so the host reads
         # the verdict a step late (settle) and still counts, schedules and reports exactly as if it had waited.
         if self.masks:
@@ -102,14 +118,53 @@ class Trainer:
             inner.found_inf = (status[0] > 0).float()  # fused AdamW leaves weights and state alone where 1
             self.optimizer.step()
             del inner.found_inf
-            self._pending = status
         else:
-            self._pending = status
             if self._read_verdict():
                 self.optimizer.step()
             self._record()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss_sum / self.grad_accum, grad_norm)
+
+    def _deepspeed_skipped(self, nonfinite: Tensor) -> float:
+        """Whether DeepSpeed skipped the update it made inside accelerator.backward, by its own account: ZeRO skips
+        one whose gradient norm is not finite (deepspeed 0.19.8: fp32, and bf16 unless its check_grad_overflow is
+        off). One it applied with non-finite gradients cannot be undone: stop at once, saying so."""
+        applied = self.model.was_step_applied()
+        if applied and nonfinite.item():
+            checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
+            why = (
+                f"DeepSpeed applied step {self.progress.step + 1}'s update with non-finite gradients (is bf16 "
+                "check_grad_overflow off in its config?)"
+            )
+            raise TrainingAborted(1, self.progress.step, checkpoints, why)
+        return float(not applied)
+
+    def _forward_backward(self, batches: Batches, kept: list[tuple[Tensor, Tensor]]) -> Tensor | None:
+        """Forward and backward over the step's grad_accum micro-batches, each cut into `pieces` row slices whose
+        losses are weighted by their share of rows (the gradient of the whole micro-batch's mean loss); the sum of
+        the micro-batches' mean losses. None when out of memory with a smaller slice left to try: the gradients
+        are then cleared and `kept` holds the micro-batches loaded so far, to replay the step from its start."""
+        accelerator, model, device = self.accelerator, self.model, self.accelerator.device
+        micro_steps = accelerator.step  # accumulate() counts micro-steps to find the last one (the sync)
+        loss_sum = torch.zeros((), device=device)
+        try:
+            for i in range(self.grad_accum):  # accumulate() skips the DDP all-reduce until the last micro-batch
+                if i == len(kept):
+                    kept.append(next(batches))
+                x, y = (t.to(device, non_blocking=True) for t in kept[i])
+                with accelerator.accumulate(model):
+                    for xs, ys in zip(x.tensor_split(self.pieces), y.tensor_split(self.pieces)):
+                        _, loss = model(xs, ys)
+                        loss = loss * (len(xs) / len(x)) if self.pieces > 1 else loss
+                        accelerator.backward(loss)
+                        loss_sum += loss.detach()
+            return loss_sum
+        except RuntimeError as err:
+            if not (self.may_halve and is_out_of_memory(err) and kept and self.pieces < len(kept[0][0])):
+                raise
+        self.optimizer.zero_grad(set_to_none=True)
+        accelerator.step = micro_steps
+        return None
 
     def settle(self) -> bool:
         """Read the last step's verdict now if it is still pending; whether that step was applied."""
@@ -118,8 +173,23 @@ class Trainer:
             self._record()
         return self.bad_steps == 0
 
+    def _stage(self, status: Tensor) -> None:
+        """Queue the verdict for the host. On CUDA a non-blocking copy into pinned memory and an event after it: the
+        read then waits for this step only, where .tolist() would also wait for the next step's backward, queued on
+        the same stream by then. The buffer is reused: the last verdict is always read before the next is staged."""
+        if status.device.type == "cuda":
+            if self._pinned is None:
+                self._pinned = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+                self._copied = torch.cuda.Event()
+            self._pinned.copy_(status, non_blocking=True)
+            self._copied.record()
+            status = self._pinned
+        self._pending = status
+
     def _read_verdict(self) -> bool:
-        nonfinite, stopping = (v > 0 for v in self._pending.tolist())  # the host sync
+        if self._copied is not None:
+            self._copied.synchronize()  # the host sync: up to that step's verdict, not past it
+        nonfinite, stopping = (v > 0 for v in self._pending.tolist())
         self._pending = None
         self.stopping = self.stopping or stopping
         self.bad_steps = self.bad_steps + 1 if nonfinite else 0

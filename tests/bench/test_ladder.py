@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from bench import peer
-from bench.measure import Bench, Result, flops_per_token, unless_out_of_memory
+from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory
 from bench.report import target_lines
-from bench.rungs import RUNGS, Recipe, Role, Trainer
+from bench.rungs import RUNGS, Recipe, Role, Trainer, tf32_matmuls
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
+from training.metrics import cuda_matmul_kind, datasheet_peak
 
 
 def test_reference_variants_compute_the_same_loss():
@@ -134,3 +135,18 @@ def test_an_out_of_memory_row_is_reported_not_raised():
     assert (result.label, result.role, result.status) == ("0", Role.BASELINE, "n/a")
     assert result.reason == "out of memory (CUDA out of memory. Tried to allocate 12.28 GiB)"
     assert target_lines([result]) == []  # an OOM row is no baseline to compare with
+
+
+def test_fp32_rows_that_run_tf32_on_cuda_are_scored_against_the_tf32_peak():
+    """An H100's fp32 matmuls run 7x faster as TF32: an fp32 row with TF32 allowed scored against the plain fp32
+    peak could show MFU over 100%. The ladder reads its TF32 peak under the flag that the row runs with."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert peak_kind("fp32", True, cuda) == "tf32"
+    assert peak_kind("fp32", False, cuda) == "fp32"
+    assert peak_kind("bf16", True, cuda) == "bf16"  # autocast matmuls are bf16 whatever TF32 says
+    assert peak_kind("fp32", True, cpu) == "fp32"  # TF32 is an NVIDIA format: no such peak on CPU
+    for tf32, kind in ((True, "tf32"), (False, "fp32")):
+        with tf32_matmuls(tf32):
+            assert cuda_matmul_kind("no") == kind
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert datasheet_peak(h100, "tf32")[0] > 7 * datasheet_peak(h100, "fp32")[0]

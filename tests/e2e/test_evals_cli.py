@@ -28,7 +28,8 @@ def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path):
     assert "1 process(es)" in one.stdout and "2 process(es)" in two.stdout
     assert "| hellaswag | acc_norm |" in one.stdout and "| lambada | ppl |" in one.stdout
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert one["source"] == two["source"] == f"checkpoint {checkpoint_dir(tiny_run, 2)}"  # the newest
+    newest = checkpoint_dir(tiny_run, 2)
+    assert one["source"] == two["source"] == f"checkpoint {newest} (model.safetensors)"
     assert one["examples"] == two["examples"] == {"hellaswag": 12, "lambada": 12}
     assert one["predictions"] == two["predictions"]
     assert one["metrics"] == two["metrics"]

@@ -74,10 +74,19 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r}
 
 
-@pytest.mark.parametrize("accelerate_config", ["cpu_eager.yaml", "cpu_ddp2.yaml"])
-def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config):
-    """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise)."""
-    args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+MUON = ["--optimizer", "muon", "--lr-schedule", "wsd", "--muon-momentum-warmup-steps", "8"]
+
+
+@pytest.mark.parametrize(
+    "accelerate_config, options",
+    [("cpu_eager.yaml", []), ("cpu_ddp2.yaml", []), ("cpu_eager.yaml", MUON)],
+    ids=["1proc", "ddp2", "1proc-muon"],
+)
+def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config, options):
+    """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise). Under
+    muon the checkpoint holds both optimizers' state (Muon's momentum, AdamW's moments) and the one schedule,
+    which also warms up Muon's momentum past the kill."""
+    args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2", *options]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(tiny_cmd(accelerate_config, straight, prepared_books, *args))
 

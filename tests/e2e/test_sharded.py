@@ -4,6 +4,7 @@ Every run trains the tiny preset in fp32 on the same 6 global batches of 1,024 t
 4 × accumulation 2), so each engine's per-step losses must match the DDP run's (cpu_ddp2.yaml). Sharding is
 checked in the checkpoints, where a silent fallback to DDP would show: accelerate writes DDP weights whole.
 FSDP2 runs compiled per block, as its GPU YAML does, so its save/resume is that of a compiled model.
+Each engine's checkpoints are read back on one process by evals, generate and training.export.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from evals.__main__ import main as evals_main
+from evals.generate import main as generate_main
+from evals.loading import load_model
+from modeling.runs import RunError
 from testkit import REPO, free_port, run, train_cmd
 from training.checkpoint import checkpoint_dir
+from training.export import export_checkpoint
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -169,3 +175,67 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
     for out in (machine0.stdout, out1):  # each machine's local main process reports the global world
         assert "2 process(es) on cpu" in out
     assert_losses_close(losses(run), losses(ddp_run), **ENGINE_TOL)
+
+
+@pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
+def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_path, ddp_run, config):
+    """Recomputed blocks under DDP and under FSDP2 (compiled per block): the plain DDP run's losses."""
+    run_dir = tmp_path / "run"
+    out = launch(config, run_dir, prepared_books, "--activation-checkpointing", "true")
+    assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text() and "2 process(es)" in out
+    assert_losses_close(losses(run_dir), losses(ddp_run), **(FSDP2_TOL if config == "cpu_fsdp2.yaml" else RESUME_TOL))
+
+
+@pytest.mark.parametrize("config, engine", [("cpu_fsdp2.yaml", "FSDP"), ("cpu_zero2.yaml", "DeepSpeed")])
+def test_muon_stops_at_start_up_under_sharded_engines(prepared_books, tmp_path, config, engine):
+    """Muon orthogonalizes whole matrices and these engines shard them (FSDP2's DTensor rows, DeepSpeed's flat
+    partitions): every rank stops before the model is built, with the line naming the engines that run it."""
+    if "zero" in config:
+        pytest.importorskip("deepspeed")
+    result = run(launch_cmd(config, tmp_path / "run", prepared_books, "--optimizer", "muon"), expect_rc=1)
+    assert (
+        f"error: optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that "
+        "Muon orthogonalizes whole); launch with a DDP accelerate config" in result.stderr
+    )
+    assert not any((tmp_path / "run").iterdir())  # no checkpoint, log or config written
+
+
+def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """The same GPT weights, the padded vocab rows (which an export drops) left out."""
+    from modeling.hf_export import to_hf_state_dict
+
+    want_state = to_hf_state_dict(want)
+    for name, w in to_hf_state_dict(got).items():
+        torch.testing.assert_close(w, want_state[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_evals_and_generate_read_any_engines_newest_checkpoint(sharded, ddp_run, capsys):
+    """`python -m evals --run` and `python -m evals.generate --run` on a run whose newest checkpoint is sharded:
+    the shards are gathered on one process (saying how), into the weights DDP reached at that step."""
+    config, straight, _ = sharded
+    model, source = load_model(straight)
+    how = "FSDP shards merged with torch's dcp_to_torch_save" if config == "cpu_fsdp2.yaml" else "zero_to_fp32"
+    assert source.startswith(f"checkpoint {checkpoint_dir(straight, STEPS)} (") and how in source
+    ddp_model, ddp_source = load_model(ddp_run)
+    assert ddp_source == f"checkpoint {checkpoint_dir(ddp_run, STEPS)} (model.safetensors)"
+    assert_same_weights(model, ddp_model)
+
+    evals_main(["--run", str(straight), "--tasks", "lambada", "--limit", "2", "--batch-size", "2"])
+    assert f"{source} | 1 process(es), fp32" in capsys.readouterr().out
+    generate_main(["--run", str(straight), "--prompt", "ROMEO:", "--max-new-tokens", "4", "--temperature", "0"])
+    out = capsys.readouterr()
+    assert out.out.startswith("ROMEO:") and out.err.strip().endswith(f"model: {source}")
+
+
+def test_export_of_any_checkpoint_loads_in_transformers(sharded, ddp_run, tmp_path):
+    """`python -m training.export RUN --checkpoint step-N` on a mid-run sharded checkpoint writes a transformers
+    folder with the weights DDP had at that step; an existing folder is refused, not replaced."""
+    _, straight, _ = sharded
+    name = checkpoint_dir(straight, HALF).name
+    out = export_checkpoint(straight, name, tmp_path / "export")
+    from modeling.hf_export import load_hf
+
+    assert_same_weights(load_hf(out), load_model(ddp_run, checkpoint_dir(ddp_run, HALF))[0])
+    with pytest.raises(RunError, match="already exists; remove it or choose another --out"):
+        export_checkpoint(straight, name, out)
+    assert (out / "model.safetensors").is_file()

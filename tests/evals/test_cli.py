@@ -21,7 +21,7 @@ from training.metrics import JSONLTracker
 
 def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     model, source = load_model(tiny_run, checkpoint=checkpoint_dir(tiny_run, 1))
-    assert source.endswith("step-00000001") and model.config.block_size == 32
+    assert source.endswith("step-00000001 (model.safetensors)") and model.config.block_size == 32
     export = export_hf(model, tmp_path / "export", get_encoding())
     from_export, _ = load_model(export=export)
     for temperature in (0.0, 1.0):
@@ -46,7 +46,7 @@ def test_generate_cli_prints_the_continuation(tiny_run, capsys):
     ("argv", "message"),
     [
         (["--tasks", "lambda"], "unknown eval task 'lambda': did you mean 'lambada'?"),
-        (["--checkpoint", "nowhere"], "nowhere/model.safetensors does not exist; --checkpoint takes"),
+        (["--checkpoint", "nowhere"], "checkpoint nowhere does not exist; "),
     ],
 )
 def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message):
@@ -72,7 +72,7 @@ def test_run_folder_problems_are_one_clear_error(tmp_path):
         load_model(tmp_path / "missing")
     other = new_run(tmp_path / "other", preset="small-cpu")  # weights of a tiny-cpu model, config of small-cpu
     write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(other, 1))
-    with pytest.raises(EvalError, match=r"model.safetensors does not fit the model that .*config.yaml describes"):
+    with pytest.raises(EvalError, match=r"step-00000001 does not fit the model that .*config.yaml describes"):
         load_model(other)
 
 

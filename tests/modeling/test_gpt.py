@@ -140,6 +140,19 @@ def test_optimizer_groups_decay_matrices_only_and_cover_each_parameter_once():
     assert grouped == model.num_params()
 
 
+def test_muon_groups_take_the_blocks_matrices_and_leave_the_rest_to_adamw():
+    model = tiny_model()
+    decay, no_decay, muon = model.optimizer_groups(weight_decay=0.1, muon=True)
+    assert (decay["name"], no_decay["name"], muon["name"], muon["weight_decay"]) == ("decay", "no_decay", "muon", 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == ["transformer.wpe.weight", "transformer.wte.weight"]
+    suffixes = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    assert sorted(names[id(p)] for p in muon["params"]) == sorted(
+        f"transformer.h.{i}.{s}" for i in range(TINY.n_layer) for s in suffixes
+    )
+    assert no_decay == model.optimizer_groups(weight_decay=0.1)[1]  # biases and gains: AdamW as before
+
+
 def test_flops_per_token_small_cpu():
     with torch.device("meta"):
         model = GPT.from_preset("small-cpu")

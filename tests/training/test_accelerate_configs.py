@@ -33,6 +33,8 @@ CLAIMS: dict[str, tuple[DistributedType, int, int, str, str | None]] = {
     "2node_cpu_rank0.yaml": (DistributedType.MULTI_GPU, 2, 2, "no", None),
     "2node_cpu_rank1.yaml": (DistributedType.MULTI_GPU, 2, 2, "no", None),
     "1xgpu.yaml": (DistributedType.NO, 1, 1, "bf16", "INDUCTOR"),
+    "1xgpu_fp16.yaml": (DistributedType.NO, 1, 1, "fp16", "INDUCTOR"),
+    "mps.yaml": (DistributedType.NO, 1, 1, "no", None),
     "4xa100.yaml": (DistributedType.MULTI_GPU, 1, 4, "bf16", "INDUCTOR"),
     "8xh100.yaml": (DistributedType.MULTI_GPU, 1, 8, "bf16", "INDUCTOR"),
     "8xh100_fsdp.yaml": (DistributedType.FSDP, 1, 8, "bf16", "INDUCTOR"),

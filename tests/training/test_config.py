@@ -67,6 +67,11 @@ BAD_VALUES = {
     "beta2": (1.0, r"beta2 must be in \[0, 1\)"),
     "grad_clip": (-1.0, r"grad_clip must be >= 0 \(0 disables"),
     "peak_tflops": (0.0, r"peak_tflops must be > 0 \(or null"),
+    "optimizer": ("sgd", r"optimizer must be one of adamw, muon, got 'sgd'"),
+    "muon_lr": (0.0, r"muon_lr must be > 0, got 0.0"),
+    "muon_momentum": (1.0, r"muon_momentum must be in \[0, 1\)"),
+    "lr_schedule": ("linear", r"lr_schedule must be one of cosine, wsd, got 'linear'"),
+    "decay_fraction": (1.5, r"decay_fraction must be in \[0, 1\]"),
 }
 
 
@@ -77,7 +82,7 @@ def test_bad_values_rejected_with_the_rule(name):
         TrainConfig(**{name: value})
 
 
-@pytest.mark.parametrize("name", ["lr", "weight_decay", "grad_clip", "peak_tflops"])
+@pytest.mark.parametrize("name", ["lr", "muon_lr", "weight_decay", "grad_clip", "peak_tflops"])
 def test_non_finite_floats_rejected(name):
     for value in (float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=f"{name} must be"):
@@ -86,6 +91,8 @@ def test_non_finite_floats_rejected(name):
 
 def test_boundary_values_accepted():
     TrainConfig(keep_checkpoints=1, checkpoint_interval=0, grad_clip=0.0, weight_decay=0.0, seed=0, beta1=0.0)
+    TrainConfig(optimizer="muon", muon_momentum=0.0, lr_schedule="wsd", decay_fraction=0.0)
+    TrainConfig(decay_fraction=1.0)
 
 
 def test_grad_accum_from_token_budget():

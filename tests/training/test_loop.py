@@ -1,5 +1,6 @@
 """The run built by training.loop.setup and its one optimizer step (training.step.Trainer): non-finite gradients
-change nothing whether the verdict is read at once or one step late, the cadence test, the throughput clock."""
+change nothing whether the verdict is read at once or one step late, the cadence test, the throughput clock, the
+val loss over the spread windows."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from torch.utils._pytree import tree_leaves
 
+from data_prep.loader import EvalWindows
 from training.config import TrainConfig
-from training.loop import TrainMetrics, due, setup, trainer_for
+from training.loop import TrainMetrics, due, setup, trainer_for, window_loss_sum
 from training.metrics import read_metrics
 from training.optim import build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
@@ -20,6 +25,24 @@ from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
 def test_due_every_interval_and_at_the_last_step_unless_off():
     assert [s for s in range(1, 11) if due(4, s, last=s == 10)] == [4, 8, 10]
     assert not any(due(0, s, last=s == 10) for s in range(1, 11))
+
+
+def test_val_loss_is_the_mean_over_the_set_on_one_or_two_ranks(prepared_books, tiny_gpt):
+    """window_loss_sum summed over ranks / windows == the plain fp64 mean of each window's cross-entropy, on
+    1 process and on 2 (whose filler rows must add nothing)."""
+    block, count = tiny_gpt.config.block_size, 23
+    one = EvalWindows(prepared_books, "val", block, count, 4)
+    with torch.no_grad():
+        per_window = [
+            F.cross_entropy(tiny_gpt(x[None])[0][0].double(), y) for x, y in map(one.dataset.__getitem__, one.indices)
+        ]
+    want = torch.stack(per_window).mean()
+    cpu = torch.device("cpu")
+    got_one = window_loss_sum(tiny_gpt, one, cpu) / count
+    two = [EvalWindows(prepared_books, "val", block, count, 3, rank=r, world_size=2) for r in (0, 1)]
+    got_two = sum(window_loss_sum(tiny_gpt, w, cpu) for w in two) / count
+    torch.testing.assert_close(got_one.double(), want, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got_two.double(), want, rtol=1e-5, atol=0.0)
 
 
 def nan_grads_at(steps: set[int], counter: list[int]):
@@ -31,19 +54,25 @@ def nan_grads_at(steps: set[int], counter: list[int]):
     return hook
 
 
-def small_trainer(fused: bool, bad: set[int], max_bad_steps: int = 5) -> tuple[Trainer, torch.nn.Module, list[int]]:
+def small_trainer(
+    fused: bool, bad: set[int], max_bad_steps: int = 5, device: str = "cpu", muon: bool = False
+) -> tuple[Trainer, torch.nn.Module, list[int]]:
+    """fused AdamW; plain AdamW (fused False); or Muon for the weight matrix with fused AdamW for the bias."""
     torch.manual_seed(0)
-    model = ModelWithLoss()
+    model = ModelWithLoss().to(device)
     groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
-    if fused:
-        optimizer = build_optimizer(groups, lr=1e-2, betas=(0.9, 0.95), device_type="cpu")
+    if muon:
+        groups = [{"name": "no_decay", "params": [model.lin.bias], "weight_decay": 0.0},
+                  {"name": "muon", "params": [model.lin.weight], "weight_decay": 0.1}]  # fmt: skip
+    if fused or muon:
+        optimizer = build_optimizer(groups, lr=1e-2, betas=(0.9, 0.95), device_type=device)
     else:
         optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), foreach=False, fused=False)
     scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
     counter = [0]
     model.lin.weight.register_hook(nan_grads_at(bad, counter))
     trainer = Trainer(
-        Accelerator(cpu=True), model, optimizer, scheduler, grad_accum=2, grad_clip=1.0, tokens_per_step=16,
+        Accelerator(cpu=device == "cpu"), model, optimizer, scheduler, grad_accum=2, grad_clip=1.0, tokens_per_step=16,
         max_bad_steps=max_bad_steps,
     )  # fmt: skip
     return trainer, model, counter
@@ -77,40 +106,65 @@ def run_steps(trainer: Trainer, counter: list[int], n: int) -> list[dict]:
                 "step": trainer.progress.step,
                 "lr": trainer.scheduler.get_last_lr()[0],
                 "weights": copy.deepcopy(trainer.model.state_dict()),
-                "opt": copy.deepcopy(trainer.optimizer.state_dict()["state"]),
+                "opt": copy.deepcopy(tree_leaves(trainer.optimizer.state_dict())),  # both optimizers' under muon
             }
         )
     return states
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["masked-on-device", "checked-on-host"])
-def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fused):
-    trainer, _, counter = small_trainer(fused, bad={2})
-    assert masks_on_device(trainer.accelerator, trainer.optimizer) is fused
+@pytest.mark.parametrize(
+    "fused, muon", [(True, False), (False, False), (False, True)], ids=["masked-on-device", "checked-on-host", "muon"]
+)
+def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fused, muon):
+    trainer, _, counter = small_trainer(fused, bad={2}, muon=muon)
+    assert masks_on_device(trainer.accelerator, trainer.optimizer) is fused  # Muon has no found_inf
     states = run_steps(trainer, counter, 4)
     assert [s["step"] for s in states] == [1, 2, 2, 3]  # call 2 skipped
     assert states[2]["lr"] == states[1]["lr"]  # the schedule did not advance
     for key, value in states[1]["weights"].items():
         assert torch.equal(states[2]["weights"][key], value), key
-    for pid, param_state in states[1]["opt"].items():
-        for key, value in param_state.items():
-            assert torch.equal(states[2]["opt"][pid][key], value), key
+    before, after = states[1]["opt"], states[2]["opt"]  # every tensor and hyperparameter of the state
+    assert len(after) == len(before) and any(isinstance(v, torch.Tensor) and v.any() for v in before)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(after, before))
     assert not torch.equal(states[3]["weights"]["lin.weight"], states[2]["weights"]["lin.weight"])  # trains on
 
 
-def test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one():
-    """Masked on the device and read during the next step == read before the update, bit for bit."""
-    lagged, _, lag_counter = small_trainer(fused=True, bad={1, 4})
-    immediate, _, counter = small_trainer(fused=True, bad={1, 4})
-    data = batches()
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one state per process, its device set by the first Accelerator (here the CPU tests'): the
+    CUDA case starts from none, and leaves none behind for the tests after it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one(device, fresh_accelerate_state):
+    """Masked on the device and read during the next step == read before the update, bit for bit: the same losses,
+    step counts and weights. On CUDA the verdict comes through pinned memory behind an event (the first-light script
+    runs this on a GPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    lagged, _, lag_counter = small_trainer(fused=True, bad={1, 4}, device=device)
+    immediate, _, counter = small_trainer(fused=True, bad={1, 4}, device=device)
+    data, lagged_losses, steps = batches(), [], []
     for i in range(7):  # no settle between steps: each verdict is read during the next step
         lag_counter[0] = i
-        lagged.train_step(data)
+        lagged_losses.append(lagged.train_step(data).loss)
+        steps.append(lagged.progress.step)  # counts the step before: its verdict was read during this one
     lagged.settle()
-    states = run_steps(immediate, counter, 7)
+    immediate_losses, data = [], batches()
+    states = []
+    for i in range(7):
+        counter[0] = i
+        immediate_losses.append(immediate.train_step(data).loss)
+        immediate.settle()
+        states.append({"step": immediate.progress.step, "lr": immediate.scheduler.get_last_lr()[0]})
+    assert torch.equal(torch.stack(lagged_losses), torch.stack(immediate_losses))
+    assert steps == [0] + [s["step"] for s in states[:-1]] == [0, 1, 1, 2, 3, 3, 4]
     assert lagged.progress.step == states[-1]["step"] == 5
     assert lagged.scheduler.get_last_lr()[0] == states[-1]["lr"]
-    for key, value in states[-1]["weights"].items():
+    for key, value in immediate.model.state_dict().items():
         assert torch.equal(lagged.model.state_dict()[key], value), key
 
 

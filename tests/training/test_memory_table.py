@@ -45,15 +45,20 @@ def test_one_gpu_every_engine_holds_16_bytes_per_parameter():
 def test_activations_by_hand():
     # 36 B × T 1,024 × B 16 × C 768 × 12 blocks
     assert activation_bytes(get_preset("gpt2-124m"), micro_batch_size=16) == 5_435_817_984
+    # checkpointed: each block's fp32 input (4 B) kept, one block (36 B) recomputed at a time
+    tokens_x_channels = 1024 * 16 * 768
+    want = 4 * tokens_x_channels * 12 + 36 * tokens_x_channels
+    assert activation_bytes(get_preset("gpt2-124m"), micro_batch_size=16, checkpointed=True) == want
 
 
 def test_cli_prints_the_markdown_rows(capsys):
     main(["--presets", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "16"])
     out = capsys.readouterr().out
-    assert "| preset | params | engine | weights | grads | optimizer | states total | activations |" in out
+    header = "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |"
+    assert header in out
     ddp_total = 16 * P / GIB  # 1.855 GiB
-    assert f"| gpt2-124m | 124.5M | DDP | 0.46 | 0.46 | 0.93 | {ddp_total:.2f} | 5.1 |" in out
-    assert "| gpt2-124m | 124.5M | ZeRO-3 | 0.03 | 0.03 | 0.17 | 0.23 | 5.1 |" in out
+    assert f"| gpt2-124m | 124.5M | DDP | 0.46 | 0.46 | 0.93 | {ddp_total:.2f} | 5.1 | 1.0 |" in out
+    assert "| gpt2-124m | 124.5M | ZeRO-3 | 0.03 | 0.03 | 0.17 | 0.23 | 5.1 | 1.0 |" in out
     assert out.count("| gpt2-124m |") == 4
 
 

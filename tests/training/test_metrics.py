@@ -6,12 +6,15 @@ import time
 import pytest
 import torch
 
+from testkit import REPO
 from training.metrics import (
     PEAK_TFLOPS,
     JSONLTracker,
+    cpu_matmul_speeds,
     cpu_precision_hint,
     cuda_matmul_kind,
     datasheet_peak,
+    gpu_precision_hint,
     gpu_product,
     measure_matmul_tflops,
     memory_stats,
@@ -68,11 +71,12 @@ def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     assert precision_advice("no", {"bf16": 0.0011, "no": 0.15}) is None
 
 
-def test_cpu_precision_hint_measures_the_other_dtype_here():
-    assert cpu_precision_hint("fp16", 1.0) is None  # no CPU YAML to suggest
-    # measured against an absurdly slow "current" figure, the other dtype is always clearly faster
-    assert "accelerate_configs/cpu_bf16.yaml" in cpu_precision_hint("no", 1e-9)
-    assert "accelerate_configs/cpu.yaml" in cpu_precision_hint("bf16", 1e-9)
+def test_cpu_precision_hint_measures_both_dtypes_here():
+    assert cpu_precision_hint("fp16") is None  # no CPU YAML to suggest
+    speeds = cpu_matmul_speeds(seconds=0.2)
+    assert speeds.keys() == {"no", "bf16"} and min(speeds.values()) > 0
+    hints = {mp: cpu_precision_hint(mp) for mp in ("no", "bf16")}
+    assert sum(hint is not None for hint in hints.values()) <= 1  # one of the two is the faster, never both
 
 
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
@@ -82,7 +86,7 @@ def test_cpu_peak_and_hint_are_bounded_whatever_the_dtype_costs_here(mixed_preci
     The bound leaves room for a shared machine."""
     start = time.perf_counter()
     peak, _ = peak_tflops(torch.device("cpu"), mixed_precision)
-    cpu_precision_hint(mixed_precision, peak)
+    cpu_precision_hint(mixed_precision)
     assert peak > 0 and time.perf_counter() - start < 5.0
 
 
@@ -145,3 +149,15 @@ def test_peak_table_variants_differ_where_the_datasheets_do():
 def test_memory_stats_on_cpu_reports_rss():
     stats = memory_stats(torch.device("cpu"))
     assert 0.01 < stats["mem_rss_peak_gib"] < 64
+
+
+@pytest.mark.parametrize(
+    ("precision", "bf16_supported", "warns"),
+    [("bf16", False, True), ("bf16", True, False), ("fp16", False, False), ("no", False, False)],
+)
+def test_gpu_precision_hint_names_the_fp16_yaml_on_a_gpu_without_bf16(precision, bf16_supported, warns):
+    hint = gpu_precision_hint(precision, bf16_supported, "Tesla V100-SXM2-16GB")
+    assert (hint is not None) == warns
+    if warns:
+        assert hint.startswith("warning: this GPU (Tesla V100-SXM2-16GB) has no native bf16")
+        assert "accelerate_configs/1xgpu_fp16.yaml" in hint and (REPO / "accelerate_configs/1xgpu_fp16.yaml").exists()

@@ -1,11 +1,15 @@
-"""Schedule shape and the optimizer's parameter groups."""
+"""Schedule shapes, and the optimizers against plain torch twins."""
 
+import copy
+import io
 import math
 
 import pytest
 import torch
 
-from training.optim import build_optimizer, build_scheduler, lr_multiplier
+from modeling.config import REAL_VOCAB_SIZE, get_preset
+from modeling.gpt import GPT
+from training.optim import AdamWWithMuon, Schedule, build_optimizer, build_scheduler, lr_multiplier
 
 
 def test_warmup_is_linear_then_cosine_reaches_floor():
@@ -47,3 +51,123 @@ def test_fused_adamw_matches_foreach():
         plain.step()
     for p, q in zip(params, twins):
         torch.testing.assert_close(p, q)
+
+
+WSD = dict(warmup_steps=10, total_steps=100, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+
+
+def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
+    values = [lr_multiplier(s, **WSD) for s in range(101)]
+    assert values[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # the same warmup as cosine
+    assert values[9:81] == [1.0] * 72  # stable up to the last 20 steps
+    assert values[90] == pytest.approx(0.55)  # halfway down the line
+    assert values[99] == pytest.approx(0.1 + 0.9 / 20)  # the last update's lr, one step above the floor
+    assert values[100] == pytest.approx(0.1) and lr_multiplier(150, **WSD) == pytest.approx(0.1)
+    steps = [b - a for a, b in zip(values[80:], values[81:])]
+    assert steps == pytest.approx([-0.9 / 20] * 20)  # a straight line
+
+
+def test_wsd_edge_cases_stay_continuous_and_monotone():
+    assert {lr_multiplier(s, **{**WSD, "decay_fraction": 0.0}) for s in range(10, 100)} == {1.0}  # never decays
+    # a decay longer than the run after warmup: the warmup ramp meets the line, never jumping back up
+    short = {**WSD, "total_steps": 12, "decay_fraction": 1.0}
+    values = [lr_multiplier(s, **short) for s in range(13)]
+    assert max(values) < 1.0 and values[-1] == pytest.approx(0.1)
+    peak = values.index(max(values))
+    assert values[: peak + 1] == sorted(values[: peak + 1]) and values[peak:] == sorted(values[peak:], reverse=True)
+
+
+def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generator, steps: int) -> None:
+    """`steps` optimizer steps on random token batches drawn from `batches`."""
+    for _ in range(steps):
+        idx = torch.randint(0, REAL_VOCAB_SIZE, (2, 32), generator=batches)
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        for o in optimizers:
+            o.step()
+        for s in schedulers:
+            s.step()
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+
+
+SCHEDULE = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.5)
+
+
+def muon_run(model: GPT, momentum_warmup: int = 0) -> tuple[AdamWWithMuon, Schedule]:
+    optimizer = build_optimizer(model.optimizer_groups(0.1, muon=True), lr=3e-3, betas=(0.9, 0.95),
+                                device_type="cpu", muon_lr=0.02, muon_momentum=0.9)  # fmt: skip
+    return optimizer, build_scheduler(optimizer, **SCHEDULE, momentum_warmup=momentum_warmup)
+
+
+def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_hand():
+    """build_optimizer's one object == torch.optim.Muon on the blocks' matrices + AdamW on the rest, each with
+    its own LambdaLR, stepped side by side (the update acts on fp32 master weights in every precision). Each
+    group must be in its optimizer (a wrong one would change the update) and scheduled from its own peak lr."""
+    torch.manual_seed(0)
+    model = GPT(get_preset("tiny-cpu"))
+    start, twin = copy.deepcopy(model.state_dict()), copy.deepcopy(model)
+    ours, schedule = muon_run(model)
+    assert isinstance(ours, AdamWWithMuon) and [g["name"] for g in ours.param_groups] == ["decay", "no_decay", "muon"]
+    train(model, [ours], [schedule], torch.Generator().manual_seed(0), steps=5)
+
+    blocks = {n: p for n, p in twin.named_parameters() if n.startswith("transformer.h.") and p.dim() == 2}
+    rest = [p for n, p in twin.named_parameters() if n not in blocks]
+    muon = torch.optim.Muon(blocks.values(), lr=0.02, momentum=0.9, weight_decay=0.1)
+    adamw = torch.optim.AdamW(
+        [{"params": [p for p in rest if p.dim() == 2], "weight_decay": 0.1},
+         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True,  # as ours (fused vs foreach: test above)
+    )  # fmt: skip
+    schedules = [build_scheduler(o, **SCHEDULE) for o in (muon, adamw)]
+    train(twin, [muon, adamw], schedules, torch.Generator().manual_seed(0), steps=5)
+
+    trained = dict(twin.named_parameters())
+    assert len(blocks) == 4 * get_preset("tiny-cpu").n_layer
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, start[name]), name  # every tensor trained
+        assert torch.equal(p, trained[name]), name  # the same updates on the same gradients, bit for bit
+    peak = lr_multiplier(5, **SCHEDULE)  # one schedule scales each group from its own peak
+    assert [g["lr"] for g in ours.param_groups] == pytest.approx([3e-3 * peak] * 2 + [0.02 * peak])
+
+
+def test_muon_momentum_warms_up_linearly_and_adamw_is_left_alone():
+    p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+    optimizer = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.95)
+    schedule = build_scheduler(optimizer, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    momenta = []
+    for _ in range(6):
+        momenta.append(optimizer.param_groups[-1]["momentum"])
+        schedule.step()
+    assert momenta == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert "momentum" not in optimizer.param_groups[0] and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+    low = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.5)
+    build_scheduler(low, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    assert low.param_groups[-1]["momentum"] == 0.5  # a peak below 0.85 is held from the start
+
+
+def test_muon_state_dict_resumes_exactly():
+    """3 steps, state_dict of optimizer and schedule through torch.save, a fresh build loading them, 2 more steps
+    == 5 straight steps, bit for bit (what accelerate's save_state / load_state do with it), also in the middle of
+    the momentum warmup."""
+    torch.manual_seed(0)
+    straight = GPT(get_preset("tiny-cpu"))
+    resumed = copy.deepcopy(straight)
+    optimizer, schedule = muon_run(straight, momentum_warmup=4)
+    train(straight, [optimizer], [schedule], torch.Generator().manual_seed(0), steps=5)
+
+    batches = torch.Generator().manual_seed(0)
+    optimizer, schedule = muon_run(resumed, momentum_warmup=4)
+    train(resumed, [optimizer], [schedule], batches, steps=3)
+    buffer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert set(saved["optimizer"]) == {"adamw", "muon"} and saved["optimizer"]["muon"]["state"]
+    optimizer, schedule = muon_run(resumed, momentum_warmup=4)
+    optimizer.load_state_dict(saved["optimizer"])
+    schedule.load_state_dict(saved["schedule"])
+    train(resumed, [optimizer], [schedule], batches, steps=2)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name

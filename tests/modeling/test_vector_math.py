@@ -1,4 +1,4 @@
-"""training.vector_math: after the warm-up, a fresh process's first exp and log equal its later ones."""
+"""modeling.vector_math: after the warm-up, a fresh process's first exp and log equal its later ones."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from testkit import run
 
 PROBE = textwrap.dedent("""
     import torch
-    from training.vector_math import warm_up_vector_math
+    from modeling.vector_math import warm_up_vector_math
     warm_up_vector_math(torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(256, 64, generator=g) @ (torch.randn(50304, 64, generator=g) * 0.02).t()

@@ -1,0 +1,165 @@
+"""A run folder as training leaves it, read back: its model shape (config.yaml), its checkpoints from any engine,
+its metrics. Training writes these files; evals and exports read them.
+
+    runs/<name>/config.yaml                       the run config (TrainConfig fields)
+    runs/<name>/metrics.jsonl                     one JSON row per log
+    runs/<name>/checkpoints/step-NNNNNNNN/        accelerator.save_state, one of (by engine):
+        model.safetensors                           DDP or one process: the whole model
+        pytorch_model_fsdp_0/                       FSDP2 sharded state dict (torch.distributed.checkpoint)
+        pytorch_model/zero_pp_rank_*_...pt          DeepSpeed ZeRO-2/3: each rank's partition
+
+It lives in modeling, the lowest layer, because reading it needs only the model (GPT, GPTConfig): evals (which
+must not import training) and training both build on it. Sharded checkpoints are gathered on one process with
+the engines' own tools: torch's dcp_to_torch_save (the function accelerate's merge_fsdp_weights wraps) and
+DeepSpeed's zero_to_fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from modeling.config import GPTConfig, get_preset
+from modeling.gpt import GPT
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers' key prefixes
+_FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
+_ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
+
+
+class RunError(ValueError):
+    """A run folder or checkpoint that cannot be read; the message says what was wrong and what to do."""
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is named as a complete checkpoint (step-NNNNNNNN, no .tmp/.old suffix)."""
+    return bool(_STEP_DIR.match(path.name))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and is_checkpoint_dir(p))
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """metrics.jsonl rows; when a resumed run logged a step again, the later row wins."""
+    rows: dict[tuple[int | None, frozenset], dict] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        rows[(row.get("step"), frozenset(row))] = row
+    return sorted(rows.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+
+
+def model_shape(preset: str, block_size: int | None = None, init_from: str = "") -> GPTConfig:
+    """The model a run config names: init_from's shape (a transformers folder or Hub id) or the preset's, with
+    block_size (which may shorten the context, never lengthen it). A ValueError says what to change."""
+    if init_from:
+        from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
+
+        # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
+        if not Path(init_from).exists() and (init_from.count("/") > 1 or init_from[0] in "/.~"):
+            raise ValueError(
+                f"init_from {init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
+                "export/ (runs/NAME/export) or a Hub id such as gpt2"
+            )
+        try:
+            config, source = load_hf_config(init_from), f"{init_from}'s"
+        except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
+            raise ValueError(f"init_from {init_from}: {err}") from None
+    else:
+        config, source = get_preset(preset), f"the {preset} preset's"
+    if block_size is None:
+        return config
+    if block_size > config.block_size:
+        raise ValueError(f"block_size={block_size} exceeds {source} {config.block_size} positions")
+    return dataclasses.replace(config, block_size=block_size)
+
+
+def run_model_config(run_dir: str | Path) -> GPTConfig:
+    """The model shape a run trained, from its config.yaml."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise RunError(f"{path} is missing, so the model shape is unknown; is {run_dir} a run folder?")
+    try:
+        config = yaml.safe_load(path.read_text())
+        return model_shape(config["preset"], config.get("block_size"), config.get("init_from") or "")
+    except (yaml.YAMLError, TypeError, KeyError, ValueError) as err:  # unreadable, no preset, or a bad shape
+        raise RunError(f"{path}: {err}") from None
+
+
+def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(the full model state dict of an accelerator.save_state folder from any engine, on the CPU; how it was read).
+    Keys keep what the saving wrapper added (see load_checkpoint)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "model.safetensors").is_file():
+        return load_file(str(checkpoint / "model.safetensors")), "model.safetensors"
+    if (checkpoint / _FSDP_SHARDS).is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:  # one process, no process group: reads every rank's shard
+            dcp_to_torch_save(checkpoint / _FSDP_SHARDS, Path(tmp) / "model.pt")
+            state = torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)["model"]  # as saved
+        return state, "FSDP shards merged with torch's dcp_to_torch_save"
+    if (checkpoint / _ZERO_TAG).is_dir():
+        try:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        except ImportError:
+            raise RunError(
+                f"{checkpoint} is a DeepSpeed ZeRO checkpoint: install deepspeed (pip install .[deepspeed]) to "
+                "gather it, or use the run's export/ (--model RUN/export)"
+            ) from None
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines, away from a CLI's output
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=_ZERO_TAG)
+        return state, "ZeRO partitions gathered with DeepSpeed's zero_to_fp32: the fp32 master weights"
+    raise RunError(
+        f"{checkpoint} holds no model weights (model.safetensors, {_FSDP_SHARDS}/ or {_ZERO_TAG}/); "
+        "give a checkpoints/step-NNNNNNNN folder of a run"
+    )
+
+
+def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, str]:
+    """(GPT of the run's shape with a checkpoint's weights, on the CPU in train mode; where they came from)."""
+    run_dir, checkpoint = Path(run_dir), Path(checkpoint)
+    if not checkpoint.is_dir():
+        found = [p.name for p in list_checkpoints(run_dir)]
+        raise RunError(f"checkpoint {checkpoint} does not exist; {run_dir} has {', '.join(found) or 'none'}")
+    model = GPT(run_model_config(run_dir))
+    weights, how = checkpoint_weights(checkpoint)
+    state = {_strip_prefixes(k): v for k, v in weights.items()}
+    mismatch = f"{checkpoint} does not fit the model that {run_dir / CONFIG_FILE} describes"
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape
+        raise RunError(f"{mismatch}: {str(err).splitlines()[-1].strip()}") from None
+    # Checkpoints store a tied parameter (the lm_head and the token embedding) once, under either name.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    missing = [k for k in missing if k not in params or id(params[k]) not in loaded]
+    if missing or unexpected:
+        raise RunError(f"{mismatch}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model, f"checkpoint {checkpoint} ({how})"
+
+
+def _strip_prefixes(key: str) -> str:
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key

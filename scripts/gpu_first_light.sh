@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# First light on one CUDA GPU (issue #25): every GPU check in one go of <= 9 minutes on an H100, each figure and log
+# written to OUT_DIR and packed at the end into OUT_DIR/first_light.tgz, without the run's weights. From a checkout with a prepared data/default, no network needed:
+#
+#   scripts/gpu_first_light.sh OUT_DIR [--dry-run] [--data-dir data/default] [--cache DIR] [--peer-dir DIR]
+#                              [--wheels DIR] [--time-limit SECONDS]
+#
+# In order, each step logged to OUT_DIR/NN-step.log and timed in OUT_DIR/summary.md, a failed step not stopping the
+# next ones (the exit status is 1 if any failed); a step still running at --time-limit (540 s; none with --dry-run)
+# is stopped, and the steps after it are skipped, so the pack is written inside a device call's limit:
+#   1 tests     the fused loss against fp64 (tests/modeling/test_fused_ce.py, on this machine's torch: torch 2.11 has
+#               wrong-gradient bugs for compiled autograd.Functions, pytorch#180642/#184113), the one-step-late
+#               verdict on CUDA, and `python -m bench.loss_numerics --device cuda`
+#   2 train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
+#               to TRAIN_STEPS (200) steps: metrics.jsonl, samples, loss.png, a checkpoint and the export
+#   3 ladder    python -m bench.ladder at gpt2-124m, rungs LADDER_RUNGS (0,2,5,7,9,11), build-nanogpt beside it
+#               (--peer-dir: a folder holding its train_gpt2.py; skipped without one), --profile-steps 3
+#   4 loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory)
+#   5 nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
+#               group, which must be NCCL, then 20 training steps
+#   6 hellaswag python -m evals on step 2's export, HELLASWAG_LIMIT (2000) examples
+#
+# --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
+# loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
+# eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the GPU box
+# has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
+set -uo pipefail
+
+usage() {
+    echo "usage: $0 OUT_DIR [--dry-run] [--data-dir DIR] [--cache DIR] [--peer-dir DIR] [--wheels DIR]" \
+        "[--time-limit SECONDS]" >&2
+}
+die() { echo "error: $*" >&2; exit 2; }
+
+[[ $# -ge 1 && $1 != -* ]] || { usage; die "give the output folder first"; }
+OUT=$1
+shift
+DRY=0 DATA=data/default PEER="" WHEELS="" LIMIT=""
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --data-dir) DATA=${2:?--data-dir needs a folder}; shift ;;
+        --cache) export BOOKGPT_CACHE=${2:?--cache needs a folder}; shift ;;
+        --peer-dir) PEER=${2:?--peer-dir needs a folder}; shift ;;
+        --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
+        --time-limit) LIMIT=${2:?--time-limit needs seconds}; shift ;;
+        *) usage; die "unknown argument $1" ;;
+    esac
+    shift
+done
+
+# Paths as given (from the caller's folder), then the commands run from the repository root.
+absolute() { [[ -z $1 || $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }
+OUT=$(absolute "$OUT") DATA=$(absolute "$DATA") PEER=$(absolute "$PEER") WHEELS=$(absolute "$WHEELS")
+[[ -z ${BOOKGPT_CACHE:-} ]] || BOOKGPT_CACHE=$(absolute "$BOOKGPT_CACHE")
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[[ -f $DATA/manifest.json ]] || die "no prepared corpus in $DATA (manifest.json): prepare it where there is network \
+(python -m data_prep.prepare --source default --out $DATA) and carry it along"
+[[ -z $PEER || -f $PEER/train_gpt2.py ]] || die "no train_gpt2.py in --peer-dir $PEER"
+[[ -z $LIMIT || $LIMIT =~ ^[0-9]+$ ]] || die "--time-limit takes whole seconds, not $LIMIT"
+[[ ! -e $OUT || -z $(ls -A "$OUT") ]] || die "$OUT is not empty: give a new folder (nothing in it is replaced)"
+mkdir -p "$OUT" || die "cannot create $OUT"
+OUT=$(cd "$OUT" && pwd)
+if [[ -n $WHEELS ]]; then
+    compgen -G "$WHEELS/*.whl" >/dev/null || die "no *.whl in --wheels $WHEELS"
+    SITE=$(mktemp -d)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+        || die "installing the wheels of $WHEELS failed"
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+
+VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one
+if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, about a minute of CPU time
+    PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
+    DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
+    TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
+        --sample-interval 4 --checkpoint-interval 4)
+    DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 0 --sample-interval 0)
+    TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
+    LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
+    LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)
+    HELLASWAG=${HELLASWAG_LIMIT:-4}
+    BACKEND=gloo
+else
+    PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
+    DDP_YAML=accelerate_configs/8xh100.yaml
+    TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
+        --checkpoint-interval "${TRAIN_STEPS:-200}")
+    DDP_ARGS=(--max-steps 20 --log-interval 5 --eval-interval 0 --sample-interval 0)
+    TESTS=(tests/modeling/test_fused_ce.py "$VERDICT_TEST")
+    LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
+    LOSS_ARGS=()
+    HELLASWAG=${HELLASWAG_LIMIT:-2000}
+    BACKEND=nccl
+fi
+LAUNCH=($PY -m accelerate.commands.launch -q)
+[[ -n $LIMIT ]] || LIMIT=$([[ $DRY == 1 ]] && echo 86400 || echo 540)
+DEADLINE=$(($(date +%s) + LIMIT))
+PEER_ARGS=()
+[[ -n $PEER ]] && PEER_ARGS=(--peer-dir "$PEER")
+
+FAILED=0 N=0
+{
+    echo "# First light: $(date -u +'%Y-%m-%d %H:%M UTC')$([[ $DRY == 1 ]] && echo ' (--dry-run, CPU)')"
+    echo
+    echo "| step | status | seconds | log |"
+    echo "|---|---|---:|---|"
+} >"$OUT/summary.md"
+
+pack() {  # logs and figures, not the run's weights (checkpoints, export)
+    tar czf "$OUT/first_light.tgz" -C "$OUT" --exclude=first_light.tgz --exclude=checkpoints \
+        --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude=tokenizer.json . 2>/dev/null
+}
+trap 'pack' EXIT
+
+step() {  # step NAME COMMAND...: run it within the time left, log and time it, go on whatever it returns
+    local name=$1 log start rc status
+    shift
+    N=$((N + 1))
+    log=$(printf '%02d-%s.log' "$N" "$name")
+    start=$(date +%s)
+    if ((DEADLINE - start < 15)); then
+        FAILED=1
+        echo "| $N $name | skipped: --time-limit reached | 0 | |" | tee -a "$OUT/summary.md"
+        return
+    fi
+    TO=(timeout -k 10 $((DEADLINE - start)))  # the whole process group: accelerate's workers too
+    echo "== $N $name: $*" | tee "$OUT/$log"
+    if [[ $(type -t "$1") == function ]]; then "$@"; else "${TO[@]}" "$@"; fi >>"$OUT/$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="stopped at --time-limit" ;;
+        *) status="FAILED (exit $rc)" ;;
+    esac
+    ((rc == 0)) || FAILED=1
+    echo "| $N $name | $status | $(($(date +%s) - start)) | $log |" | tee -a "$OUT/summary.md"
+    tail -n 3 "$OUT/$log"
+}
+
+environment() {
+    uname -a
+    command -v nvidia-smi >/dev/null && nvidia-smi
+    "${TO[@]}" $PY - <<'EOF'
+import importlib.metadata as md, platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"devices {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
+for name in ("accelerate", "transformers", "tiktoken", "numpy", "safetensors", "pyyaml", "tqdm", "matplotlib",
+             "triton", "datasets", "pyarrow", "deepspeed"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} not installed")
+EOF
+    # everything the steps import must be here (datasets only builds shards: not needed)
+    "${TO[@]}" $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"
+}
+
+numerics() {
+    "${TO[@]}" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" || return
+    [[ $DRY == 1 ]] && { echo "bench.loss_numerics: left out of --dry-run (it compiles with inductor)"; return; }
+    "${TO[@]}" $PY -m bench.loss_numerics --device cuda
+}
+
+nccl() {  # the MULTI_GPU YAML in one process: the process group's backend must be NCCL (gloo on the CPU)
+    local yaml=(--config_file "$DDP_YAML" --num_processes 1) probe=$OUT/nccl_probe.py
+    cat >"$probe" <<'EOF'
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+
+state = PartialState(cpu=not torch.cuda.is_available())
+assert dist.is_initialized(), f"no process group under {state.distributed_type}"
+t = torch.full((1,), 3.0, device=state.device)
+dist.all_reduce(t)
+print(f"distributed_type {state.distributed_type}, backend {dist.get_backend()}, world size "
+      f"{dist.get_world_size()}, all_reduce of 3 on {t.device}: {t.item()}")
+EOF
+    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" "$probe" | tee "$OUT/nccl_backend.txt" || return
+    grep -q "backend $BACKEND," "$OUT/nccl_backend.txt" || { echo "error: the backend is not $BACKEND"; return 1; }
+    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" train_accel.py "${DDP_ARGS[@]}" --data-dir "$DATA" \
+        --out-dir "$OUT/nccl"
+}
+
+step environment environment
+step tests numerics
+step train "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" \
+    --out-dir "$OUT/train"
+step ladder $PY -m bench.ladder --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" --data-dir "$DATA" \
+    --out "$OUT/ladder" "${LADDER_ARGS[@]}" "${PEER_ARGS[@]}"
+step loss $PY -m bench.loss_speed --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" --out "$OUT/loss" \
+    "${LOSS_ARGS[@]}"
+step nccl nccl
+step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
+    --json "$OUT/hellaswag.json"
+
+{
+    echo
+    for f in ladder/ladder.md loss/loss_speed.md; do
+        [[ -f $OUT/$f ]] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
+    done
+    if [[ -f $OUT/train/metrics.jsonl ]]; then
+        echo "## train/metrics.jsonl (last rows)"
+        echo
+        tail -n 3 "$OUT/train/metrics.jsonl"
+    fi
+} >>"$OUT/summary.md"
+echo "summary: $OUT/summary.md; logs and figures: $OUT/first_light.tgz"
+exit $FAILED

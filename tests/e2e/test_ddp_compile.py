@@ -1,0 +1,48 @@
+"""DDP + torch.compile, the path of every multi-GPU YAML, on 2 real gloo processes: accumulation must keep its
+no_sync (one gradient all-reduce per bucket per optimizer step), and the losses must be the 1-process run's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testkit import ACCELERATE, QUIET, REPO, run
+
+pytestmark = pytest.mark.slow
+
+PROBE = Path(__file__).with_name("ddp_sync_probe.py")
+TINY = ["--preset", "tiny-cpu", "--max-steps", "4", "--total-batch-tokens", "1024", "--micro-batch-size", "4",
+        "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval", "0", "--checkpoint-interval", "0"]  # fmt: skip
+
+
+def native_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def probe(config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict:
+    cmd = [ACCELERATE, "launch", "-q", "--config_file", str(REPO / "accelerate_configs" / config), *launch_args,
+           str(PROBE), *TINY, *QUIET, "--data-dir", str(data_dir), "--out-dir", str(out_dir)]  # fmt: skip
+    stdout = run(cmd).stdout
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize(
+    "precision",
+    ["no", pytest.param("bf16", marks=pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU"))],
+)
+def test_compiled_ddp_accumulates_without_all_reduce_and_matches_one_process(prepared_books, tmp_path, precision):
+    """cpu_ddp2.yaml compiled (mb 4 × accumulation 2 × 2 ranks) == 1 eager process (mb 4 × accumulation 4); every
+    gradient all-reduce comes at the step's last micro-batch: the same number each step, none while accumulating."""
+    mp = ["--mixed_precision", precision]
+    ddp = probe("cpu_ddp2.yaml", prepared_books, tmp_path / "ddp", "--dynamo_backend", "inductor", *mp)
+    one = probe("cpu_eager.yaml", prepared_books, tmp_path / "one", *mp)
+    assert ddp["ddp_modules"] == 1
+    steps = ddp["steps"]
+    assert [s["while_accumulating"] for s in steps] == [0] * 4, steps  # accelerator.no_sync held
+    # one all-reduce per bucket per step; DDP rebuilds its buckets after the first step, so count from the second
+    assert steps[0]["all_reduces"] >= 1 and len({s["all_reduces"] for s in steps[1:]}) == 1, steps
+    tolerance = 1e-5 if precision == "no" else 2e-2  # summation order; bf16 rounds per rank's micro-batch
+    assert ddp["losses"] == pytest.approx(one["losses"], abs=tolerance)

@@ -1,0 +1,80 @@
+"""scripts/gpu_first_light.sh: its --dry-run (the GPU steps at toy sizes on the CPU) runs end to end and writes every
+figure and log, so the GPU's minutes go to measuring; bad input is one clear line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from evals.data import provision
+from testkit import REPO, run
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
+STEPS = ["environment", "tests", "train", "ladder", "loss", "nccl", "hellaswag"]
+
+
+def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
+    provision()  # the HellaSwag step reads the eval data from the cache
+    out = tmp_path / "first light"  # a space in the path too
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = run([SCRIPT, str(out), "--dry-run", "--data-dir", str(prepared_books)], timeout=900, env=env)
+    summary = (out / "summary.md").read_text()
+    for i, name in enumerate(STEPS, 1):
+        assert f"| {i} {name} | ok |" in summary, summary
+        assert (out / f"{i:02d}-{name}.log").is_file()
+    assert "summary:" in result.stdout.splitlines()[-1]
+    assert "2 passed, 1 skipped" in (out / "02-tests.log").read_text()  # the verdict test's CUDA case skips here
+    assert (out / "nccl_backend.txt").read_text().startswith("distributed_type DistributedType.MULTI_CPU, backend gloo")
+    for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl"):
+        assert (out / f).is_file(), f
+    ladder = json.loads((out / "ladder" / "ladder.json").read_text())
+    assert [r["label"] for r in ladder["rows"] if r["status"] == "ok"] == ["0", "11"]
+    loss = json.loads((out / "loss" / "loss_speed.json").read_text())["rows"]
+    plain = loss["F.cross_entropy, full logits"]["loss"]
+    assert len(loss) == 4 and all(math.isclose(r["loss"], plain, rel_tol=1e-3) for r in loss.values())
+    assert json.loads((out / "hellaswag.json").read_text())["examples"] == {"hellaswag": 4}
+    with tarfile.open(out / "first_light.tgz") as tar:
+        names = tar.getnames()
+    assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
+    assert not any(n.endswith(".safetensors") or "/checkpoints" in n for n in names)  # no weights in the pack
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "give the output folder first"),
+        (["OUT", "--data-dir", "no/such/folder"], "no/such/folder (manifest.json): prepare it where there is network"),
+        (["OUT", "--bogus"], "unknown argument --bogus"),
+        (["FULL"], "is not empty: give a new folder (nothing in it is replaced)"),
+    ],
+)
+def test_bad_arguments_are_one_line(tmp_path, args, message):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "summary.md").write_text("an earlier run")
+    args = [str(tmp_path / a.lower()) if a in ("OUT", "FULL") else a for a in args]
+    result = subprocess.run([SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and message in last
+    assert not (tmp_path / "out").exists()  # nothing written
+    assert (tmp_path / "full" / "summary.md").read_text() == "an earlier run"  # nor replaced
+
+
+def test_steps_past_the_time_limit_are_stopped_or_skipped_and_the_pack_still_written(prepared_books, tmp_path):
+    """A device call has a hard limit: the script stops the step running at --time-limit, skips the rest, and
+    still packs what there is. Relative paths are the caller's."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    cmd = [SCRIPT, "out", "--dry-run", "--data-dir", str(prepared_books), "--time-limit", "16"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    summary = (out / "summary.md").read_text()
+    for i, name in enumerate(STEPS[2:], 3):  # the environment check alone takes most of 16 s
+        assert f"| {i} {name} | skipped: --time-limit reached |" in summary, summary
+    with tarfile.open(out / "first_light.tgz") as tar:
+        assert "./summary.md" in tar.getnames()

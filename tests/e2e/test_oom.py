@@ -1,0 +1,78 @@
+"""Out of memory mid-run, for real: train_accel.py in a process whose address space is capped (RLIMIT_AS) between
+what micro-batch 32 and micro-batch 64 need, so the first step's allocation fails at 64 and the step is retried at
+32 with twice the accumulation. The run must equal one started at micro-batch 32, and so must its resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from testkit import run, train_cmd
+from training.checkpoint import checkpoint_dir
+from training.metrics import read_metrics
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the address space peak from /proc"),
+]
+
+# train_accel.py run as __main__ under an address-space cap (0: none); prints the peak it mapped.
+LIMITED = textwrap.dedent("""
+    import resource, runpy, sys
+    limit = int(sys.argv[1])
+    if limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    sys.argv = sys.argv[2:]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        peak = next(line for line in open("/proc/self/status") if line.startswith("VmPeak:"))
+        print(f"address space peak: {int(peak.split()[1]) * 1024}", file=sys.stderr)
+""")
+# 8,192 tokens a step; micro-batch 64 x 64 tokens makes the fused loss's logits chunks twice those of 32 (~100 MB).
+ARGS = ["--total-batch-tokens", "8192", "--max-steps", "3", "--lr", "3e-3", "--warmup-steps", "2",
+        "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "2"]  # fmt: skip
+
+
+# glibc maps every allocation over 64 KiB on its own and unmaps it when freed, so the failed attempt's memory
+# leaves the address space (by default its heap could keep it), and one arena for all threads (a new thread's
+# arena reserves 64 MiB of address space whenever it first allocates).
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+# Slices of 32 rows summed as halves of micro-batch 64 are micro-batches of 32: the same sums, bit for bit, in
+# practice; if the cap was tight enough to halve again (16), the order of the sums differs in the last bits.
+TOL = dict(rel=0, abs=2e-6)
+
+
+def train(run_dir: Path, data_dir: Path, micro_batch: int, limit: int = 0, *args: str) -> tuple[str, int]:
+    """(stdout, address space peak) of a capped run to completion."""
+    cmd = train_cmd(None, run_dir, data_dir, "--micro-batch-size", str(micro_batch), *ARGS, *args)
+    result = run([sys.executable, "-c", LIMITED, str(limit), *cmd[1:]], env={**os.environ, **MALLOC})
+    return result.stdout, int(re.search(r"address space peak: (\d+)", result.stderr).group(1))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train_loss" in r}
+
+
+def test_out_of_memory_retries_at_half_the_micro_batch_with_the_same_losses(prepared_books, tmp_path):
+    _, fits = train(tmp_path / "mb32", prepared_books, 32)
+    _, needs = train(tmp_path / "mb64", prepared_books, 64)
+    assert needs > fits + 40e6, (needs, fits)  # far enough apart to cap in between
+    limit = (fits + needs) // 2
+
+    out, _ = train(tmp_path / "capped", prepared_books, 64, limit)
+    assert "step 1: out of memory at micro-batch 64; retrying at 32 × 4 accumulation (the same 8,192 tokens" in out
+    want = losses(tmp_path / "mb32")
+    assert losses(tmp_path / "capped") == pytest.approx(want, **TOL)
+
+    # Resumed at step 2 in a fresh capped process: it runs out of memory again, halves again, and continues on the
+    # same data position (the loader still counts micro-batches of 64).
+    resume = ["--resume", str(checkpoint_dir(tmp_path / "capped", 2))]
+    out, _ = train(tmp_path / "resumed", prepared_books, 64, limit, *resume)
+    assert "step 3: out of memory at micro-batch 64; retrying at 32 × 4 accumulation" in out
+    assert losses(tmp_path / "resumed") == pytest.approx({3: want[3]}, **TOL)

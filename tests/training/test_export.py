@@ -1,0 +1,36 @@
+"""python -m training.export on a run folder's checkpoints (the sharded engines' are in tests/e2e/test_sharded.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evals.loading import load_model
+from modeling.hf_export import load_hf, to_hf_state_dict
+from training.checkpoint import checkpoint_dir
+from training.export import main as export_main
+
+
+def test_export_of_an_older_checkpoint_has_its_weights(tiny_run, capsys):
+    export_main([str(tiny_run), "--checkpoint", "step-00000001"])
+    out = tiny_run / "export-step-00000001"
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == f"checkpoint {checkpoint_dir(tiny_run, 1)} (model.safetensors) -> {out}"
+    )
+    want = to_hf_state_dict(load_model(tiny_run, checkpoint_dir(tiny_run, 1))[0])  # the real vocab rows
+    for name, tensor in to_hf_state_dict(load_hf(out)).items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+    assert not (tiny_run / "export").exists()  # the run's own export is never written by it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--checkpoint", "step-00000009"], r"checkpoint .*step-00000009 does not exist; .* has step-00000001, step-"),
+        (["--out", "{run}/checkpoints"], r".*checkpoints already exists; remove it or choose another --out"),
+    ],
+)
+def test_bad_arguments_are_one_clear_error(tiny_run, args, message):
+    with pytest.raises(SystemExit, match=f"^error: {message}"):
+        export_main([str(tiny_run), *(a.format(run=tiny_run) for a in args)])

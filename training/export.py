@@ -1,0 +1,62 @@
+"""Write a transformers export (GPT2LMHeadModel + GPT-2 tokenizer) of any checkpoint of a run, from any engine:
+DDP, FSDP2 shards or DeepSpeed ZeRO-2/3 partitions are gathered on this one process (see modeling.runs).
+
+    python -m training.export runs/x [--checkpoint step-00000400] [--out DIR]
+
+Default: the newest checkpoint, into runs/x/export-step-NNNNNNNN/; the run's own export/ (its final weights)
+is never overwritten, and a folder that exists is refused rather than replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from data_prep.tokenizer import get_encoding
+from modeling.runs import RunError, list_checkpoints, load_checkpoint
+
+
+def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: str | Path | None = None) -> Path:
+    """Export `checkpoint` (a step-NNNNNNNN name in the run's checkpoints/ or a path; default the newest) to `out`
+    (default RUN/export-<checkpoint name>), written under a temporary name and renamed into place."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"run folder {run_dir} does not exist")
+    found = list_checkpoints(run_dir)
+    if checkpoint is None and not found:
+        raise RunError(f"{run_dir} has no checkpoint (checkpoints/step-NNNNNNNN/) to export")
+    path = found[-1] if checkpoint is None else Path(checkpoint)
+    if checkpoint is not None and not path.is_dir():
+        path = run_dir / "checkpoints" / checkpoint  # a name such as step-00000400
+    out = Path(out) if out is not None else run_dir / f"export-{path.name}"
+    if out.exists():
+        raise RunError(f"{out} already exists; remove it or choose another --out")
+    model, source = load_checkpoint(run_dir, path)
+    from modeling.hf_export import export_hf  # imports transformers (~3 s)
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
+    export_hf(model, tmp, get_encoding())
+    tmp.rename(out)
+    print(f"{source} -> {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run", help="run folder (with config.yaml and checkpoints/)")
+    parser.add_argument("--checkpoint", help="step-NNNNNNNN (in the run's checkpoints/) or a path; default: newest")
+    parser.add_argument("--out", help="export folder to create (default: RUN/export-step-NNNNNNNN)")
+    args = parser.parse_args(argv)
+    try:
+        export_checkpoint(args.run, args.checkpoint, args.out)
+    except RunError as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""`python -m training.pick_cpu_config`: the CPU launch YAML whose precision trains faster on this machine.
+
+Prints the YAML's path on stdout, for `accelerate launch --config_file` (`make train` uses it this way), and one
+line on stderr saying which precision and why. It times fp32 and bf16 matmuls as the start-up hint does (~1 s):
+bf16 (cpu_bf16.yaml) where bf16 is clearly faster (AMX, Zen 4/5), fp32 (cpu.yaml) elsewhere, including CPUs
+without native bf16 (AVX2-only, where bf16 is ~100x slower). The YAML stays the one place precision is set.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from training.metrics import CPU_YAML, FASTER_BY, NO_NATIVE_BF16, cpu_matmul_speeds, dtype_name
+
+
+def choose(tflops: dict[str, float]) -> tuple[str, str]:
+    """(the mixed_precision value to launch with, why) from matmul TFLOP/s by mixed_precision ('no', 'bf16').
+    fp32 unless bf16 is clearly faster: within the noise of a shared machine the exact one wins."""
+    ratio = tflops["bf16"] / tflops["no"]
+    speeds = f"bf16 {tflops['bf16'] * 1e3:.3g} GFLOP/s, fp32 {tflops['no'] * 1e3:.3g} GFLOP/s"
+    if ratio >= FASTER_BY:
+        return "bf16", f"this CPU multiplies bf16 matrices {ratio:.1f}x faster than fp32 ({speeds})"
+    if ratio <= 1 / NO_NATIVE_BF16:
+        return "no", f"this CPU has no native bf16 matmuls: bf16 runs {1 / ratio:.0f}x slower than fp32 ({speeds})"
+    return "no", f"bf16 matmuls are not clearly faster than fp32 here ({ratio:.2f}x, {FASTER_BY}x needed: {speeds})"
+
+
+def main() -> None:
+    mixed_precision, why = choose(cpu_matmul_speeds())
+    print(f"precision: {dtype_name(mixed_precision)} ({CPU_YAML[mixed_precision]}): {why}", file=sys.stderr)
+    print(CPU_YAML[mixed_precision])
+
+
+if __name__ == "__main__":
+    main()
