@@ -3,7 +3,7 @@
 glibc serves every allocation above its mmap threshold (32 MB at most) with a fresh mmap and unmaps it on free. A
 CPU step allocates and frees the same big buffers every time (the fused loss's (chunk, vocab) logits and its bf16
 head-grad products, the 50,304 x 256 gradients): small-cpu B8 page-faults ~88,000 times a step in bf16, ~58,000 in
-fp32, 130-210 ms of kernel time a step on one core (BENCHMARKS.md, "Profile (Zen bf16)"). With mmap off and no
+fp32, 130-280 ms of kernel time a step on one core (BENCHMARKS.md, "Profile (Zen bf16)"). With mmap off and no
 trimming, freed blocks stay in the process and the next step reuses them: the process holds its peak, as it would
 in the middle of a step anyway.
 """
