@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 train: install
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu.yaml train_accel.py --config configs/cpu_small.yaml
+	$(VENV)/bin/accelerate launch -q --config_file accelerate_configs/cpu.yaml train_accel.py --config configs/cpu_small.yaml
 
 test: install
 	$(PY) -m pytest -q --durations=15

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from testkit import run, train_cmd
+from testkit import REPO, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +92,19 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
     assert stderr.startswith("error: ")
     assert re.search(message, stderr), stderr
     assert snapshot(data, run_dir) == before
+
+
+def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
+    """The launch `make train` runs, given bad input: our `error:` line is the last thing on screen (accelerate's
+    `-q`), and every launch under scripts/ passes -q too."""
+    venv = Path(sys.executable).parent.parent
+    dry = subprocess.run(["make", "-n", "-o", "install", "train", f"VENV={venv}"], cwd=REPO, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    cmd = shlex.split(dry.stdout.strip().splitlines()[-1])
+    assert "accelerate" in cmd[0] and "launch" in cmd, dry.stdout
+    result = run([*cmd, "--out-dir", str(tmp_path / "run"), "--lr", "-1"], expect_rc=1, timeout=300)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == "error: lr must be > 0, got -1.0"
+    for script in (REPO / "scripts").glob("*.sh"):
+        for launch in re.findall(r"^\s*accelerate launch[^\n]*", script.read_text(), re.M):
+            assert launch.split()[:3] == ["accelerate", "launch", "-q"], f"{script.name}: {launch}"
