@@ -76,6 +76,7 @@ CASES = {
     "keep_no_checkpoint": (None, ["--keep-checkpoints", "0"], r"keep_checkpoints must be >= 1.* --checkpoint-interval"),
     "zero_peak_tflops": (None, ["--peak-tflops", "0"], r"peak_tflops must be > 0"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
+    "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
 }
 
 
@@ -83,6 +84,8 @@ CASES = {
 def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path, case):
     data, run_dir = workspace
     (tmp_path / "bad.yaml").write_text("preset: tiny-cpu\nlr: [1e-3, \n")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     damage, args, message = CASES[case]
     if damage:
         damage(data)
