@@ -5,6 +5,7 @@ A folder without the `.tmp` suffix is complete by construction, so `--resume aut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -13,7 +14,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
 from accelerate import Accelerator
+
+from training.config import ConfigError, TrainConfig
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -83,12 +87,39 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return path
 
 
+def _shape(cfg: TrainConfig) -> str:
+    m = cfg.model_config()
+    return (f"{cfg.init_from or cfg.preset} (n_layer {m.n_layer}, n_head {m.n_head}, n_embd {m.n_embd}, "
+            f"block_size {m.block_size}, vocab_size {m.vocab_size}, bias {m.bias})")  # fmt: skip
+
+
+def compare_resume_config(cfg: TrainConfig, checkpoint: Path) -> str | None:
+    """Before anything is loaded: stop (ConfigError) when the checkpoint holds another model shape; else one line
+    listing how this launch's config differs from the checkpoint's (None when it doesn't, or nothing says).
+
+    The checkpoint's config.yaml is the launch that wrote it; older checkpoints have only their run folder's."""
+    saved_yaml = next((p for p in (checkpoint, checkpoint.parent.parent) if (p / "config.yaml").is_file()), None)
+    if saved_yaml is None:
+        return None
+    now = dataclasses.asdict(cfg)
+    saved = {k: v for k, v in yaml.safe_load((saved_yaml / "config.yaml").read_text()).items() if k in now}
+    theirs = TrainConfig(**saved)
+    if _shape(theirs) != _shape(cfg):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
+            "with the checkpoint's --preset/--block-size/--init-from, or start a new run with another --out-dir"
+        )
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if k != "resume" and v != now[k]]
+    return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
+
+
 def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict) -> Path:
     """`accelerator.save_state` into step-N.tmp, then rename to step-N and prune (see `prune_checkpoints`).
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
     custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
-    meta.json (step, tokens seen, val loss when evaluated at this step).
+    meta.json (step, tokens seen, val loss when evaluated at this step) and the run's config.yaml (this launch's,
+    which a resume compares with).
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -99,6 +130,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "meta.json").write_text(json.dumps(meta))
+        shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
             final.rename(stale)

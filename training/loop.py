@@ -19,7 +19,13 @@ from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
-from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume
+from training.checkpoint import (
+    TrainProgress,
+    compare_resume_config,
+    ensure_writable,
+    list_checkpoints,
+    resolve_resume,
+)
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
@@ -78,6 +84,8 @@ def setup(cfg: TrainConfig) -> Run:
     resume, run info. Precision, compile and distribution come from the launch YAML."""
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
+    resume_from = resolve_resume(cfg.resume, run_dir)
+    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
@@ -115,7 +123,8 @@ def setup(cfg: TrainConfig) -> Run:
     accelerator.register_for_checkpointing(progress, train_loader)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
-    resume_from = resolve_resume(cfg.resume, run_dir)
+    if config_changes:
+        accelerator.print(config_changes)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -142,3 +143,29 @@ def test_nonfinite_gradients_are_skipped_then_abort_keeping_the_checkpoint(prepa
     assert f"--resume {good}" in result.stderr
     assert list_checkpoints(run_dir) == [good]
     assert all(torch.isfinite(t).all() for t in load_file(good / "model.safetensors").values())
+
+
+def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp_path):
+    """Another model shape (preset or block_size) stops with one line naming both shapes, before anything is loaded
+    and with the checkpoints untouched; another batch is legitimate and is named in one line."""
+    run_dir = tmp_path / "run"
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "2", "--checkpoint-interval", "2"))
+    saved = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != "metrics.jsonl"}
+    for other in (["--preset", "small-cpu"], ["--block-size", "32"]):
+        result = run(tiny_cmd(None, run_dir, prepared_books, *other, "--resume", "auto"), expect_rc=1)
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert re.fullmatch(
+            r"error: --resume .*step-00000002: the checkpoint is a tiny-cpu \(n_layer 2, .*block_size 64, .*\) model, "
+            r"this run's is .*; resume with the checkpoint's --preset/--block-size/--init-from, .*",
+            line,
+        ), line
+        assert "this run's is " + ("small-cpu (n_layer 4" if "small-cpu" in other else "tiny-cpu") in line
+        assert {p: p.read_bytes() for p in saved} == saved
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "3", "--checkpoint-interval", "2",
+                           "--total-batch-tokens", "1024", "--resume", "auto"))  # fmt: skip
+    assert (
+        "resuming with a changed config (checkpoint -> now): total_batch_tokens 512 -> 1024, max_steps 2 -> 3\n"
+        in resumed.stdout
+    ), resumed.stdout
+    assert "resumed from" in resumed.stdout
