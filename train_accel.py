@@ -21,6 +21,7 @@ from training.config import ConfigError, config_to_yaml, parse_config
 from training.distributed import finish
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
+from training.runlock import RunFolderInUse
 from training.signals import StopRequest
 from training.step import TrainingAborted
 
@@ -86,7 +87,10 @@ def main() -> None:
 
 
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
-USER_ERRORS = (ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, FileNotFoundError, NotADirectoryError)
+USER_ERRORS = (
+    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, FileNotFoundError,
+    NotADirectoryError,
+)  # fmt: skip
 
 if __name__ == "__main__":
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from filelock import FileLock
 
 from data_prep import ensure_default_corpus
 from data_prep.loader import Manifest, TokenLoader, load_manifest
@@ -31,6 +32,7 @@ from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
 from training.metrics import JSONLTracker, cpu_precision_hint, memory_stats, peak_tflops, plot_losses, precision_name
 from training.optim import build_optimizer, build_scheduler
+from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
 
 
@@ -59,6 +61,7 @@ class Run:
     total_steps: int
     flops_per_token: int
     peak_tflops: float
+    lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
 
     def is_last(self, step: int) -> bool:
         return step == self.total_steps
@@ -84,6 +87,7 @@ def setup(cfg: TrainConfig) -> Run:
     resume, run info. Precision, compile and distribution come from the launch YAML."""
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
+    lock = lock_run_folder(run_dir)
     resume_from = resolve_resume(cfg.resume, run_dir)
     config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None
     if cfg.push_to_hub:
@@ -137,7 +141,7 @@ def setup(cfg: TrainConfig) -> Run:
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
-        flops_per_token, peak,
+        flops_per_token, peak, lock,
     )  # fmt: skip
     log_run_info(run, num_params, peak_source, param_groups)
     return run

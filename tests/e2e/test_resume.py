@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -27,8 +28,8 @@ TINY = ["--eval-interval", "0", "--log-interval", "1", "--micro-batch-size", "4"
         "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
 
 
-def tiny_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> list[str]:
-    return train_cmd(accelerate_config, run_dir, data_dir, *TINY, *args)
+def tiny_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str, **launch) -> list[str]:
+    return train_cmd(accelerate_config, run_dir, data_dir, *TINY, *args, **launch)
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -169,3 +170,30 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         in resumed.stdout
     ), resumed.stdout
     assert "resumed from" in resumed.stdout
+
+
+def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tmp_path):
+    """Two launches on one out_dir: the second names the holder and touches nothing; after kill -9 of the first
+    the lock is free and the run resumes."""
+    run_dir = tmp_path / "run"
+    first = start_and_wait(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "2"),
+                           run_dir, until_step=3)  # fmt: skip
+    try:
+        second = run(
+            tiny_cmd("cpu_eager.yaml", run_dir, prepared_books, "--resume", "auto", launch_args=["-q"]), expect_rc=1
+        )
+        assert "Traceback" not in second.stderr, second.stderr[-3000:]
+        line = second.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(
+            rf"error: out_dir {run_dir} is in use by another run \(host {re.escape(socket.gethostname())}, "
+            rf"pid {first.pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \w+\); wait for it to end or stop it, .*",
+            line,
+        ), line
+        assert first.poll() is None  # the first run trains on
+    finally:
+        kill_tree(first.pid)
+        first.wait()
+    newest = list_checkpoints(run_dir)[-1]
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps",
+                           str(int(newest.name.split("-")[1]) + 1), "--resume", "auto"))  # fmt: skip
+    assert f"resumed from {newest}" in resumed.stdout

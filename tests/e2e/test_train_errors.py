@@ -23,7 +23,7 @@ def snapshot(*folders: Path) -> dict[str, str]:
         str(p): hashlib.sha256(p.read_bytes()).hexdigest()
         for folder in folders
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and not p.name.startswith(".run.lock")  # the run folder's lock, taken by every launch
     }
 
 
