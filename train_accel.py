@@ -22,7 +22,7 @@ from training.distributed import finish
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.runlock import RunFolderInUse
-from training.signals import StopRequest
+from training.signals import StopRequest, stop_with_the_launcher
 from training.step import TrainingAborted
 
 
@@ -76,6 +76,7 @@ def fit(run: Run, launched: float) -> bool:
 
 def main() -> None:
     launched = time.perf_counter()
+    stop_with_the_launcher()  # before any work: a launcher stopped during setup stops this process too
     cfg, print_only = parse_config()
     if print_only:
         print(config_to_yaml(cfg), end="")

@@ -197,3 +197,24 @@ def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tm
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps",
                            str(int(newest.name.split("-")[1]) + 1), "--resume", "auto"))  # fmt: skip
     assert f"resumed from {newest}" in resumed.stdout
+
+
+def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_path):
+    """docker stop / Kubernetes / timeout signal the launcher's PID only: the training process still saves a checkpoint
+    and exits, and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    cmd = tiny_cmd("cpu_eager.yaml", run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
+                   launch_args=["-q"])  # fmt: skip
+    launcher = start_and_wait(cmd, run_dir, until_step=3)
+    try:
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, not its process group
+        out, _ = launcher.communicate(timeout=60)  # EOF once the training process, which shares the pipe, exits
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)  # an orphaned training process stays in the launcher's group
+    step = logged_steps(run_dir)
+    assert 3 <= step < 500
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"], out[-3000:]
+    assert f"stopped at step {step} by a signal" in out
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", str(step + 1), "--resume", "auto"))
+    assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
