@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
-from training.checkpoint import save_checkpoint
+from training.checkpoint import CheckpointError, save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.distributed import finish
 from training.hub import HubError
@@ -63,7 +63,7 @@ def fit(run: Run, launched: float) -> bool:
             write_sample(run, step)
         if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
             meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
-            saved = save_checkpoint(accelerator, run.run_dir, step, cfg.keep_checkpoints, meta)
+            saved = save_checkpoint(accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes)
         if trainer.stopping and not last:
             accelerator.print(
                 f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
@@ -89,8 +89,8 @@ def main() -> None:
 
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
 USER_ERRORS = (
-    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, FileNotFoundError,
-    NotADirectoryError,
+    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, CheckpointError,
+    FileNotFoundError, NotADirectoryError,
 )  # fmt: skip
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from accelerate import Accelerator
 
@@ -113,24 +114,77 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path) -> str | None:
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict) -> Path:
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the folder left behind was removed)."""
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """What one checkpoint takes, before any exists: the weights plus AdamW's two moments of the same size (an
+    optimizer with less state, such as Muon's one buffer, takes less)."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+def clear_partial(run_dir: str | Path) -> None:
+    """Remove this run's half-written checkpoints (`step-N.tmp`), which hold disk space: the run-folder lock
+    guarantees no live run is writing them."""
+    for stale in (Path(run_dir) / "checkpoints").glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def room_warning(run_dir: str | Path, one_checkpoint: int) -> str | None:
+    """A start-up line when out_dir's filesystem cannot hold two more checkpoints (a save writes the new one
+    before pruning the old)."""
+    free = shutil.disk_usage(run_dir).free
+    if free >= 2 * one_checkpoint:
+        return None
+    return (
+        f"warning: out_dir {run_dir} has {_mb(free)} free, less than two checkpoints need ({_mb(2 * one_checkpoint)}); "
+        "a save will fail: free space or choose another --out-dir"
+    )
+
+
+def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict, need: int) -> Path:
     """`accelerator.save_state` into step-N.tmp, then rename to step-N and prune (see `prune_checkpoints`).
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
     custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
     meta.json (step, tokens seen, val loss when evaluated at this step) and the run's config.yaml (this launch's,
-    which a resume compares with).
+    which a resume compares with). A failed save leaves no folder behind; when the disk is what failed (less free
+    than `need`, one checkpoint's bytes, or the last one's size) it raises CheckpointError saying so.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed mid-save
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+        clear_partial(run_dir)  # left by a run killed mid-save: they hold the space this save needs
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+    except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        complete = list_checkpoints(run_dir)
+        need = _size(complete[-1]) if complete else need
+        free = shutil.disk_usage(Path(run_dir)).free
+        if free >= need:
+            raise
+        untouched = ", ".join(p.name for p in complete) or "none"
+        raise CheckpointError(
+            f"saving checkpoint {final.name} failed: the disk is full ({_mb(need)} needed, {_mb(free)} free in "
+            f"{run_dir}; complete checkpoints untouched: {untouched}); free space, lower --keep-checkpoints (a save "
+            "needs room for one more than it keeps) or choose another --out-dir, then run again with --resume auto"
+        ) from err
+    if accelerator.is_main_process:
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
             final.rename(stale)

@@ -22,10 +22,13 @@ from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from training.checkpoint import (
     TrainProgress,
+    checkpoint_bytes,
+    clear_partial,
     compare_resume_config,
     ensure_writable,
     list_checkpoints,
     resolve_resume,
+    room_warning,
 )
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
@@ -61,6 +64,7 @@ class Run:
     total_steps: int
     flops_per_token: int
     peak_tflops: float
+    checkpoint_bytes: int  # one checkpoint's size, estimated before any exists
     lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
 
     def is_last(self, step: int) -> bool:
@@ -122,11 +126,17 @@ def setup(cfg: TrainConfig) -> Run:
     )
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
+    one_checkpoint = checkpoint_bytes(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, train_loader)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
+    if accelerator.is_main_process:
+        clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
+        warning = room_warning(run_dir, one_checkpoint)
+        if warning:
+            print(warning, flush=True)
     if config_changes:
         accelerator.print(config_changes)
     if resume_from is not None:
@@ -141,7 +151,7 @@ def setup(cfg: TrainConfig) -> Run:
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
-        flops_per_token, peak, lock,
+        flops_per_token, peak, one_checkpoint, lock,
     )  # fmt: skip
     log_run_info(run, num_params, peak_source, param_groups)
     return run

@@ -218,3 +218,43 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
     assert f"stopped at step {step} by a signal" in out
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", str(step + 1), "--resume", "auto"))
     assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A size-limited filesystem (a tmpfs; skipped where this process may not mount one)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(prepared_books, small_disk):
+    """tiny-cpu checkpoints take ~40 MB: on 70 MB the start-up warns, step 2 saves, step 4 cannot. No partial folder
+    stays; after room is made, a stale .tmp (a save killed mid-write) is cleared and the run resumes."""
+    run_dir = small_disk / "run"
+    args = ["--max-steps", "6", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+    result = run(tiny_cmd(None, run_dir, prepared_books, *args), expect_rc=1)
+    assert re.search(rf"warning: out_dir {run_dir} has \d+ MB free, less than two checkpoints need \(76 MB\)",
+                     result.stdout), result.stdout  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(
+        rf"error: saving checkpoint step-00000004 failed: the disk is full \(38 MB needed, \d+ MB free in {run_dir}; "
+        r"complete checkpoints untouched: step-00000002\); free space, lower --keep-checkpoints .* --resume auto",
+        result.stderr,
+    ), result.stderr[-3000:]
+    [kept] = list_checkpoints(run_dir)
+    assert kept.name == "step-00000002" and not list(run_dir.rglob("*.tmp"))
+    weights = load_file(kept / "model.safetensors")
+
+    stale = run_dir / "checkpoints" / "step-00000004.tmp"
+    stale.mkdir()
+    (stale / "optimizer.bin").write_bytes(os.urandom(20 * 2**20))  # without clearing it, step 4 would not fit
+    subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, *args, "--max-steps", "4", "--resume", "auto"))
+    assert f"resumed from {kept} at step 2" in resumed.stdout
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002", "step-00000004"]
+    assert not stale.exists()
+    assert all(torch.equal(weights[k], t) for k, t in load_file(kept / "model.safetensors").items())
