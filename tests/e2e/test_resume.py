@@ -151,7 +151,11 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
     and with the checkpoints untouched; another batch is legitimate and is named in one line."""
     run_dir = tmp_path / "run"
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "2", "--checkpoint-interval", "2"))
-    saved = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != "metrics.jsonl"}
+    saved = {
+        p: p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name not in ("metrics.jsonl", ".run.lock.json")
+    }
     for other in (["--preset", "small-cpu"], ["--block-size", "32"]):
         result = run(tiny_cmd(None, run_dir, prepared_books, *other, "--resume", "auto"), expect_rc=1)
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
