@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 # The CPU YAML of the faster precision here: cpu_bf16.yaml where bf16 matmuls are clearly faster, else cpu.yaml.
 train: install
 	yaml=$$($(PY) -m training.pick_cpu_config) && \
-	$(VENV)/bin/accelerate launch --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
+	$(VENV)/bin/accelerate launch -q --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
 
 test: install
 	$(PY) -m pytest -q --durations=15

@@ -16,11 +16,12 @@ from tqdm.auto import tqdm
 from data_prep import DataPrepError
 from evals import EvalError
 from modeling.runtime import finish
-from training.checkpoint import save_checkpoint
+from training.checkpoint import CheckpointError, save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
-from training.signals import StopRequest
+from training.runlock import RunFolderInUse
+from training.signals import StopRequest, stop_with_the_launcher
 from training.step import TrainingAborted, is_out_of_memory
 
 
@@ -61,7 +62,7 @@ def fit(run: Run, launched: float) -> bool:
             write_sample(run, step)
         if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
             meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
-            saved = save_checkpoint(accelerator, run.run_dir, step, cfg.keep_checkpoints, meta)
+            saved = save_checkpoint(accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes)
         if trainer.stopping and not last:
             accelerator.print(
                 f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
@@ -74,6 +75,7 @@ def fit(run: Run, launched: float) -> bool:
 
 def main() -> None:
     launched = time.perf_counter()
+    stop_with_the_launcher()  # before any work: a launcher stopped during setup stops this process too
     cfg, print_only = parse_config()
     if print_only:
         print(config_to_yaml(cfg), end="")
@@ -85,7 +87,10 @@ def main() -> None:
 
 
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
-USER_ERRORS = (ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, FileNotFoundError, NotADirectoryError)
+USER_ERRORS = (
+    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, CheckpointError,
+    FileNotFoundError, NotADirectoryError,
+)  # fmt: skip
 
 if __name__ == "__main__":
     try:

@@ -125,6 +125,13 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
 
 def load_hf_config(folder: str | Path) -> GPTConfig:
     """The GPTConfig of a transformers GPT-2 folder or Hub id (config.json only, no weights)."""
+    # GPT2Config reads any config.json, filling GPT-2 defaults for what another architecture names differently.
+    model_type = GPT2Config.get_config_dict(folder)[0].get("model_type")
+    if model_type != "gpt2":
+        raise ValueError(
+            f"not a GPT-2 model (model_type {model_type!r}); give a transformers GPT-2 folder (config.json with "
+            "model_type 'gpt2', such as a run's export/) or a GPT-2 Hub id such as gpt2 or openai-community/gpt2-medium"
+        )
     c = GPT2Config.from_pretrained(folder)
     # What our GPT hard-codes; a folder that differs would load without error and compute something else.
     found = (c.vocab_size, c.activation_function, c.layer_norm_epsilon, c.n_inner or 4 * c.n_embd)

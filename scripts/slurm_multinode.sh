@@ -33,7 +33,7 @@ export NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 
 # One task per node; SLURM_NODEID differs per task, so it is read inside the task (single quotes).
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
-  accelerate launch --config_file "$CONFIG" \
+  accelerate launch -q --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes "$NUM_PROCESSES" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
     train_accel.py "$@"

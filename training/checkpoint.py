@@ -5,6 +5,7 @@ A folder without the `.tmp` suffix is complete by construction, so `--resume aut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -12,9 +13,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+import yaml
 from accelerate import Accelerator
 
 from modeling.runs import checkpoint_dir, is_checkpoint_dir, list_checkpoints
+from training.config import ConfigError, TrainConfig
 
 
 def _not_the_tied_head(record: logging.LogRecord) -> bool:
@@ -70,22 +74,110 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict) -> Path:
+def _shape(cfg: TrainConfig) -> str:
+    m = cfg.model_config()
+    return (f"{cfg.init_from or cfg.preset} (n_layer {m.n_layer}, n_head {m.n_head}, n_embd {m.n_embd}, "
+            f"block_size {m.block_size}, vocab_size {m.vocab_size}, bias {m.bias})")  # fmt: skip
+
+
+def compare_resume_config(cfg: TrainConfig, checkpoint: Path) -> str | None:
+    """Before anything is loaded: stop (ConfigError) when the checkpoint holds another model shape or another
+    optimizer's state; else one line listing how this launch's config differs from the checkpoint's (None when it
+    doesn't, or nothing says).
+
+    The checkpoint's config.yaml is the launch that wrote it; older checkpoints have only their run folder's."""
+    saved_yaml = next((p for p in (checkpoint, checkpoint.parent.parent) if (p / "config.yaml").is_file()), None)
+    if saved_yaml is None:
+        return None
+    now = dataclasses.asdict(cfg)
+    saved = {k: v for k, v in yaml.safe_load((saved_yaml / "config.yaml").read_text()).items() if k in now}
+    theirs = TrainConfig(**saved)
+    if _shape(theirs) != _shape(cfg):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
+            "with the checkpoint's --preset/--block-size/--init-from, or start a new run with another --out-dir"
+        )
+    if theirs.optimizer != cfg.optimizer:  # the saved optimizer state is the other optimizer's
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint holds {theirs.optimizer} state, this run asks for "
+            f"--optimizer {cfg.optimizer}; resume with --optimizer {theirs.optimizer}, or start a new run with another "
+            "--out-dir (--init-from its export keeps the weights)"
+        )
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if k != "resume" and v != now[k]]
+    return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the folder left behind was removed)."""
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """What one checkpoint takes, before any exists: the weights plus AdamW's two moments of the same size (an
+    optimizer with less state, such as Muon's one buffer, takes less)."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+def clear_partial(run_dir: str | Path) -> None:
+    """Remove this run's half-written checkpoints (`step-N.tmp`), which hold disk space: the run-folder lock
+    guarantees no live run is writing them."""
+    for stale in (Path(run_dir) / "checkpoints").glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def room_warning(run_dir: str | Path, one_checkpoint: int) -> str | None:
+    """A start-up line when out_dir's filesystem cannot hold two more checkpoints (a save writes the new one
+    before pruning the old)."""
+    free = shutil.disk_usage(run_dir).free
+    if free >= 2 * one_checkpoint:
+        return None
+    return (
+        f"warning: out_dir {run_dir} has {_mb(free)} free, less than two checkpoints need ({_mb(2 * one_checkpoint)}); "
+        "a save will fail: free space or choose another --out-dir"
+    )
+
+
+def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, keep: int, meta: dict, need: int) -> Path:
     """`accelerator.save_state` into step-N.tmp, then rename to step-N and prune (see `prune_checkpoints`).
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
     custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
-    meta.json (step, tokens seen, val loss when evaluated at this step).
+    meta.json (step, tokens seen, val loss when evaluated at this step) and the run's config.yaml (this launch's,
+    which a resume compares with). A failed save leaves no folder behind; when the disk is what failed (less free
+    than `need`, one checkpoint's bytes, or the last one's size) it raises CheckpointError saying so.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed mid-save
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        clear_partial(run_dir)  # left by a run killed mid-save: they hold the space this save needs
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+    except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        complete = list_checkpoints(run_dir)
+        need = _size(complete[-1]) if complete else need
+        free = shutil.disk_usage(Path(run_dir)).free
+        if free >= need:
+            raise
+        untouched = ", ".join(p.name for p in complete) or "none"
+        raise CheckpointError(
+            f"saving checkpoint {final.name} failed: the disk is full ({_mb(need)} needed, {_mb(free)} free in "
+            f"{run_dir}; complete checkpoints untouched: {untouched}); free space, lower --keep-checkpoints (a save "
+            "needs room for one more than it keeps) or choose another --out-dir, then run again with --resume auto"
+        ) from err
+    if accelerator.is_main_process:
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
             final.rename(stale)

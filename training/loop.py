@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from filelock import FileLock
 
 from data_prep import ensure_default_corpus
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
@@ -19,7 +20,16 @@ from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
-from training.checkpoint import TrainProgress, ensure_writable, list_checkpoints, resolve_resume
+from training.checkpoint import (
+    TrainProgress,
+    checkpoint_bytes,
+    clear_partial,
+    compare_resume_config,
+    ensure_writable,
+    list_checkpoints,
+    resolve_resume,
+    room_warning,
+)
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
@@ -33,6 +43,7 @@ from training.metrics import (
     precision_name,
 )
 from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
+from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
 
 # Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
@@ -70,6 +81,8 @@ class Run:
     total_steps: int
     flops_per_token: int
     peak_tflops: float
+    checkpoint_bytes: int  # one checkpoint's size, estimated before any exists
+    lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
 
     def is_last(self, step: int) -> bool:
         return step == self.total_steps
@@ -95,6 +108,9 @@ def setup(cfg: TrainConfig) -> Run:
     resume, run info. Precision, compile and distribution come from the launch YAML."""
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
+    lock = lock_run_folder(run_dir)
+    resume_from = resolve_resume(cfg.resume, run_dir)
+    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
@@ -139,12 +155,19 @@ def setup(cfg: TrainConfig) -> Run:
     )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
+    one_checkpoint = checkpoint_bytes(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, train_loader)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
-    resume_from = resolve_resume(cfg.resume, run_dir)
+    if accelerator.is_main_process:
+        clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
+        warning = room_warning(run_dir, one_checkpoint)
+        if warning:
+            print(warning, flush=True)
+    if config_changes:
+        accelerator.print(config_changes)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
@@ -163,7 +186,7 @@ def setup(cfg: TrainConfig) -> Run:
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
-        flops_per_token, peak,
+        flops_per_token, peak, one_checkpoint, lock,
     )  # fmt: skip
     log_run_info(run, num_params, peak_source, param_groups)
     return run

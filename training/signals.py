@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 from types import FrameType
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_launcher() -> None:
+    """Turn the launcher's death into a SIGTERM to this process (Linux; elsewhere a no-op).
+
+    docker stop, Kubernetes, systemd and timeout signal the main PID only: the launcher. accelerate's single-process
+    launcher dies of SIGTERM without passing it on, and its child would train on, orphaned, until SIGKILL; torchrun
+    forwards it, but its own death (SIGKILL) would orphan the workers the same way. Only under a launcher: a run
+    started straight from a shell (nohup, tmux) must outlive that shell."""
+    if sys.platform != "linux" or not {"ACCELERATE_USE_CPU", "TORCHELASTIC_RUN_ID"} & os.environ.keys():
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class StopRequest:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -26,8 +28,8 @@ TINY = ["--eval-interval", "0", "--log-interval", "1", "--micro-batch-size", "4"
         "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
 
 
-def tiny_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> list[str]:
-    return train_cmd(accelerate_config, run_dir, data_dir, *TINY, *args)
+def tiny_cmd(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str, **launch) -> list[str]:
+    return train_cmd(accelerate_config, run_dir, data_dir, *TINY, *args, **launch)
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -151,3 +153,125 @@ def test_nonfinite_gradients_are_skipped_then_abort_keeping_the_checkpoint(prepa
     assert f"--resume {good}" in result.stderr
     assert list_checkpoints(run_dir) == [good]
     assert all(torch.isfinite(t).all() for t in load_file(good / "model.safetensors").values())
+
+
+def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp_path):
+    """Another model shape (preset or block_size) or optimizer stops with one line naming both, before anything is
+    loaded and with the checkpoints untouched; another batch is legitimate and is named in one line."""
+    run_dir = tmp_path / "run"
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "2", "--checkpoint-interval", "2"))
+    saved = {
+        p: p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name not in ("metrics.jsonl", ".run.lock.json")
+    }
+    for other in (["--preset", "small-cpu"], ["--block-size", "32"]):
+        result = run(tiny_cmd(None, run_dir, prepared_books, *other, "--resume", "auto"), expect_rc=1)
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert re.fullmatch(
+            r"error: --resume .*step-00000002: the checkpoint is a tiny-cpu \(n_layer 2, .*block_size 64, .*\) model, "
+            r"this run's is .*; resume with the checkpoint's --preset/--block-size/--init-from, .*",
+            line,
+        ), line
+        assert "this run's is " + ("small-cpu (n_layer 4" if "small-cpu" in other else "tiny-cpu") in line
+        assert {p: p.read_bytes() for p in saved} == saved
+    muon = run(tiny_cmd(None, run_dir, prepared_books, "--optimizer", "muon", "--resume", "auto"), expect_rc=1)
+    [line] = muon.stderr.strip().splitlines()
+    assert line.startswith("error: --resume ") and "holds adamw state, this run asks for --optimizer muon" in line
+    assert {p: p.read_bytes() for p in saved} == saved
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "3", "--checkpoint-interval", "2",
+                           "--total-batch-tokens", "1024", "--resume", "auto"))  # fmt: skip
+    assert (
+        "resuming with a changed config (checkpoint -> now): total_batch_tokens 512 -> 1024, max_steps 2 -> 3\n"
+        in resumed.stdout
+    ), resumed.stdout
+    assert "resumed from" in resumed.stdout
+
+
+def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tmp_path):
+    """Two launches on one out_dir: the second names the holder and touches nothing; after kill -9 of the first
+    the lock is free and the run resumes."""
+    run_dir = tmp_path / "run"
+    first = start_and_wait(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "2"),
+                           run_dir, until_step=3)  # fmt: skip
+    try:
+        second = run(
+            tiny_cmd("cpu_eager.yaml", run_dir, prepared_books, "--resume", "auto", launch_args=["-q"]), expect_rc=1
+        )
+        assert "Traceback" not in second.stderr, second.stderr[-3000:]
+        line = second.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(
+            rf"error: out_dir {run_dir} is in use by another run \(host {re.escape(socket.gethostname())}, "
+            rf"pid {first.pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \w+\); wait for it to end or stop it, .*",
+            line,
+        ), line
+        assert first.poll() is None  # the first run trains on
+    finally:
+        kill_tree(first.pid)
+        first.wait()
+    newest = list_checkpoints(run_dir)[-1]
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps",
+                           str(int(newest.name.split("-")[1]) + 1), "--resume", "auto"))  # fmt: skip
+    assert f"resumed from {newest}" in resumed.stdout
+
+
+def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_path):
+    """docker stop / Kubernetes / timeout signal the launcher's PID only: the training process still saves a checkpoint
+    and exits, and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    cmd = tiny_cmd("cpu_eager.yaml", run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
+                   launch_args=["-q"])  # fmt: skip
+    launcher = start_and_wait(cmd, run_dir, until_step=3)
+    try:
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, not its process group
+        out, _ = launcher.communicate(timeout=60)  # EOF once the training process, which shares the pipe, exits
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)  # an orphaned training process stays in the launcher's group
+    step = logged_steps(run_dir)
+    assert 3 <= step < 500
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"], out[-3000:]
+    assert f"stopped at step {step} by a signal" in out
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", str(step + 1), "--resume", "auto"))
+    assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A size-limited filesystem (a tmpfs; skipped where this process may not mount one)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(prepared_books, small_disk):
+    """tiny-cpu checkpoints take ~40 MB: on 70 MB the start-up warns, step 2 saves, step 4 cannot. No partial folder
+    stays; after room is made, a stale .tmp (a save killed mid-write) is cleared and the run resumes."""
+    run_dir = small_disk / "run"
+    args = ["--max-steps", "6", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+    result = run(tiny_cmd(None, run_dir, prepared_books, *args), expect_rc=1)
+    assert re.search(rf"warning: out_dir {run_dir} has \d+ MB free, less than two checkpoints need \(76 MB\)",
+                     result.stdout), result.stdout  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(
+        rf"error: saving checkpoint step-00000004 failed: the disk is full \(38 MB needed, \d+ MB free in {run_dir}; "
+        r"complete checkpoints untouched: step-00000002\); free space, lower --keep-checkpoints .* --resume auto",
+        result.stderr,
+    ), result.stderr[-3000:]
+    [kept] = list_checkpoints(run_dir)
+    assert kept.name == "step-00000002" and not list(run_dir.rglob("*.tmp"))
+    weights = load_file(kept / "model.safetensors")
+
+    stale = run_dir / "checkpoints" / "step-00000004.tmp"
+    stale.mkdir()
+    (stale / "optimizer.bin").write_bytes(os.urandom(20 * 2**20))  # without clearing it, step 4 would not fit
+    subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)
+    resumed = run(tiny_cmd(None, run_dir, prepared_books, *args, "--max-steps", "4", "--resume", "auto"))
+    assert f"resumed from {kept} at step 2" in resumed.stdout
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002", "step-00000004"]
+    assert not stale.exists()
+    assert all(torch.equal(weights[k], t) for k, t in load_file(kept / "model.safetensors").items())

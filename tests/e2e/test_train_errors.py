@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from testkit import run, train_cmd
+from testkit import REPO, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +23,7 @@ def snapshot(*folders: Path) -> dict[str, str]:
         str(p): hashlib.sha256(p.read_bytes()).hexdigest()
         for folder in folders
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and not p.name.startswith(".run.lock")  # the run folder's lock, taken by every launch
     }
 
 
@@ -73,6 +76,7 @@ CASES = {
     "keep_no_checkpoint": (None, ["--keep-checkpoints", "0"], r"keep_checkpoints must be >= 1.* --checkpoint-interval"),
     "zero_peak_tflops": (None, ["--peak-tflops", "0"], r"peak_tflops must be > 0"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
+    "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
 }
 
 
@@ -80,6 +84,8 @@ CASES = {
 def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path, case):
     data, run_dir = workspace
     (tmp_path / "bad.yaml").write_text("preset: tiny-cpu\nlr: [1e-3, \n")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     damage, args, message = CASES[case]
     if damage:
         damage(data)
@@ -89,3 +95,19 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
     assert stderr.startswith("error: ")
     assert re.search(message, stderr), stderr
     assert snapshot(data, run_dir) == before
+
+
+def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
+    """The launch `make train` runs, given bad input: our `error:` line is the last thing on screen (accelerate's
+    `-q`), and every launch under scripts/ passes -q too."""
+    venv = Path(sys.executable).parent.parent
+    dry = subprocess.run(["make", "-n", "-o", "install", "train", f"VENV={venv}"], cwd=REPO, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    cmd = shlex.split(dry.stdout.strip().splitlines()[-1])
+    assert "accelerate" in cmd[0] and "launch" in cmd, dry.stdout
+    result = run([*cmd, "--out-dir", str(tmp_path / "run"), "--lr", "-1"], expect_rc=1, timeout=300)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == "error: lr must be > 0, got -1.0"
+    for script in (REPO / "scripts").glob("*.sh"):
+        for launch in re.findall(r"^\s*accelerate launch[^\n]*", script.read_text(), re.M):
+            assert launch.split()[:3] == ["accelerate", "launch", "-q"], f"{script.name}: {launch}"

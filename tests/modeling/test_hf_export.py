@@ -1,5 +1,6 @@
 """modeling.hf_export: a round trip through a transformers GPT-2 folder keeps the logits and the tokenizer."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
-from modeling.hf_export import export_hf, from_hf_state_dict, load_hf, to_hf_state_dict
+from modeling.hf_export import export_hf, from_hf_state_dict, load_hf, load_hf_config, to_hf_state_dict
 
 SAMPLE = "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too."
 
@@ -64,3 +65,12 @@ def test_only_gpt2_shaped_models_export():
         to_hf_state_dict(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False)))
     with pytest.raises(ValueError, match="vocab_size 512"):
         to_hf_state_dict(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=512)))
+
+
+@pytest.mark.parametrize("config", [{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 12}, {}])
+def test_load_hf_config_names_a_folder_that_is_not_gpt2(tmp_path: Path, config: dict):
+    """Another architecture's config.json would otherwise become a GPT-2 config of defaults and fail far from here."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kind = repr(config.get("model_type"))
+    with pytest.raises(ValueError, match=rf"not a GPT-2 model \(model_type {kind}\); give a transformers GPT-2 folder"):
+        load_hf_config(tmp_path)

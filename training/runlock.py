@@ -1,0 +1,45 @@
+"""One run per run folder: an OS file lock held by the main process for the life of the run.
+
+The OS drops the lock when the holding process exits by any path (kill -9 included), so there is nothing stale to
+clean up; filelock makes it portable (flock on Unix, msvcrt on Windows). Only global rank 0 takes it, so ranks on
+other nodes sharing the folder never contend. `.run.lock.json` names the holder for the message a second launch gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+LOCK_NAME = ".run.lock"
+HOLDER_NAME = ".run.lock.json"
+
+
+class RunFolderInUse(RuntimeError):
+    """Another live run holds this run folder."""
+
+
+def lock_run_folder(run_dir: Path) -> FileLock | None:
+    """Lock run_dir for this process's lifetime (keep the returned lock referenced); None on ranks other than 0."""
+    if int(os.environ.get("RANK", "0")) != 0:  # set by torchrun for every rank on every node; absent single-process
+        return None
+    lock = FileLock(run_dir / LOCK_NAME)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            holder = json.loads((run_dir / HOLDER_NAME).read_text())
+            who = f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+        except (OSError, ValueError, KeyError):
+            who = "holder unknown"
+        raise RunFolderInUse(
+            f"out_dir {run_dir} is in use by another run ({who}); wait for it to end or stop it, or choose another "
+            "--out-dir (the lock frees itself when that run exits, even if killed)"
+        ) from None
+    since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    (run_dir / HOLDER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}))
+    return lock
