@@ -11,6 +11,7 @@ in the middle of a step anyway.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 
 import torch
@@ -21,8 +22,10 @@ M_MMAP_MAX = -4
 
 def keep_freed_memory(device: torch.device) -> None:
     """Before a process computes on the CPU: glibc's malloc keeps freed memory for reuse (no mmap per big block, no
-    trimming). No-op off the CPU and without glibc (macOS, Windows, musl)."""
-    if device.type != "cpu" or platform.libc_ver()[0] != "glibc":
+    trimming). No-op off the CPU, without glibc (macOS, Windows, musl), and where the user tunes glibc's malloc
+    through the environment (MALLOC_*_ or GLIBC_TUNABLES): theirs wins."""
+    tuned = any(name.startswith("MALLOC_") or name == "GLIBC_TUNABLES" for name in os.environ)
+    if device.type != "cpu" or platform.libc_ver()[0] != "glibc" or tuned:
         return
     libc = ctypes.CDLL(None)
     libc.mallopt(M_MMAP_MAX, 0)

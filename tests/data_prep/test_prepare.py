@@ -14,7 +14,7 @@ import pytest
 
 from data_prep import DataPrepError
 from data_prep.loader import load_manifest
-from data_prep.prepare import assign_splits, main, prepare
+from data_prep.prepare import _exclusive, assign_splits, main, prepare
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import EOT_ID, get_encoding
 from testkit import REPO
@@ -211,3 +211,20 @@ def test_cli_combines_repeated_sources_and_reports_errors(tmp_path, capsys):
     assert main(["--source", "nope:1", "--out", str(tmp_path / "other")]) == 1
     assert "error: unknown source kind 'nope'" in capsys.readouterr().err
     assert os.path.exists(out / "manifest.json") and not (tmp_path / "other").exists()
+
+
+def test_exclusive_holds_other_processes_off_and_frees_on_exit(tmp_path):
+    """The dataset lock (filelock: flock on POSIX, LockFileEx on Windows) is seen by another process."""
+    out = tmp_path / "books"
+    probe = (
+        "import sys; from filelock import FileLock, Timeout\n"
+        "try:\n    FileLock(sys.argv[1], timeout=0).acquire(); print('free')\nexcept Timeout:\n    print('held')"
+    )
+    lock_file = str(tmp_path / ".books.lock")
+
+    def other_process_sees() -> str:
+        return subprocess.run([sys.executable, "-c", probe, lock_file], capture_output=True, text=True).stdout.strip()
+
+    with _exclusive(out):
+        assert other_process_sees() == "held"
+    assert other_process_sees() == "free"

@@ -4,6 +4,7 @@ fresh ones every step."""
 from __future__ import annotations
 
 import ast
+import os
 import platform
 import sys
 import textwrap
@@ -41,3 +42,12 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
     assert min(faults["default"][1:]) > 20_000
     assert min(faults["keep"][1:]) * 10 < min(faults["default"][1:])
     assert sorted(faults["keep"][1:])[1] < 100  # all but an occasional step
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_users_own_malloc_tuning_wins():
+    """With MALLOC_* set in the environment keep_freed_memory changes nothing: the user's threshold applies."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    faults = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep"], env=env).stdout.strip())
+    assert min(faults[1:]) > 20_000
