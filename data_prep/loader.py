@@ -186,6 +186,74 @@ class WindowDataset(Dataset):
         return {**self.__dict__, "_maps": None}  # memmaps don't travel to worker processes
 
 
+IGNORE_INDEX = -100  # a target the loss skips (PyTorch's cross-entropy default): fills up EvalWindows batches
+
+
+def spread(count: int, total: int) -> np.ndarray:
+    """`count` of the indices 0..total-1 spread evenly, in order: the middle one of each of `count` equal parts
+    (all of them when count >= total). Parts at least one index long keep the indices distinct."""
+    count = min(count, total)
+    return (2 * np.arange(count, dtype=np.int64) + 1) * total // (2 * count)
+
+
+class EvalWindows:
+    """A fixed set of windows spread evenly over a whole split, for a loss that stands for all of it.
+
+    The set depends only on the data, block_size and `count`, never on the number of processes or the batch
+    shape, so losses compare across evals, runs and launches. Rank r evaluates every world_size-th window of it,
+    and every rank yields the same number of micro-batches of exactly micro_batch_size rows: sharded engines
+    need each rank's forward passes, and one shape keeps compiled graphs. The rows past a rank's windows repeat
+    the first window with all targets IGNORE_INDEX, so they add nothing to the loss.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        block_size: int,
+        count: int,
+        micro_batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        verify: str = "size",
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if min(block_size, count, micro_batch_size, world_size) < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need block_size, count, micro_batch_size >= 1 and 0 <= rank < world_size, got "
+                f"{block_size=}, {count=}, {micro_batch_size=}, {rank=}, {world_size=}"
+            )
+        manifest = load_manifest(data_dir, verify=verify)
+        shards = manifest.shards_of(split)
+        self.dataset = WindowDataset(
+            [manifest.data_dir / s.file for s in shards], [s.num_tokens for s in shards], block_size
+        )
+        if len(self.dataset) == 0:
+            raise DataPrepError(
+                f"split {split!r} of {data_dir} has {manifest.num_tokens(split)} tokens, fewer than one window of "
+                f"{block_size} + 1; prepare more books (or a larger --val-fraction for val), or lower block_size"
+            )
+        self.micro_batch_size = micro_batch_size
+        self.indices = spread(count, len(self.dataset))  # the whole set, in split order
+        self.mine = self.indices[rank::world_size]
+        per_rank = -(-len(self.indices) // world_size)  # the most windows any rank has
+        self.num_batches = -(-per_rank // micro_batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        size = self.micro_batch_size
+        for start in range(0, self.num_batches * size, size):
+            rows = self.mine[start : start + size].tolist()
+            filler = size - len(rows)
+            x, y = self.dataset.__getitems__(rows + [int(self.indices[0])] * filler)
+            y[len(rows) :] = IGNORE_INDEX
+            yield x, y
+
+
 def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch  # WindowDataset.__getitems__ already returns the stacked micro-batch
 

@@ -98,7 +98,13 @@ class TrainConfig:
     out_dir: str = field(default="runs/default", metadata={"help": "run folder for logs, checkpoints, export"})
     log_interval: int = field(default=5, metadata={"help": "steps between logged metrics"})
     eval_interval: int = field(default=25, metadata={"help": "steps between val-loss evals; 0 disables"})
-    eval_batches: int = field(default=20, metadata={"help": "val micro-batches per rank per eval"})
+    eval_windows: int = field(
+        default=320,
+        metadata={
+            "help": "val windows (block_size tokens each) per eval, spread evenly over the val split: the same set "
+            "on any number of processes (all windows when the split has fewer)"
+        },
+    )
     eval_tasks: str = field(
         default="", metadata={"help": "benchmarks scored at every eval, e.g. hellaswag,lambada (see evals/)"}
     )
@@ -159,7 +165,7 @@ class TrainConfig:
                 f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}: the newest checkpoint is the run's "
                 "resumable state; to save less often raise --checkpoint-interval (0: at the end only)"
             )
-        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_batches")
+        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_windows")
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

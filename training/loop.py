@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from data_prep import ensure_default_corpus
-from data_prep.loader import Manifest, TokenLoader, load_manifest
+from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
@@ -46,7 +46,7 @@ class Run:
     accelerator: Accelerator
     manifest: Manifest
     train_loader: TokenLoader
-    val_loader: TokenLoader
+    val_windows: EvalWindows
     model: torch.nn.Module  # prepared
     sampler: torch.nn.Module  # the module to call generate() on (training.distributed.generation_model)
     optimizer: torch.optim.Optimizer
@@ -107,7 +107,7 @@ def setup(cfg: TrainConfig) -> Run:
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
 
-    manifest, train_loader, val_loader = build_data(cfg, accelerator, model_config)
+    manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
@@ -139,7 +139,7 @@ def setup(cfg: TrainConfig) -> Run:
         if hint:
             accelerator.print(hint)
     run = Run(
-        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_loader, model,
+        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak,
     )  # fmt: skip
@@ -149,9 +149,10 @@ def setup(cfg: TrainConfig) -> Run:
 
 def build_data(
     cfg: TrainConfig, accelerator: Accelerator, model_config: GPTConfig
-) -> tuple[Manifest, TokenLoader, TokenLoader]:
-    """The manifest and this rank's train and val loaders. Prepared shards are the contract with data_prep; the
-    default corpus is prepared on first use, and benchmark data is provisioned now, not at the first eval."""
+) -> tuple[Manifest, TokenLoader, EvalWindows]:
+    """The manifest, this rank's train loader and its share of the val windows. Prepared shards are the contract
+    with data_prep; the default corpus is prepared on first use, and benchmark data is provisioned now, not at the
+    first eval."""
     if cfg.data_dir == DEFAULT_DATA_DIR:
         with accelerator.main_process_first():
             if accelerator.is_main_process:
@@ -173,10 +174,11 @@ def build_data(
         cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
         num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
     )  # fmt: skip
-    val_loader = TokenLoader(
-        cfg.data_dir, "val", block_size, cfg.micro_batch_size, **loader_args, shuffle=False, infinite=False
-    )
-    return manifest, train_loader, val_loader
+    val_windows = EvalWindows(
+        cfg.data_dir, "val", block_size, cfg.eval_windows, cfg.micro_batch_size,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+    )  # fmt: skip
+    return manifest, train_loader, val_windows
 
 
 def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list[dict]) -> None:
@@ -203,6 +205,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
+        f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
         + describe_optimizer(cfg, param_groups)
     )
@@ -287,17 +290,28 @@ class TrainMetrics:
 
 
 @torch.no_grad()
+def window_loss_sum(model: torch.nn.Module, windows: EvalWindows, device: torch.device) -> torch.Tensor:
+    """The sum of the mean losses of this rank's share of `windows`; summed over ranks and divided by
+    len(windows.indices) it is the mean over the whole set. `model(x, y)` returns (anything, the mean loss over
+    the targets that are not IGNORE_INDEX), as our GPT and nanoGPT-style models do."""
+    total = torch.zeros((), device=device)
+    for x, y in windows:
+        real = int((y[:, 0] != IGNORE_INDEX).sum())  # windows of the set; the other rows fill the micro-batch
+        _, loss = model(x.to(device), y.to(device))
+        if real:
+            total += loss * real
+    return total
+
+
+@torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Val loss over the first `eval_batches` val micro-batches of every rank (a fixed set, so evals compare),
-    plus the `eval_tasks` benchmark scores; the same numbers on every rank."""
+    """Val loss over the `eval_windows` windows spread over the val split (a fixed set, so evals compare), plus
+    the `eval_tasks` benchmark scores; the same numbers on every rank."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     model.eval()
-    losses = []
-    for _, (x, y) in zip(range(cfg.eval_batches), run.val_loader):
-        _, loss = model(x.to(accelerator.device), y.to(accelerator.device))
-        losses.append(loss)
+    loss_sum = accelerator.reduce(window_loss_sum(model, run.val_windows, accelerator.device), "sum")
     model.train()
-    metrics = {"val_loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+    metrics = {"val_loss": loss_sum.item() / len(run.val_windows.indices)}
     if cfg.eval_tasks:
         metrics.update(evaluate_tasks(model, accelerator, cfg.eval_tasks, cfg.eval_limit, get_encoding()))
     return metrics

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_prep import DataPrepError
-from data_prep.loader import TokenLoader, WindowDataset, load_manifest
+from data_prep.loader import IGNORE_INDEX, EvalWindows, TokenLoader, WindowDataset, load_manifest, spread
 
 BLOCK = 64
 
@@ -77,7 +77,7 @@ def test_infinite_loader_reshuffles_each_epoch(prepared_books):
     assert _same(first, again)
 
 
-def test_val_loader_gives_the_same_first_batches_every_time(prepared_books):
+def test_unshuffled_finite_loader_gives_the_same_first_batches_every_time(prepared_books):
     val = TokenLoader(prepared_books, "val", BLOCK, 8, shuffle=False, infinite=False)
     first = list(islice(val, 3))
     assert _same(first, list(islice(val, 3)))
@@ -85,6 +85,63 @@ def test_val_loader_gives_the_same_first_batches_every_time(prepared_books):
     assert len(full) == len(val) and _same(full[:3], first)
     x, _ = full[0]
     assert x[0].tolist() == val.dataset[0][0].tolist() and x[1].tolist() == val.dataset[1][0].tolist()
+
+
+def test_spread_takes_the_middle_of_equal_parts():
+    assert spread(4, 100).tolist() == [12, 37, 62, 87]
+    assert spread(3, 3).tolist() == [0, 1, 2] and spread(9, 3).tolist() == [0, 1, 2]  # all when too few
+    for count, total in [(7, 10), (10, 10), (13, 1000), (1, 5), (6, 6001)]:
+        picked = spread(count, total)
+        assert len(picked) == count and set(np.diff(picked)) <= {total // count, -(-total // count)}  # even gaps
+        assert set(picked + picked[::-1]) <= {total - 1, total}  # mirror-symmetric: from start to end alike
+
+
+def _eval_rows(windows: EvalWindows) -> list[tuple[int, ...]]:
+    """The windows of the set this rank evaluates (x rows), filler rows left out."""
+    return [tuple(xr) for x, y in windows for xr, yr in zip(x.tolist(), y.tolist()) if yr[0] != IGNORE_INDEX]
+
+
+def test_eval_windows_spread_over_every_shard_of_the_split(prepared_books):
+    """The train split here has 3 shards (val has 1): the set reaches from its start to its end through each."""
+    windows = EvalWindows(prepared_books, "train", BLOCK, 12, 4)
+    total, shard_starts = len(windows.dataset), windows.dataset.starts
+    assert windows.indices[0] == total // 24 and windows.indices[-1] == 23 * total // 24
+    shards = np.searchsorted(shard_starts, windows.indices, side="right") - 1
+    assert sorted(set(shards.tolist())) == [0, 1, 2] and np.all(np.diff(windows.indices) >= total // 12)
+    assert len(windows) == 3
+    assert _eval_rows(windows) == [tuple(windows.dataset[i][0].tolist()) for i in windows.indices]
+    for x, y in windows:
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    every = EvalWindows(prepared_books, "val", BLOCK, 10**6, 8)
+    assert every.indices.tolist() == list(range(len(every.dataset)))  # more than the split has: all of it
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 5])
+def test_eval_windows_are_one_set_split_over_any_number_of_ranks(prepared_books, micro_batch_size):
+    """The same 21 windows on 1, 2 or 3 processes, each evaluated once; every rank yields the same number of
+    full-size micro-batches (sharded engines need each rank's forwards), the filler rows with ignored targets."""
+    one = EvalWindows(prepared_books, "val", BLOCK, 21, micro_batch_size)
+    want = Counter(_eval_rows(one))
+    assert sum(want.values()) == 21
+    for world_size in (2, 3):
+        ranks = [
+            EvalWindows(prepared_books, "val", BLOCK, 21, micro_batch_size, rank=r, world_size=world_size)
+            for r in range(world_size)
+        ]
+        assert all(r.indices.tolist() == one.indices.tolist() for r in ranks)
+        batches = [list(r) for r in ranks]
+        assert len({len(b) for b in batches}) == 1 and len(batches[0]) == len(ranks[0])
+        assert all(x.shape == y.shape == (micro_batch_size, BLOCK) for b in batches for x, y in b)
+        filler = [row for b in batches for _, y in b for row in y.tolist() if row[0] == IGNORE_INDEX]
+        assert all(set(row) == {IGNORE_INDEX} for row in filler)
+        assert sum((Counter(_eval_rows(r)) for r in ranks), Counter()) == want
+
+
+def test_eval_windows_are_the_same_at_every_eval(prepared_books):
+    windows = EvalWindows(prepared_books, "val", BLOCK, 16, 8, rank=1, world_size=2)
+    first = list(windows)
+    assert _same(list(windows), first)
+    assert _same(list(EvalWindows(prepared_books, "val", BLOCK, 16, 8, rank=1, world_size=2)), first)
 
 
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: worker processes
@@ -144,6 +201,11 @@ def test_accelerate_checkpointing_round_trip(prepared_books, tmp_path):
 def test_too_small_split_says_how_many_tokens_are_needed(prepared_books):
     with pytest.raises(DataPrepError, match=r"split 'val' .* has 1 windows of 20000 tokens .* needs at least 80001"):
         TokenLoader(prepared_books, "val", 20_000, 2, world_size=2)
+
+
+def test_split_without_one_eval_window_says_so(prepared_books):
+    with pytest.raises(DataPrepError, match=r"split 'val' .* has \d+ tokens, fewer than one window of 100000 \+ 1"):
+        EvalWindows(prepared_books, "val", 100_000, 8, 4)
 
 
 def test_missing_dataset_prints_the_prepare_command(tmp_path):

@@ -35,7 +35,7 @@ def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
     """cpu.yaml (fp32 + inductor) as the README launches it, with evals, samples and the HF export."""
     run = tmp_path_factory.mktemp("readme") / "run"
     cmd = train_cmd(
-        "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "30", "--eval-batches", "4",
+        "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "30", "--eval-windows", "32",
         "--sample-interval", "60", "--export-hf", "true", "--eval-tasks", "hellaswag", "--eval-limit", "8",
     )  # fmt: skip
     result = testkit.run(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run.parent / "inductor")})
@@ -86,10 +86,11 @@ def test_cpu_bf16_yaml_autocasts_with_fp32_master_weights(prepared_books, tmp_pa
 
 @pytest.fixture(scope="module")
 def batch_layout_runs(prepared_books, tmp_path_factory):
-    """Three runs over the same 10 × 1024-token global batches, laid out differently."""
+    """Three runs over the same 10 × 1024-token global batches, laid out differently; val loss at steps 0 and 10
+    on 21 windows (neither micro-batch size nor 2 ranks divide it: filler rows on every layout)."""
     root = tmp_path_factory.mktemp("layouts")
-    common = ["--max-steps", "10", "--total-batch-tokens", "1024", "--log-interval", "1", "--eval-interval", "0",
-              "--checkpoint-interval", "0", "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
+    common = ["--max-steps", "10", "--total-batch-tokens", "1024", "--log-interval", "1", "--eval-interval", "10",
+              "--eval-windows", "21", "--checkpoint-interval", "0", "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
     runs = {
         "1proc_mb4_x4": launch("cpu_eager.yaml", root / "a", prepared_books, "--micro-batch-size", "4", *common),
         "1proc_mb16_x1": launch("cpu_eager.yaml", root / "b", prepared_books, "--micro-batch-size", "16", *common),
@@ -119,6 +120,21 @@ def test_ddp_two_processes_match_one_process_with_double_accumulation(batch_layo
         torch.testing.assert_close(w, final_weights(one)[name], rtol=1e-3, atol=1e-4, msg=name)
     # and the curve is not trivially flat: training happened
     assert losses(one)[-1] < losses(one)[0] - 0.5
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    return [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+
+
+def test_val_loss_is_the_same_on_any_layout(batch_layout_runs):
+    """One set of val windows whatever the number of processes and the micro-batch size: at step 0 (the same
+    weights) the val losses agree to fp32 summation order, and after 10 steps as the weights do."""
+    runs = [val_losses(run) for run in batch_layout_runs.values()]
+    assert all(len(v) == 2 for v in runs)
+    for other in runs[1:]:
+        torch.testing.assert_close(other[0], runs[0][0], rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(other[1], runs[0][1], rtol=1e-4, atol=1e-4)
+    assert runs[0][1] < runs[0][0] - 0.5
 
 
 def test_init_from_an_export_starts_from_its_weights(readme_run, prepared_books, tmp_path):

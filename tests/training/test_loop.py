@@ -1,5 +1,6 @@
 """The run built by training.loop.setup and its one optimizer step (training.step.Trainer): non-finite gradients
-change nothing whether the verdict is read at once or one step late, the cadence test, the throughput clock."""
+change nothing whether the verdict is read at once or one step late, the cadence test, the throughput clock, the
+val loss over the spread windows."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
+from data_prep.loader import EvalWindows
 from training.config import TrainConfig
-from training.loop import TrainMetrics, due, setup, trainer_for
+from training.loop import TrainMetrics, due, setup, trainer_for, window_loss_sum
 from training.metrics import read_metrics
 from training.optim import build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
@@ -21,6 +24,24 @@ from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
 def test_due_every_interval_and_at_the_last_step_unless_off():
     assert [s for s in range(1, 11) if due(4, s, last=s == 10)] == [4, 8, 10]
     assert not any(due(0, s, last=s == 10) for s in range(1, 11))
+
+
+def test_val_loss_is_the_mean_over_the_set_on_one_or_two_ranks(prepared_books, tiny_gpt):
+    """window_loss_sum summed over ranks / windows == the plain fp64 mean of each window's cross-entropy, on
+    1 process and on 2 (whose filler rows must add nothing)."""
+    block, count = tiny_gpt.config.block_size, 23
+    one = EvalWindows(prepared_books, "val", block, count, 4)
+    with torch.no_grad():
+        per_window = [
+            F.cross_entropy(tiny_gpt(x[None])[0][0].double(), y) for x, y in map(one.dataset.__getitem__, one.indices)
+        ]
+    want = torch.stack(per_window).mean()
+    cpu = torch.device("cpu")
+    got_one = window_loss_sum(tiny_gpt, one, cpu) / count
+    two = [EvalWindows(prepared_books, "val", block, count, 3, rank=r, world_size=2) for r in (0, 1)]
+    got_two = sum(window_loss_sum(tiny_gpt, w, cpu) for w in two) / count
+    torch.testing.assert_close(got_one.double(), want, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got_two.double(), want, rtol=1e-5, atol=0.0)
 
 
 def nan_grads_at(steps: set[int], counter: list[int]):
