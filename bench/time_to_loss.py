@@ -17,9 +17,9 @@ median step's time. Writes curves.json and curves.png to --out and prints the ta
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
-import math
 import os
 import shlex
 import statistics
@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -52,7 +53,8 @@ class Curve:
     seed: int
     tokens: list[int]  # after each eval's step
     seconds: list[float]  # train-step seconds up to that step
-    val_loss: list[float]
+    val_loss: list[float]  # evaluate(): eval_windows windows spread over the val split
+    val_loss_opening: list[float]  # the val loss before #21: the split's first eval_windows windows
     tokens_per_step: int
     compile_s: float  # the first step's extra time (compile, warm-up), left out of `seconds`
 
@@ -81,7 +83,16 @@ def train_curve(
         run.total_steps if args.until_tokens is None else min(run.total_steps, -(-args.until_tokens // tokens_per_step))
     )
     evaluated = dataclasses.replace(run, model=model)
-    curve = Curve(name, seed, [0], [0.0], [evaluate(evaluated)["val_loss"]], tokens_per_step, 0.0)
+    opening = opening_windows(evaluated)
+    curve = Curve(name, seed, [], [], [], [], tokens_per_step, 0.0)
+
+    def record(tokens: int, seconds: float) -> None:
+        curve.tokens.append(tokens)
+        curve.seconds.append(seconds)
+        curve.val_loss.append(evaluate(evaluated)["val_loss"])
+        curve.val_loss_opening.append(evaluate(opening)["val_loss"])
+
+    record(0, 0.0)
     step_s: list[float] = []
     for taken in range(1, steps + 1):
         started = time.perf_counter()
@@ -90,12 +101,22 @@ def train_curve(
         if taken % eval_every and taken != steps:
             continue
         median = statistics.median(step_s[1:] or step_s)
-        curve.tokens.append(taken * tokens_per_step)
-        curve.seconds.append(median + sum(step_s[1:]))  # the compiling first step counted as a median one
-        curve.val_loss.append(evaluate(evaluated)["val_loss"])
+        record(taken * tokens_per_step, median + sum(step_s[1:]))  # the compiling first step counted as a median one
         curve.compile_s = step_s[0] - median
-        print(f"{name} seed {seed} step {taken}: val {curve.val_loss[-1]:.4f}, {curve.seconds[-1]:.0f} s", flush=True)
+        print(
+            f"{name} seed {seed} step {taken}: val {curve.val_loss[-1]:.4f} (opening {curve.val_loss_opening[-1]:.4f}),"
+            f" {curve.seconds[-1]:.0f} s",
+            flush=True,
+        )
     return curve
+
+
+def opening_windows(run: Run) -> Run:
+    """The run with the val set of before #21 item 5: the val split's first eval_windows windows, in order (one
+    book's opening), so the numbers restate on both definitions. One process: the benchmark runs no DDP."""
+    windows = copy.copy(run.val_windows)
+    windows.indices = windows.mine = np.arange(len(windows.indices), dtype=np.int64)
+    return dataclasses.replace(run, val_windows=windows)
 
 
 def ours(run: Run) -> tuple[Callable[[], None], nn.Module]:
@@ -182,20 +203,24 @@ def spread(values: list[float | None], fmt: str) -> str:
     return text if len(got) == len(values) else f"{text} ({len(got)}/{len(values)} seeds)"
 
 
-def summarize(curves: list[Curve], target: float, budget: int) -> list[dict]:
+# The two val definitions every curve carries: today's (evaluate) and the one before #21 item 5.
+VAL_KEYS = {"val_loss": "val split, spread windows", "val_loss_opening": "val split's opening (before #21)"}
+
+
+def summarize(curves: list[Curve], key: str, target: float, budget: int) -> list[dict]:
     rows = []
     for name in dict.fromkeys(c.recipe for c in curves):
         mine = [c for c in curves if c.recipe == name]
-        tokens = [crossing(c.tokens, c.val_loss, target) for c in mine]
-        seconds = [crossing(c.seconds, c.val_loss, target) for c in mine]
+        tokens = [crossing(c.tokens, getattr(c, key), target) for c in mine]
+        seconds = [crossing(c.seconds, getattr(c, key), target) for c in mine]
         rows.append(
             {
                 "recipe": name,
                 "seeds": len(mine),
                 "tokens_to_target": tokens,
                 "seconds_to_target": seconds,
-                "val_at_budget": [at(c.tokens, c.val_loss, budget) for c in mine],
-                "final_val": [c.val_loss[-1] for c in mine],
+                "val_at_budget": [at(c.tokens, getattr(c, key), budget) for c in mine],
+                "final_val": [getattr(c, key)[-1] for c in mine],
                 "final_tokens": mine[0].tokens[-1],
                 "tokens_per_sec": [c.tokens[-1] / c.seconds[-1] for c in mine],
             }
@@ -203,8 +228,9 @@ def summarize(curves: list[Curve], target: float, budget: int) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], target: float, budget: int) -> str:
+def markdown(rows: list[dict], key: str, target: float, budget: int) -> str:
     lines = [
+        f"{VAL_KEYS[key]}:\n",
         f"| recipe | seeds | tokens to val {target:.3f} | seconds to val {target:.3f} | val @ {budget:,} tokens "
         "| final val (tokens) | tok/s |",
         "|---|---|---|---|---|---|---|",
@@ -298,27 +324,28 @@ def main(argv: list[str] | None = None) -> None:
     for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
         curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
     today = [c for c in curves if c.recipe == "today"]
-    target = args.target or (statistics.mean(c.val_loss[-1] for c in today) if today else None)
-    if target is None or not math.isfinite(target):
+    if args.target is None and not today:
         raise SystemExit("error: no --target and no `today` recipe to take it from; pass --target VAL_LOSS")
+    targets = {key: args.target or statistics.mean(getattr(c, key)[-1] for c in today) for key in VAL_KEYS}
     budget = args.budget_tokens or (today[0].tokens[-1] if today else min(c.tokens[-1] for c in curves))
-    rows = summarize(curves, target, budget)
+    tables = {key: summarize(curves, key, targets[key], budget) for key in VAL_KEYS}
     command = f"{prog} {shlex.join(raw)}".strip()
     where = f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads, {launch_path.name}"
     report = {
         "command": command,
         "cpu_model": cpu_model(),
         "device": where,
-        "target": target,
+        "targets": targets,
         "budget_tokens": budget,
         "recipes": {name: flags for name, flags in recipes},
-        "rows": rows,
+        "tables": tables,
         "curves": [dataclasses.asdict(c) for c in curves],
     }
     (args.out / "curves.json").write_text(json.dumps(report, indent=1))
-    plot(curves, target, f"{command}\n{where}", args.out / "curves.png")
-    print(f"\n{command}\n{where}; seconds: train steps only, shared-machine noise included\n")
-    print(markdown(rows, target, budget))
+    plot(curves, targets["val_loss"], f"{command}\n{where}", args.out / "curves.png")
+    print(f"\n{command}\n{where}; seconds: train steps only, shared-machine noise included")
+    for key, rows in tables.items():
+        print("\n" + markdown(rows, key, targets[key], budget))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_pat
     """AdamW and Muon at tiny-cpu for 4 steps, eager fp32 (cpu_eager.yaml) so nothing compiles: each curve starts
     near ln(vocab), falls, and is reported in the table, the JSON and the PNG."""
     out = tmp_path / "ttl"
-    common = f"--data-dir {prepared_books} --max-steps 4 --warmup-steps 1 --eval-batches 2 --peak-tflops 1"
+    common = f"--data-dir {prepared_books} --max-steps 4 --warmup-steps 1 --eval-windows 16 --peak-tflops 1"
     cmd = [
         sys.executable, "-m", "bench.time_to_loss", "--config", "configs/tiny_cpu.yaml", "--seeds", "1",
         "--recipe", "adamw=--optimizer adamw --lr 3e-3", "--recipe", "muon=--optimizer muon --lr 3e-3",
@@ -51,16 +51,21 @@ def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_pat
         "--target", "10.0", "--out", str(out),
     ]  # fmt: skip
     result = run(cmd)
-    table = result.stdout[result.stdout.index("| recipe |") :]
-    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| adamw", "| muon"]
+    tables = result.stdout.split("| recipe |")[1:]
+    assert len(tables) == 2  # on both val definitions
+    for table in tables:
+        assert [line.split(" | ")[0] for line in table.strip().splitlines()[2:4]] == ["| adamw", "| muon"]
     report = json.loads((out / "curves.json").read_text())
-    assert report["target"] == 10.0 and report["budget_tokens"] == 4 * 1024
+    assert report["targets"] == {"val_loss": 10.0, "val_loss_opening": 10.0} and report["budget_tokens"] == 4 * 1024
     for curve in report["curves"]:
         assert curve["tokens"] == [0, 2048, 4096]
         assert curve["seconds"][0] == 0 and curve["seconds"][1] < curve["seconds"][2]
-        first, *_, last = curve["val_loss"]
-        assert abs(first - math.log(PADDED_VOCAB_SIZE)) < 0.5 and last < first - 0.05
-    for row in report["rows"]:
-        (reached,) = row["tokens_to_target"]
-        assert reached is None or 0 < reached <= 4096
+        for key in ("val_loss", "val_loss_opening"):
+            first, *_, last = curve[key]
+            assert abs(first - math.log(PADDED_VOCAB_SIZE)) < 0.5 and last < first - 0.05
+        assert curve["val_loss"] != curve["val_loss_opening"]
+    for rows in report["tables"].values():
+        for row in rows:
+            (reached,) = row["tokens_to_target"]
+            assert reached is None or 0 < reached <= 4096
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
