@@ -278,7 +278,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (0, 1, ...)")
     p.add_argument("--config", type=Path, default=REPO / "configs" / "cpu_small.yaml", help="the recipes' base")
     p.add_argument("--set", default="", help="TrainConfig flags applied to every recipe, e.g. '--max-steps 30'")
-    p.add_argument("--accelerate-config", type=Path, default=None, help="precision and compile (default: bf16 YAML)")
+    p.add_argument(
+        "--accelerate-config",
+        type=Path,
+        default=None,
+        help="precision and compile (default: cpu_bf16.yaml, 1xgpu.yaml on CUDA)",
+    )
     p.add_argument(
         "--peer-dir", type=Path, default=None, help="a build-nanogpt checkout (its recipe is skipped without)"
     )
@@ -315,7 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{PEER}: skipped ({where}; pass --peer-dir with a build-nanogpt checkout)", flush=True)
         recipes = [(name, flags) for name, flags in recipes if flags is not None]
     module = peer.load_peer(script) if script else None
-    launch_path = args.accelerate_config or REPO / "accelerate_configs" / "cpu_bf16.yaml"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
+        "cpu_bf16.yaml" if device.type == "cpu" else "1xgpu.yaml"
+    )
     os.environ.update(launch_env(launch_path))
     isolate_inductor_cache()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.budget_tokens or (today[0].tokens[-1] if today else min(c.tokens[-1] for c in curves))
     tables = {key: summarize(curves, key, targets[key], budget) for key in VAL_KEYS}
     command = f"{prog} {shlex.join(raw)}".strip()
-    where = f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads, {launch_path.name}"
+    where = f"{device_name(device)}, {torch.get_num_threads()} threads, {launch_path.name}"
     report = {
         "command": command,
         "cpu_model": cpu_model(),
