@@ -4,7 +4,8 @@
 
 Nothing is copied or downloaded: the model classes are read from the peer's own train_gpt2.py at run time.
 That script runs its whole training loop (fineweb shards, DDP set-up) at import, so only its top-level class
-definitions and imports are executed (via ast); its own local modules (hellaswag.py, eval only) are left out.
+definitions, imports and its lr schedule (get_lr with its max_lr / min_lr) are executed (via ast); its own local
+modules (hellaswag.py, eval only) are left out. bench.time_to_loss trains it with that schedule.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ MODULE_NAME = "build_nanogpt_train_gpt2"
 # Its training loop's settings (train_gpt2.py): configure_optimizers(weight_decay=0.1, learning_rate=6e-4),
 # clip_grad_norm_(1.0), the vocab padded to 50,304, bf16 autocast.
 WEIGHT_DECAY, LR, GRAD_CLIP, VOCAB_SIZE = 0.1, 6e-4, 1.0, PADDED_VOCAB_SIZE
+SCHEDULE_NAMES = ("get_lr", "max_lr", "min_lr")  # its schedule; warmup_steps / max_steps are set per run
 
 StepFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -46,6 +48,10 @@ def load_peer(script: Path) -> types.ModuleType:
     def keep(node: ast.stmt) -> bool:
         if isinstance(node, ast.ClassDef):
             return True
+        if isinstance(node, ast.FunctionDef):
+            return node.name in SCHEDULE_NAMES
+        if isinstance(node, ast.Assign):
+            return all(isinstance(t, ast.Name) and t.id in SCHEDULE_NAMES for t in node.targets)
         if isinstance(node, ast.Import):
             return not any(alias.name.split(".")[0] in local_modules for alias in node.names)
         if isinstance(node, ast.ImportFrom):
@@ -80,10 +86,15 @@ def build_peer_step(
     device: torch.device,
     compile_backend: str | None,
     autocast: bool = True,
+    *,
+    grad_accum: int = 1,
+    schedule: tuple[int, int] | None = None,
 ) -> tuple[StepFn, nn.Module]:
-    """One optimizer step of the peer's training loop at grad_accum 1 (zero_grad, bf16 autocast forward,
-    backward, clip 1.0, lr set per group, AdamW step) and its raw model. compile_backend None runs it eagerly;
-    autocast False drops its bf16 autocast (plain fp32: not its recipe, a like-for-like check against ours)."""
+    """One optimizer step of the peer's training loop (zero_grad, grad_accum bf16 autocast forward/backward passes
+    of loss / grad_accum, clip 1.0, lr set per group, AdamW step) and its raw model. compile_backend None runs it
+    eagerly; autocast False drops its bf16 autocast (plain fp32: not its recipe, a like-for-like check against
+    ours). schedule (warmup_steps, max_steps) runs its get_lr(step) with its own max_lr / min_lr; None holds the lr
+    at its peak (the ladder times steps, not schedules). The step takes grad_accum micro-batches stacked on dim 0."""
     peer_config = peer.GPTConfig(
         block_size=config.block_size,
         vocab_size=VOCAB_SIZE,
@@ -95,16 +106,25 @@ def build_peer_step(
     optimizer = model.configure_optimizers(weight_decay=WEIGHT_DECAY, learning_rate=LR, device_type=device.type)
     train_model = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     model.train()
+    if schedule is not None:
+        peer.warmup_steps, peer.max_steps = schedule
+    taken = 0
 
     def step(x: Tensor, y: Tensor) -> Tensor:
+        nonlocal taken
         optimizer.zero_grad()
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            _, loss = train_model(x, y)
-        loss.backward()
+        loss_sum = torch.zeros((), device=device)
+        for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                _, loss = train_model(xs, ys)
+            (loss / grad_accum).backward()
+            loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(train_model.parameters(), GRAD_CLIP)
+        lr = LR if schedule is None else peer.get_lr(taken)
         for group in optimizer.param_groups:
-            group["lr"] = LR
+            group["lr"] = lr
         optimizer.step()
-        return loss.detach()
+        taken += 1
+        return loss_sum / grad_accum
 
     return step, model

@@ -69,17 +69,24 @@ def test_flops_per_token_counts_tied_and_untied_heads():
     assert flops_per_token(reference, config) == 6 * matmul_params + 12 * 2 * 64 * 64
 
 
-def test_peer_loader_runs_only_classes_and_imports(tmp_path):
-    """A stand-in train_gpt2.py whose top level would train (here: raise) and import a local eval module."""
+def test_peer_loader_runs_only_classes_imports_and_its_schedule(tmp_path):
+    """A stand-in train_gpt2.py whose top level would train (here: raise) and import a local eval module; its
+    get_lr and max_lr / min_lr are kept, its run-length globals (set per run by the benchmark) are not."""
     (tmp_path / "hellaswag.py").write_text("raise RuntimeError('local eval module imported')\n")
     (tmp_path / peer.SCRIPT).write_text(
         "import math\nfrom hellaswag import render_example\n\n"
         "class GPTConfig:\n    size = math.pi\n\n"
+        "max_lr = 6e-4\nmin_lr = max_lr * 0.1\nwarmup_steps = 715\n"
+        "def get_lr(it):\n    return max_lr if it < warmup_steps else min_lr\n\n"
+        "def train():\n    pass\n\n"
         "raise RuntimeError('training loop ran')\n"
     )
     assert peer.peer_script(tmp_path / "absent") is None
     module = peer.load_peer(peer.peer_script(tmp_path))
     assert module.GPTConfig.size == math.pi and not hasattr(module, "render_example")
+    assert not hasattr(module, "warmup_steps") and not hasattr(module, "train")
+    module.warmup_steps = 2
+    assert [module.get_lr(it) for it in (1, 2)] == [6e-4, 6e-4 * 0.1]
 
 
 @pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")

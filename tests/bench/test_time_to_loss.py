@@ -1,0 +1,71 @@
+"""`python -m bench.time_to_loss`: the crossing arithmetic, and the CLI end to end at tiny-cpu (two recipes, one
+seed, a few steps) leaving a table, curves.json and curves.png whose curves are sane."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from bench.time_to_loss import at, crossing, parse_recipe, spread
+from modeling.config import PADDED_VOCAB_SIZE
+from testkit import run
+
+
+def test_crossing_and_budget_interpolate_between_evals():
+    tokens, losses = [0, 100, 200, 300], [10.0, 8.0, 6.0, 5.0]
+    assert crossing(tokens, losses, 7.0) == 150  # halfway from 8 to 6
+    assert crossing(tokens, losses, 8.0) == 100  # reached at an eval
+    assert crossing(tokens, [10.0, 6.0, 7.0, 6.0], 6.5) == 87.5  # the first crossing, not a later one
+    assert crossing(tokens, losses, 4.0) is None
+    assert at(tokens, losses, 250) == 5.5 and at(tokens, losses, 301) is None
+
+
+def test_spread_says_how_many_seeds_reached_the_target():
+    assert spread([1.0, 3.0], ".1f") == "2.0 ± 1.4"
+    assert spread([1.0, None], ".1f") == "1.0 ± 0.0 (1/2 seeds)"
+    assert spread([None], ".1f") == "not reached"
+
+
+def test_recipes_are_builtins_or_named_flags():
+    assert parse_recipe("today")[1].startswith("--optimizer adamw --lr 1e-3")
+    assert parse_recipe("default") == ("default", "")
+    assert parse_recipe("build-nanogpt") == ("build-nanogpt", None)
+    assert parse_recipe("m=--optimizer muon") == ("m", "--optimizer muon")
+    with pytest.raises(Exception, match="NAME=FLAGS"):
+        parse_recipe("adamw")
+
+
+@pytest.mark.slow
+def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_path):
+    """AdamW and Muon at tiny-cpu for 4 steps, eager fp32 (cpu_eager.yaml) so nothing compiles: each curve starts
+    near ln(vocab), falls, and is reported in the table, the JSON and the PNG."""
+    out = tmp_path / "ttl"
+    common = f"--data-dir {prepared_books} --max-steps 4 --warmup-steps 1 --eval-windows 16 --peak-tflops 1"
+    cmd = [
+        sys.executable, "-m", "bench.time_to_loss", "--config", "configs/tiny_cpu.yaml", "--seeds", "1",
+        "--recipe", "adamw=--optimizer adamw --lr 3e-3", "--recipe", "muon=--optimizer muon --lr 3e-3",
+        "--set", common, "--accelerate-config", "accelerate_configs/cpu_eager.yaml", "--eval-every", "2",
+        "--target", "10.0", "--out", str(out),
+    ]  # fmt: skip
+    result = run(cmd)
+    tables = result.stdout.split("| recipe |")[1:]
+    assert len(tables) == 2  # on both val definitions
+    for table in tables:
+        assert [line.split(" | ")[0] for line in table.strip().splitlines()[2:4]] == ["| adamw", "| muon"]
+    report = json.loads((out / "curves.json").read_text())
+    assert report["targets"] == {"val_loss": 10.0, "val_loss_opening": 10.0} and report["budget_tokens"] == 4 * 1024
+    for curve in report["curves"]:
+        assert curve["tokens"] == [0, 2048, 4096]
+        assert curve["seconds"][0] == 0 and curve["seconds"][1] < curve["seconds"][2]
+        for key in ("val_loss", "val_loss_opening"):
+            first, *_, last = curve[key]
+            assert abs(first - math.log(PADDED_VOCAB_SIZE)) < 0.5 and last < first - 0.05
+        assert curve["val_loss"] != curve["val_loss_opening"]
+    for rows in report["tables"].values():
+        for row in rows:
+            (reached,) = row["tokens_to_target"]
+            assert reached is None or 0 < reached <= 4096
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
