@@ -34,42 +34,44 @@ def fit(run: Run, launched: float) -> bool:
     trainer = trainer_for(run, stop)
     metrics = TrainMetrics(run, launched)
     batches = iter(run.train_loader)
-    bar = tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process)
-    while progress.step < run.total_steps:
-        metrics.step_started()
-        out = trainer.train_step(batches)
-        # Read the step's verdict now only when something happens after it (or it is the first, which is timed).
-        if not (metrics.first or trainer.stopping or run.wants(progress.step + 1)):
-            metrics.step_finished(progress.step + 1)
-            continue
-        if not trainer.settle():
-            continue  # non-finite gradients: update skipped (trainer.settle reported it)
-        metrics.step_finished(progress.step)
-        step, last = progress.step, run.is_last(progress.step)
-        bar.update(step - bar.n)
+    # a with block: an error closes the bar before its line is printed, so that line stays the last on screen
+    with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
+        while progress.step < run.total_steps:
+            metrics.step_started()
+            out = trainer.train_step(batches)
+            # Read the step's verdict now only when something happens after it (or it is the first, which is timed).
+            if not (metrics.first or trainer.stopping or run.wants(progress.step + 1)):
+                metrics.step_finished(progress.step + 1)
+                continue
+            if not trainer.settle():
+                continue  # non-finite gradients: update skipped (trainer.settle reported it)
+            metrics.step_finished(progress.step)
+            step, last = progress.step, run.is_last(progress.step)
+            bar.update(step - bar.n)
 
-        if metrics.due(step):
-            row = metrics.log(step, out)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
-                            mfu=f"{row.get('mfu', 0):.1%}")  # fmt: skip
-        val_loss = None
-        if due(cfg.eval_interval, step, last):
-            evals = evaluate(run)
-            accelerator.log(evals, step=step)
-            accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
-            val_loss = evals["val_loss"]
-        if due(cfg.sample_interval, step, last):
-            write_sample(run, step)
-        if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
-            meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
-            saved = save_checkpoint(accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes)
-        if trainer.stopping and not last:
-            accelerator.print(
-                f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
-                "--resume auto"
-            )
-            return False
-    bar.close()
+            if metrics.due(step):
+                row = metrics.log(step, out)
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
+                                mfu=f"{row.get('mfu', 0):.1%}")  # fmt: skip
+            val_loss = None
+            if due(cfg.eval_interval, step, last):
+                evals = evaluate(run)
+                accelerator.log(evals, step=step)
+                accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+                val_loss = evals["val_loss"]
+            if due(cfg.sample_interval, step, last):
+                write_sample(run, step)
+            if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
+                meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
+                saved = save_checkpoint(
+                    accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes
+                )
+            if trainer.stopping and not last:
+                accelerator.print(
+                    f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
+                    "--resume auto"
+                )
+                return False
     return True
 
 
