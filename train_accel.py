@@ -39,9 +39,10 @@ def fit(run: Run, launched: float) -> bool:
         while progress.step < run.total_steps:
             metrics.step_started()
             out = trainer.train_step(batches)
+            ran = progress.step + (not trainer.settled)  # the step just run (counted once its verdict is read)
             # Read the step's verdict now only when something happens after it (or it is the first, which is timed).
-            if not (metrics.first or trainer.stopping or run.wants(progress.step + 1)):
-                metrics.step_finished(progress.step + 1)
+            if not (metrics.first or trainer.stopping or run.wants(ran)):
+                metrics.step_finished(ran)
                 continue
             if not trainer.settle():
                 continue  # non-finite gradients: update skipped (trainer.settle reported it)

@@ -166,6 +166,11 @@ class Trainer:
         accelerator.step = micro_steps
         return None
 
+    @property
+    def settled(self) -> bool:
+        """Whether the last step's verdict has been read: until then progress.step does not count that step."""
+        return self._pending is None
+
     def settle(self) -> bool:
         """Read the last step's verdict now if it is still pending; whether that step was applied."""
         if self._pending is not None:

@@ -188,3 +188,19 @@ def test_init_from_an_export_starts_from_its_weights(readme_run, prepared_books,
     assert want.item() < 8.0  # the export learned something: a random init would be ~10.8
     assert got[0] == pytest.approx(want.item(), rel=1e-5)
     assert "| model | " + str(export) + " (continued)" in (run / "export" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_cadences_fire_at_their_steps_whatever_the_optimizer(prepared_books, tmp_path, optimizer):
+    """Logs, evals and checkpoints every 2 steps and at the last, with fused AdamW (verdict read a step late) and with
+    Muon (read at once): the loop must name the step it just ran either way."""
+    run_dir = tmp_path / "run"
+    launch("cpu_eager.yaml", run_dir, prepared_books, "--optimizer", optimizer, "--max-steps", "5",
+           "--micro-batch-size", "4", "--total-batch-tokens", "256", "--log-interval", "2", "--eval-interval", "2",
+           "--eval-windows", "4", "--checkpoint-interval", "2", "--keep-checkpoints", "5")  # fmt: skip
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train_loss" in r] == [2, 4, 5]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2, 4, 5]
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*"))] == [
+        "step-00000002", "step-00000004", "step-00000005"
+    ]  # fmt: skip
