@@ -197,7 +197,8 @@ def test_muon_stops_at_start_up_under_sharded_engines(prepared_books, tmp_path, 
         f"error: optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that "
         "Muon orthogonalizes whole); launch with a DDP accelerate config" in result.stderr
     )
-    assert not any((tmp_path / "run").iterdir())  # no checkpoint, log or config written
+    written = [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".run.lock")]  # the run's lock
+    assert written == []  # no checkpoint, log or config written
 
 
 def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
