@@ -55,11 +55,11 @@ OUT=$(absolute "$OUT") DATA=$(absolute "$DATA") PEER=$(absolute "$PEER") WHEELS=
 [[ -z ${BOOKGPT_CACHE:-} ]] || BOOKGPT_CACHE=$(absolute "$BOOKGPT_CACHE")
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+[[ ! -e $OUT || -z $(ls -A "$OUT") ]] || die "$OUT is not empty: give a new folder (nothing in it is replaced)"
 [[ -f $DATA/manifest.json ]] || die "no prepared corpus in $DATA (manifest.json): prepare it where there is network \
 (python -m data_prep.prepare --source default --out $DATA) and carry it along"
 [[ -z $PEER || -f $PEER/train_gpt2.py ]] || die "no train_gpt2.py in --peer-dir $PEER"
 [[ -z $LIMIT || $LIMIT =~ ^[0-9]+$ ]] || die "--time-limit takes whole seconds, not $LIMIT"
-[[ ! -e $OUT || -z $(ls -A "$OUT") ]] || die "$OUT is not empty: give a new folder (nothing in it is replaced)"
 mkdir -p "$OUT" || die "cannot create $OUT"
 OUT=$(cd "$OUT" && pwd)
 if [[ -n $WHEELS ]]; then

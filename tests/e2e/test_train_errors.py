@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -101,8 +102,10 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
     """The launch `make train` runs, given bad input: our `error:` line is the last thing on screen (accelerate's
     `-q`), and every launch under scripts/ passes -q too."""
     venv = Path(sys.executable).parent.parent
-    dry = subprocess.run(["make", "-n", "-o", "install", "train", f"VENV={venv}"], cwd=REPO, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    # Under `make test` this make is a sub-make, which prints "make[1]: Entering directory" unless told not to.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}"], cwd=REPO,
+                         env=env, capture_output=True, text=True, check=True)  # fmt: skip
     recipe = dry.stdout.strip()  # a shell command: it picks the YAML (and the fp32 step budget) first
     assert "accelerate launch -q" in recipe, recipe
     result = run(["bash", "-c", f"{recipe} --out-dir {shlex.quote(str(tmp_path / 'run'))} --lr -1"], expect_rc=1,
