@@ -47,6 +47,9 @@ def fit(run: Run, launched: float) -> bool:
             if not trainer.settle():
                 continue  # non-finite gradients: update skipped (trainer.settle reported it)
             metrics.step_finished(progress.step)
+            if run.budget_due(progress.step) and metrics.step_seconds:
+                metrics.decide_budget()  # the time budget's step count: run.total_steps from here on
+                bar.total = run.total_steps
             step, last = progress.step, run.is_last(progress.step)
             bar.update(step - bar.n)
 

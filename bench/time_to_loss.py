@@ -5,13 +5,14 @@
         [--accelerate-config accelerate_configs/cpu_bf16.yaml] [--eval-every 5] [--target 6.32] [--out runs/ttl]
 
 A recipe is TrainConfig flags on top of --config (then --set, which applies to every recipe): `today` is the AdamW
-recipe `make train` ran before Muon, `default` is --config as it stands, NAME="FLAGS" is any other (a sweep point),
-and `build-nanogpt` is the peer's GPT, configure_optimizers and get_lr (bench.peer) at --config's shape, steps and
-batch. Ours run through train_accel.py's own setup, Trainer.train_step and evaluate (precision and compile from the
-accelerate YAML); the peer through its own step, on the same loader and val set. Seed s gives every recipe the same
-data order (and our recipes the same init). Seconds count train steps only, the first (compiling) step at the
-median step's time. Writes curves.json and curves.png to --out and prints the table last: tokens and seconds to
---target (default: `today`'s mean final val loss) and the val loss at --budget-tokens (default: `today`'s tokens).
+recipe `make train` ran before Muon, `default` is --config as it stands, NAME="FLAGS" is any other (a sweep point), and
+`build-nanogpt` is the peer's GPT, configure_optimizers and get_lr (bench.peer) at --config's shape, steps and batch. A
+time budget (time_budget_minutes) is off here: every recipe runs its max_steps, so recipes compare at the same tokens on
+any machine. Ours run through train_accel.py's own setup, Trainer.train_step and evaluate (precision and compile from
+the accelerate YAML); the peer through its own step, on the same loader and val set. Seed s gives every recipe the same
+data order (and our recipes the same init). Seconds count train steps only, the first (compiling) step at the median
+step's time. Writes curves.json and curves.png to --out and prints the table last: tokens and seconds to --target
+(default: `today`'s mean final val loss) and the val loss at --budget-tokens (default: `today`'s tokens).
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ from training.loop import Run, evaluate, setup, trainer_for
 TODAY = "--optimizer adamw --lr 1e-3 --lr-schedule cosine --max-steps 60 --warmup-steps 6 --total-batch-tokens 8192"
 BUILTIN = {"today": TODAY, "default": ""}
 PEER = "build-nanogpt"
-# What the benchmark's runs leave out: it keeps its own curves, so no checkpoints, samples or exports.
-QUIET = "--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false --eval-tasks ''"
+# What the benchmark's runs leave out: it keeps its own curves, so no checkpoints, samples or exports; and no time
+# budget: recipes compare at the tokens their max_steps give, on any machine.
+QUIET = (
+    "--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false --eval-tasks '' "
+    "--time-budget-minutes 0"
+)
 
 
 @dataclasses.dataclass

@@ -24,6 +24,8 @@ from modeling.runs import model_shape
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd")
+# A time budget is decided at the end of the warmup, from its steps after the first (which compiles): two at least.
+BUDGET_MIN_WARMUP = 3
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,14 @@ class TrainConfig:
         default=200, metadata={"help": "optimizer steps to train (default: ~15 epochs of the default corpus)"}
     )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
+    time_budget_minutes: float = field(
+        default=0.0,
+        metadata={
+            "help": "minutes of train steps (evals and saves not counted): at the end of the warmup the run times "
+            "its steps and trains as many as fit, at most max_steps (or max_tokens), with the schedule spanning them; "
+            "0: no time budget"
+        },
+    )
     # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
     optimizer: str = field(
         default="adamw",
@@ -199,11 +209,17 @@ class TrainConfig:
             ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
             ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)"),
             ("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "> 0 (or null to measure it)"),
+            ("time_budget_minutes", self.time_budget_minutes >= 0, ">= 0 (0: no time budget)"),
         )
         for name, valid, rule in floats:
             value = getattr(self, name)
             if not valid or (value is not None and not math.isfinite(value)):
                 raise ConfigError(f"{name} must be {rule}, got {value}")
+        if self.time_budget_minutes and self.warmup_steps < BUDGET_MIN_WARMUP:
+            raise ConfigError(
+                f"time_budget_minutes needs warmup_steps >= {BUDGET_MIN_WARMUP}, got {self.warmup_steps}: the run "
+                "times its steps during the warmup, whose lrs do not depend on how many steps follow"
+            )
 
     def total_steps(self) -> int:
         """Optimizer steps to run: from the token budget when one is given, else max_steps."""

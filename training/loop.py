@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,10 +89,27 @@ class Run:
         return step == self.total_steps
 
     def wants(self, step: int) -> bool:
-        """Whether anything is logged, evaluated, sampled or saved after optimizer step `step`."""
+        """Whether anything is logged, evaluated, sampled, saved or decided after optimizer step `step`."""
         cfg, last = self.cfg, self.is_last(step)
         intervals = (cfg.log_interval, cfg.eval_interval, cfg.sample_interval, cfg.checkpoint_interval)
-        return last or any(due(interval, step, last) for interval in intervals)
+        return last or self.budget_due(step) or any(due(interval, step, last) for interval in intervals)
+
+    def budget_due(self, step: int) -> bool:
+        """Whether the time budget's step count is still to be decided after optimizer step `step` (at the end of
+        the warmup, or the first step after it that was timed)."""
+        return bool(self.cfg.time_budget_minutes) and not self.progress.total_steps and step >= self.cfg.warmup_steps
+
+    def span(self, total_steps: int) -> None:
+        """Train to total_steps, the schedule ending there; saved with the progress, so a resumed run keeps it."""
+        self.total_steps = self.progress.total_steps = total_steps
+        schedule = getattr(self.scheduler, "scheduler", self.scheduler)  # accelerate's wrapper holds ours
+        schedule.span(total_steps)
+
+
+def budget_steps(budget_minutes: float, step_s: float, *, done: int, cap: int) -> int:
+    """The optimizer steps that fit in `budget_minutes` of train steps at `step_s` seconds each (the first step,
+    which compiles, counted at that rate too), at most `cap` and at least the `done` ones."""
+    return max(done, min(cap, int(budget_minutes * 60 / step_s)))
 
 
 def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
@@ -188,6 +206,8 @@ def setup(cfg: TrainConfig) -> Run:
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak, one_checkpoint, lock,
     )  # fmt: skip
+    if progress.total_steps:  # resumed after a time budget's decision: the same steps and schedule
+        run.span(progress.total_steps)
     log_run_info(run, num_params, peak_source, param_groups)
     return run
 
@@ -248,12 +268,20 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
-        f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {run.total_steps} steps | "
+        f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {describe_steps(run)} | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
         f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
         + describe_optimizer(cfg, param_groups)
     )
+
+
+def describe_steps(run: Run) -> str:
+    """The step count, or the time budget that will decide it (the start-up line)."""
+    budget = run.cfg.time_budget_minutes
+    if not budget or run.progress.total_steps:
+        return f"{run.total_steps} steps"
+    return f"as many steps as fit in {budget:g} min of training (at most {run.total_steps}; timed in the warmup)"
 
 
 def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
@@ -294,6 +322,7 @@ class TrainMetrics:
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
+        self.step_seconds: list[float] = []  # the steps' times after the first, while a time budget is undecided
 
     def step_started(self) -> None:
         self._started = time.perf_counter()
@@ -306,6 +335,24 @@ class TrainMetrics:
             return
         self.window_s += now - self._started
         self.window_steps += 1
+        if self.run.cfg.time_budget_minutes and not self.run.progress.total_steps:
+            self.step_seconds.append(now - self._started)
+
+    def decide_budget(self) -> None:
+        """Set the run's step count from the time budget and the median step so far (the slowest rank's)."""
+        run, accelerator, cfg = self.run, self.run.accelerator, self.run.cfg
+        local = torch.tensor([statistics.median(self.step_seconds)], device=accelerator.device)
+        step_s = accelerator.gather(local).max().item()
+        cap = cfg.total_steps()
+        total = budget_steps(cfg.time_budget_minutes, step_s, done=run.progress.step, cap=cap)
+        run.span(total)
+        self.step_seconds = []
+        accelerator.log({"total_steps": total, "budget_step_time_s": step_s}, step=run.progress.step)
+        capped = ", the most max_steps allows" if total == cap else ""
+        accelerator.print(
+            f"time budget: {step_s:.2f} s a step here, so {total} steps ({total * cfg.total_batch_tokens:,} tokens"
+            f"{capped}) in {cfg.time_budget_minutes:g} min of training; the lr schedule ends there"
+        )
 
     def due(self, step: int) -> bool:
         return due(self.run.cfg.log_interval, step, self.run.is_last(step))

@@ -116,6 +116,15 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
                 group.setdefault("initial_momentum", group["momentum"])  # kept in the optimizer's state_dict
         super().__init__(optimizer, lr_lambda)
 
+    def span(self, total_steps: int) -> None:
+        """Make the schedule end at total_steps from now on, and set the current step's lrs by it (a time budget's
+        decision, taken where the lrs so far do not depend on the total: the warmup)."""
+        self.lr_lambdas = [partial(fn, total_steps=total_steps) for fn in self.lr_lambdas]
+        lrs = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = lrs
+
     def step(self) -> None:
         super().step()
         frac = min(1.0, self.last_epoch / self.momentum_warmup) if self.momentum_warmup else 1.0

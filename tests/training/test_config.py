@@ -72,6 +72,7 @@ BAD_VALUES = {
     "muon_momentum": (1.0, r"muon_momentum must be in \[0, 1\)"),
     "lr_schedule": ("linear", r"lr_schedule must be one of cosine, wsd, got 'linear'"),
     "decay_fraction": (1.5, r"decay_fraction must be in \[0, 1\]"),
+    "time_budget_minutes": (-5.0, r"time_budget_minutes must be >= 0 \(0: no time budget\)"),
 }
 
 
@@ -82,7 +83,7 @@ def test_bad_values_rejected_with_the_rule(name):
         TrainConfig(**{name: value})
 
 
-@pytest.mark.parametrize("name", ["lr", "muon_lr", "weight_decay", "grad_clip", "peak_tflops"])
+@pytest.mark.parametrize("name", ["lr", "muon_lr", "weight_decay", "grad_clip", "peak_tflops", "time_budget_minutes"])
 def test_non_finite_floats_rejected(name):
     for value in (float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=f"{name} must be"):
@@ -93,6 +94,12 @@ def test_boundary_values_accepted():
     TrainConfig(keep_checkpoints=1, checkpoint_interval=0, grad_clip=0.0, weight_decay=0.0, seed=0, beta1=0.0)
     TrainConfig(optimizer="muon", muon_momentum=0.0, lr_schedule="wsd", decay_fraction=0.0)
     TrainConfig(decay_fraction=1.0)
+    TrainConfig(time_budget_minutes=0.5, warmup_steps=3)
+
+
+def test_a_time_budget_needs_a_warmup_to_time_its_steps_in():
+    with pytest.raises(ConfigError, match=r"time_budget_minutes needs warmup_steps >= 3, got 2: the run times"):
+        TrainConfig(time_budget_minutes=5, warmup_steps=2)
 
 
 def test_grad_accum_from_token_budget():

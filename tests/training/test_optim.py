@@ -9,6 +9,7 @@ import torch
 
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
+from training.loop import budget_steps
 from training.optim import AdamWWithMuon, Schedule, build_optimizer, build_scheduler, lr_multiplier
 
 
@@ -171,3 +172,33 @@ def test_muon_state_dict_resumes_exactly():
     train(resumed, [optimizer], [schedule], batches, steps=2)
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_schedule_spanned_at_the_end_of_the_warmup_equals_one_built_for_that_total(schedule):
+    """A time budget decides the step count at the end of the warmup (Schedule.span): from then on, and for the
+    steps before, every group's lr is the one a schedule built for that total from the start gives."""
+
+    def lrs(total: int, span_at: int | None, steps: int) -> list[list[float]]:
+        p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+        groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+        optimizer = build_optimizer(groups, lr=3e-3, betas=(0.9, 0.95), device_type="cpu", muon_lr=0.02)
+        sched = build_scheduler(optimizer, warmup_steps=4, total_steps=total, min_lr_ratio=0.1, schedule=schedule)
+        seen = []
+        for step in range(steps):
+            if step == span_at:
+                sched.span(17)
+            seen.append([g["lr"] for g in optimizer.param_groups])
+            optimizer.step()
+            sched.step()
+        return seen
+
+    spanned, built = lrs(300, 4, 20), lrs(17, None, 20)
+    assert spanned == built  # exactly: the same multiplier at every step
+    assert spanned != lrs(300, None, 20)  # and not the 300-step schedule's
+
+
+def test_budget_steps_fit_the_minutes_within_the_cap():
+    assert budget_steps(5, 1.5, done=6, cap=300) == 200
+    assert budget_steps(5, 0.5, done=6, cap=300) == 300  # capped by max_steps
+    assert budget_steps(0.1, 3.0, done=6, cap=300) == 6  # slower than the budget: stop where it is
