@@ -1,7 +1,7 @@
 """Where rung 11's training step spends its time, and how fast its matmuls alone would be.
 
     python -m bench.profile --precision bf16 [--preset small-cpu] [--micro-batch-size 8] [--threads N]
-        [--warmup 3] [--steps 3] [--data-dir data/default]
+        [--warmup 3] [--steps 3] [--data-dir data/default] [--optimizer muon]
 
 Builds the ladder's rung 11 (train_accel.py's train_step under cpu_bf16.yaml for bf16, cpu.yaml for fp32), runs
 warm-up steps, then profiles --steps steps with torch.profiler, inductor's generated kernels each recorded under
@@ -34,8 +34,10 @@ from data_prep import ensure_default_corpus
 from data_prep.loader import TokenLoader
 from modeling.config import get_preset
 from training.compile_cache import isolate_inductor_cache
+from training.config import OPTIMIZERS
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
+MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around torch.optim.Muon.step
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
 KINDS: list[tuple[str, Callable[[str], bool]]] = [
@@ -59,11 +61,13 @@ def kind_of(name: str) -> str:
     return next((kind for kind, test in KINDS if test(name)), "other")
 
 
-def build_step(precision: str, preset: str, micro_batch_size: int, data_dir: Path) -> tuple[Callable[[], None], float]:
+def build_step(
+    precision: str, preset: str, micro_batch_size: int, data_dir: Path, optimizer: str
+) -> tuple[Callable[[], None], float]:
     """Rung 11's step on the next real batch (the loader's read recorded as "data"), and its model GFLOP."""
     config = get_preset(preset)
     launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
-    trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, None)
+    trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, None, optimizer)
     loader = TokenLoader(data_dir, "train", config.block_size, micro_batch_size, seed=TRAIN.seed)
     batches = iter(loader)
 
@@ -134,13 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as configs/cpu_small.yaml trains")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     isolate_inductor_cache()
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
     ensure_default_corpus(args.data_dir, log=print)
-    step, step_gflop = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir)
+    step, step_gflop = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer)
     times = []
     for i in range(args.warmup + args.steps):
         start = clock()
@@ -155,9 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     step_ms = statistics.median(times) * 1e3
     timing = "CPU time" if torch.get_num_threads() == 1 else "wall time"
     print(
-        f"\n{args.preset} B{args.micro_batch_size}, {args.precision} ({YAML[args.precision]}), CPU: {cpu_model()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}: step {step_ms:.0f} ms {timing} (median of "
-        f"{args.steps} unprofiled), {total:.0f} ms of op self time (wall) per profiled step\n"
+        f"\n{args.preset} B{args.micro_batch_size}, {args.precision} ({YAML[args.precision]}), {args.optimizer}, "
+        f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}: step {step_ms:.0f} ms "
+        f"{timing} (median of {args.steps} unprofiled), {total:.0f} ms of op self time (wall) per profiled step\n"
     )
     by_kind: dict[str, float] = defaultdict(float)
     for name, ms in ops.items():
@@ -169,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, ms in sorted(ops.items(), key=lambda kv: -kv[1])[:20]:
         print(f"| `{name[:90]}` | {kind_of(name)} | {ms:.1f} | {ms / total:.1%} |")
 
+    if args.optimizer == "muon":  # Newton-Schulz's matmuls count as matmuls above; Muon's whole step, inclusive:
+        muon_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key == MUON_STEP) / 1e3 / args.steps
+        print(
+            f"\nMuon's step ({MUON_STEP}, inclusive: its Newton-Schulz matmuls and momentum): {muon_ms:.1f} ms/step, "
+            f"{muon_ms / total:.1%} of the op self time"
+        )
     print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
     dtype = {"bf16": "c10::BFloat16", "fp32": "float"}[args.precision]
     probe_ms, probe_gflop = time_matmul("aten::mm", ((2048, 2048),) * 2, ((2048, 1),) * 2, (dtype, dtype))

@@ -276,10 +276,16 @@ def compile_backend(launch: dict[str, Any], override: str | None) -> str:
 
 
 def full_recipe_trainer(
-    config: GPTConfig, device: torch.device, micro_batch_size: int, launch: dict[str, Any], backend_override: str | None
+    config: GPTConfig,
+    device: torch.device,
+    micro_batch_size: int,
+    launch: dict[str, Any],
+    backend_override: str | None,
+    optimizer: str = TRAIN.optimizer,
 ) -> Trainer:
-    """Rung 11: train_accel.py's model, optimizer and train_step under the launch YAML's precision and compile,
-    with its TF32 setting and its loader (pinned on CUDA, TrainConfig's workers)."""
+    """Rung 11: train_accel.py's model, optimizer (TrainConfig's, or "muon" as configs/cpu_small.yaml trains) and
+    train_step under the launch YAML's precision and compile, with its TF32 setting and its loader (pinned on CUDA,
+    TrainConfig's workers)."""
     dynamo = launch.get("dynamo_config") or {}
     backend = dynamo_backend(launch, backend_override)
     accelerator = Accelerator(
@@ -294,15 +300,17 @@ def full_recipe_trainer(
     )
     keep_freed_memory(accelerator.device)  # as build_accelerator does for train_accel.py
     model = GPT(config)
-    optimizer = build_optimizer(
-        model.optimizer_groups(TRAIN.weight_decay),
+    built = build_optimizer(
+        model.optimizer_groups(TRAIN.weight_decay, muon=optimizer == "muon"),
         lr=TRAIN.lr,
         betas=(TRAIN.beta1, TRAIN.beta2),
         device_type=device.type,
+        muon_lr=TRAIN.muon_lr,
+        muon_momentum=TRAIN.muon_momentum,
     )
-    prepared, optimizer = accelerator.prepare(model, optimizer)
+    prepared, built = accelerator.prepare(model, built)
     tokens_per_step = micro_batch_size * config.block_size
-    trainer = StepTrainer(accelerator, prepared, optimizer, grad_clip=TRAIN.grad_clip, tokens_per_step=tokens_per_step)
+    trainer = StepTrainer(accelerator, prepared, built, grad_clip=TRAIN.grad_clip, tokens_per_step=tokens_per_step)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         return trainer.train_step(iter([(x, y)])).loss

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 
 from data_prep.prepare import prepare
 from evals.data import provision
@@ -59,3 +60,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         model = GPT(TINY_MODEL)
         write_checkpoint(torch.compile(model) if step == 2 else model, checkpoint_dir(run, step))
     return run
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one state per process, its device and precision set by the first Accelerator: a test that
+    builds its own starts from none, and leaves none behind for the tests after it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

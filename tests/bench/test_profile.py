@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.profile import kind_of, matmul_calls, time_matmul
+from bench.profile import MUON_STEP, kind_of, matmul_calls, time_matmul
 from bench.report import cpu_model
+from bench.rungs import REPO, full_recipe_trainer, launch_config
+from modeling.config import get_preset
 
 
 def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
@@ -64,3 +66,24 @@ def test_the_cpu_is_named_with_its_family_and_matmul_isa(monkeypatch: pytest.Mon
     assert cpu_model(zen4) == "AMD EPYC (family 25 model 17, avx512_bf16)"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert cpu_model(zen4) == "AMD EPYC (family 25 model 17, avx512_bf16, capped at AVX2)"
+
+
+def test_muons_step_is_found_in_the_profile_of_rung_11_with_its_newton_schulz_matmuls(fresh_accelerate_state):
+    """`bench.profile --optimizer muon` reports Muon's share from the profiler's range around torch.optim.Muon.step:
+    rung 11 built with Muon runs it (the name as this torch records it), and the Newton-Schulz products of the
+    blocks' matrices (X·Xᵀ of a 64×64 c_proj, 64×192 c_attn, 64×256 c_fc) run inside it."""
+    config = get_preset("tiny-cpu")
+    launch = launch_config(REPO / "accelerate_configs" / "cpu_eager.yaml")
+    trainer = full_recipe_trainer(config, torch.device("cpu"), 2, launch, None, "muon")
+    x = torch.randint(0, 50_000, (2, config.block_size))
+    trainer.step(x, x)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        trainer.step(x, x)
+    muon = [e for e in prof.events() if e.name == MUON_STEP]
+    assert len(muon) == 1 and muon[0].cpu_time_total > 0
+    inside = {
+        tuple(e.input_shapes[0]) for e in prof.events()
+        if e.name in ("aten::mm", "aten::addmm") and muon[0].time_range.start <= e.time_range.start
+        and e.time_range.end <= muon[0].time_range.end and e.input_shapes and e.input_shapes[0]
+    }  # fmt: skip
+    assert {(64, 64), (64, 192), (64, 256)} <= inside

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows
@@ -127,15 +126,6 @@ def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fus
     assert len(after) == len(before) and any(isinstance(v, torch.Tensor) and v.any() for v in before)
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(after, before))
     assert not torch.equal(states[3]["weights"]["lin.weight"], states[2]["weights"]["lin.weight"])  # trains on
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    """accelerate keeps one state per process, its device set by the first Accelerator (here the CPU tests'): the
-    CUDA case starts from none, and leaves none behind for the tests after it."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
