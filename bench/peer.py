@@ -11,6 +11,7 @@ modules (hellaswag.py, eval only) are left out. bench.time_to_loss trains it wit
 from __future__ import annotations
 
 import ast
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -45,6 +46,10 @@ def load_peer(script: Path) -> types.ModuleType:
     tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
     local_modules = {p.stem for p in script.parent.glob("*.py")}
 
+    def needed(name: str) -> bool:  # not its eval/data modules (hellaswag, fineweb), even where they were not copied
+        top = name.split(".")[0]
+        return top not in local_modules and importlib.util.find_spec(top) is not None
+
     def keep(node: ast.stmt) -> bool:
         if isinstance(node, ast.ClassDef):
             return True
@@ -53,9 +58,9 @@ def load_peer(script: Path) -> types.ModuleType:
         if isinstance(node, ast.Assign):
             return all(isinstance(t, ast.Name) and t.id in SCHEDULE_NAMES for t in node.targets)
         if isinstance(node, ast.Import):
-            return not any(alias.name.split(".")[0] in local_modules for alias in node.names)
+            return all(needed(alias.name) for alias in node.names)
         if isinstance(node, ast.ImportFrom):
-            return (node.module or "").split(".")[0] not in local_modules
+            return node.level == 0 and needed(node.module or "")
         return False
 
     module = types.ModuleType(MODULE_NAME)

@@ -87,6 +87,8 @@ def test_peer_loader_runs_only_classes_imports_and_its_schedule(tmp_path):
     assert not hasattr(module, "warmup_steps") and not hasattr(module, "train")
     module.warmup_steps = 2
     assert [module.get_lr(it) for it in (1, 2)] == [6e-4, 6e-4 * 0.1]
+    (tmp_path / "hellaswag.py").unlink()  # train_gpt2.py carried alone, as to a GPU machine (BENCHMARKS "GPU")
+    assert peer.load_peer(peer.peer_script(tmp_path)).GPTConfig.size == math.pi
 
 
 @pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")
