@@ -89,6 +89,11 @@ def matmul_calls(prof: profile, steps: int) -> dict[tuple, int]:
     calls: dict[tuple, int] = defaultdict(int)
     for e in prof.events():
         if e.name in MATMULS:
+            if not hasattr(e, "structured_input_strides"):
+                raise SystemExit(
+                    f"error: the matmul bound needs the profiler to record each input's strides and dtype, which "
+                    f"torch {torch.__version__} does not (torch 2.13 does): run bench.profile with torch>=2.13"
+                )
             shapes = tuple(tuple(s) for s in e.structured_input_shapes if s)
             strides = tuple(tuple(s) for s in e.structured_input_strides if s)
             dtypes = tuple(d for d, s in zip(e.input_dtypes, e.structured_input_shapes, strict=False) if s)
