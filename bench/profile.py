@@ -79,6 +79,13 @@ def build_step(
     return step, flops_per_token(trainer.model, config) * micro_batch_size * config.block_size / 1e9
 
 
+def require_layout_recording() -> None:
+    """Stop at start-up, not after the profiled steps, where this torch's profiler records no input layouts."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.ones(2, 2) @ torch.ones(2, 2)
+    matmul_calls(prof, steps=1)
+
+
 def self_times(prof: profile, steps: int) -> dict[str, float]:
     """Self CPU ms per step by op name (the profiler's events on the calling thread)."""
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
@@ -143,12 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as configs/cpu_small.yaml trains")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=TRAIN.optimizer, help="muon: as cpu_small.yaml trains")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     isolate_inductor_cache()
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
+    require_layout_recording()
     ensure_default_corpus(args.data_dir, log=print)
     step, step_gflop = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer)
     times = []
