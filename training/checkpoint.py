@@ -38,6 +38,7 @@ class TrainProgress:
     step: int = 0  # optimizer steps taken
     tokens_seen: int = 0  # training tokens consumed over all ranks
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
+    train_seconds: float = 0.0  # a time budget's train-step time spent, as of its last decision
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -45,6 +46,7 @@ class TrainProgress:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.total_steps = state.get("total_steps", 0)  # absent from checkpoints written before time budgets
+        self.train_seconds = state.get("train_seconds", 0.0)  # absent from those written before re-timing
 
 
 def ensure_writable(run_dir: str | Path) -> None:

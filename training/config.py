@@ -72,8 +72,8 @@ class TrainConfig:
         default=0.0,
         metadata={
             "help": "minutes of train steps (evals and saves not counted): at the end of the warmup the run times "
-            "its steps and trains as many as fit, at most max_steps (or max_tokens), with the schedule spanning them; "
-            "0: no time budget"
+            "its steps and trains as many as fit, at most max_steps (or max_tokens), with the schedule spanning them "
+            "(under wsd re-timed at each log step until the decay); 0: no time budget"
         },
     )
     # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---

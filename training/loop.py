@@ -43,7 +43,7 @@ from training.metrics import (
     plot_losses,
     precision_name,
 )
-from training.optim import MUON_MOMENTUM_START, build_optimizer, build_scheduler
+from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler
 from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
 
@@ -95,21 +95,31 @@ class Run:
         return last or self.budget_due(step) or any(due(interval, step, last) for interval in intervals)
 
     def budget_due(self, step: int) -> bool:
-        """Whether the time budget's step count is still to be decided after optimizer step `step` (at the end of
-        the warmup, or the first step after it that was timed)."""
-        return bool(self.cfg.time_budget_minutes) and not self.progress.total_steps and step >= self.cfg.warmup_steps
+        """Whether the time budget's step count is (re)decided after optimizer step `step`: at the end of the
+        warmup (or the first step after it that was timed), then at every log step while a longer run would still
+        have given the steps so far the same lrs (wsd: until its decay starts; cosine: never)."""
+        cfg = self.cfg
+        if not cfg.time_budget_minutes or step < cfg.warmup_steps:
+            return False
+        if not self.progress.total_steps:
+            return True
+        last = self.is_last(step)
+        return due(cfg.log_interval, step, last) and not last and self.schedule.keeps_past(self.total_steps + 1)
+
+    @property
+    def schedule(self) -> Schedule:
+        return getattr(self.scheduler, "scheduler", self.scheduler)  # accelerate's wrapper holds ours
 
     def span(self, total_steps: int) -> None:
         """Train to total_steps, the schedule ending there; saved with the progress, so a resumed run keeps it."""
         self.total_steps = self.progress.total_steps = total_steps
-        schedule = getattr(self.scheduler, "scheduler", self.scheduler)  # accelerate's wrapper holds ours
-        schedule.span(total_steps)
+        self.schedule.span(total_steps)
 
 
-def budget_steps(budget_minutes: float, step_s: float, *, done: int, cap: int) -> int:
-    """The optimizer steps that fit in `budget_minutes` of train steps at `step_s` seconds each (the first step,
-    which compiles, counted at that rate too), at most `cap` and at least the `done` ones."""
-    return max(done, min(cap, int(budget_minutes * 60 / step_s)))
+def budget_steps(budget_minutes: float, step_s: float, *, elapsed_s: float, done: int, cap: int) -> int:
+    """The optimizer steps that fit in `budget_minutes` of train steps when `done` of them took `elapsed_s` and
+    the next take `step_s` seconds each; at most `cap` and at least the `done` ones."""
+    return max(done, min(cap, done + int((budget_minutes * 60 - elapsed_s) / step_s)))
 
 
 def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
@@ -322,7 +332,8 @@ class TrainMetrics:
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
-        self.step_seconds: list[float] = []  # the steps' times after the first, while a time budget is undecided
+        self.step_seconds: list[float] = []  # under a time budget: the steps' times since its last decision
+        self.untimed = 1  # steps a time budget counts at the median rate: this process's first, which compiles
 
     def step_started(self) -> None:
         self._started = time.perf_counter()
@@ -335,24 +346,41 @@ class TrainMetrics:
             return
         self.window_s += now - self._started
         self.window_steps += 1
-        if self.run.cfg.time_budget_minutes and not self.run.progress.total_steps:
+        if self.run.cfg.time_budget_minutes:
             self.step_seconds.append(now - self._started)
 
     def decide_budget(self) -> None:
-        """Set the run's step count from the time budget and the median step so far (the slowest rank's)."""
-        run, accelerator, cfg = self.run, self.run.accelerator, self.run.cfg
-        local = torch.tensor([statistics.median(self.step_seconds)], device=accelerator.device)
-        step_s = accelerator.gather(local).max().item()
+        """Set the run's step count from the time budget: the train time spent and the median step since the last
+        decision (the slowest rank's of each) give the steps that fit; the run ends at the count nearest to that
+        which keeps the lrs of the steps taken, so it trains exactly as a --max-steps run of that count."""
+        run, accelerator, cfg, progress = self.run, self.run.accelerator, self.run.cfg, self.run.progress
+        median = statistics.median(self.step_seconds)
+        spent = progress.train_seconds + sum(self.step_seconds) + self.untimed * median
+        slowest = accelerator.gather(torch.tensor([median, spent], device=accelerator.device)).view(-1, 2).amax(0)
+        step_s, progress.train_seconds = slowest.tolist()
+        self.step_seconds, self.untimed = [], 0
         cap = cfg.total_steps()
-        total = budget_steps(cfg.time_budget_minutes, step_s, done=run.progress.step, cap=cap)
-        run.span(total)
-        self.step_seconds = []
-        accelerator.log({"total_steps": total, "budget_step_time_s": step_s}, step=run.progress.step)
-        capped = ", the most max_steps allows" if total == cap else ""
-        accelerator.print(
-            f"time budget: {step_s:.2f} s a step here, so {total} steps ({total * cfg.total_batch_tokens:,} tokens"
-            f"{capped}) in {cfg.time_budget_minutes:g} min of training; the lr schedule ends there"
+        wanted = budget_steps(
+            cfg.time_budget_minutes, step_s, elapsed_s=progress.train_seconds, done=progress.step, cap=cap
         )
+        decided, total = progress.total_steps, run.schedule.nearest_span(wanted, run.total_steps)
+        if total == decided:
+            return
+        run.span(total)
+        accelerator.log({"total_steps": total, "budget_step_time_s": step_s}, step=progress.step)
+        capped = ", the most max_steps allows" if total == cap else ""
+        steps = f"{total} steps ({total * cfg.total_batch_tokens:,} tokens{capped})"
+        if decided:
+            accelerator.print(
+                f"time budget: {step_s:.2f} s a step since the last count and {progress.train_seconds:.0f} s spent, "
+                f"so {steps} instead of {decided}"
+            )
+        else:
+            retimed = " (re-timed at each log step until its decay starts)" if cfg.lr_schedule == "wsd" else ""
+            accelerator.print(
+                f"time budget: {step_s:.2f} s a step here, so {steps} in {cfg.time_budget_minutes:g} min of "
+                f"training; the lr schedule ends there{retimed}"
+            )
 
     def due(self, step: int) -> bool:
         return due(self.run.cfg.log_interval, step, self.run.is_last(step))

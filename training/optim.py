@@ -125,6 +125,19 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
             group["lr"] = lr
         self._last_lr = lrs
 
+    def keeps_past(self, total_steps: int) -> bool:
+        """Whether a schedule ending at total_steps would have given every step taken so far the lrs it had, so
+        that span(total_steps) now trains exactly as a run built for total_steps. lr_multiplier depends on the
+        total only from some step on (cosine: the end of the warmup; wsd: the start of its decay), so the last
+        step taken decides."""
+        last = self.last_epoch - 1
+        return all(fn(last, total_steps=total_steps) == fn(last) for fn in self.lr_lambdas)
+
+    def nearest_span(self, wanted: int, current: int) -> int:
+        """The total nearest `wanted`, between it and `current`, that keeps_past (current when none does)."""
+        direction = 1 if wanted <= current else -1
+        return next((total for total in range(wanted, current, direction) if self.keeps_past(total)), current)
+
     def step(self) -> None:
         super().step()
         frac = min(1.0, self.last_epoch / self.momentum_warmup) if self.momentum_warmup else 1.0

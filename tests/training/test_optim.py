@@ -174,16 +174,20 @@ def test_muon_state_dict_resumes_exactly():
         assert torch.equal(a, b), name
 
 
+def muon_schedule(schedule: str, total: int) -> tuple[torch.optim.Optimizer, Schedule]:
+    p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
+    optimizer = build_optimizer(groups, lr=3e-3, betas=(0.9, 0.95), device_type="cpu", muon_lr=0.02)
+    return optimizer, build_scheduler(optimizer, warmup_steps=4, total_steps=total, min_lr_ratio=0.1, schedule=schedule)
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_a_schedule_spanned_at_the_end_of_the_warmup_equals_one_built_for_that_total(schedule):
     """A time budget decides the step count at the end of the warmup (Schedule.span): from then on, and for the
     steps before, every group's lr is the one a schedule built for that total from the start gives."""
 
     def lrs(total: int, span_at: int | None, steps: int) -> list[list[float]]:
-        p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
-        groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
-        optimizer = build_optimizer(groups, lr=3e-3, betas=(0.9, 0.95), device_type="cpu", muon_lr=0.02)
-        sched = build_scheduler(optimizer, warmup_steps=4, total_steps=total, min_lr_ratio=0.1, schedule=schedule)
+        optimizer, sched = muon_schedule(schedule, total)
         seen = []
         for step in range(steps):
             if step == span_at:
@@ -198,7 +202,43 @@ def test_a_schedule_spanned_at_the_end_of_the_warmup_equals_one_built_for_that_t
     assert spanned != lrs(300, None, 20)  # and not the 300-step schedule's
 
 
-def test_budget_steps_fit_the_minutes_within_the_cap():
-    assert budget_steps(5, 1.5, done=6, cap=300) == 200
-    assert budget_steps(5, 0.5, done=6, cap=300) == 300  # capped by max_steps
-    assert budget_steps(0.1, 3.0, done=6, cap=300) == 6  # slower than the budget: stop where it is
+def test_a_wsd_run_respanned_before_its_decay_equals_one_built_for_the_final_total():
+    """A time budget re-times the run at log steps: under wsd, any total that keeps the steps taken in the stable
+    phase is taken, and the lrs of the whole run are those of a schedule built for the last total."""
+    optimizer, sched = muon_schedule("wsd", 100)
+    seen, total = [], 100
+    for step in range(22):
+        if step in (4, 10, 20):
+            total = sched.nearest_span({4: 60, 10: 30, 20: 22}[step], total)
+            sched.span(total)
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        optimizer.step()
+        sched.step()
+    assert total == 24  # 22 or 23 would have put step 19 in the decay (1 or 4 steps to go of 4.4 or 4.6)
+    optimizer, built = muon_schedule("wsd", 24)
+    expected = []
+    for _ in range(22):
+        expected.append([g["lr"] for g in optimizer.param_groups])
+        optimizer.step()
+        built.step()
+    assert seen == expected
+    assert not sched.keeps_past(25)  # in the decay now: the count is final
+
+
+def test_a_cosine_run_keeps_its_total_after_the_warmup():
+    optimizer, sched = muon_schedule("cosine", 100)
+    for _ in range(3):
+        optimizer.step()
+        sched.step()
+    assert sched.nearest_span(50, 100) == 50  # all steps so far in the warmup
+    for _ in range(3):
+        optimizer.step()
+        sched.step()
+    assert not sched.keeps_past(101) and sched.nearest_span(50, 100) == 100
+
+
+def test_budget_steps_fit_the_minutes_left_within_the_cap():
+    assert budget_steps(5, 1.5, elapsed_s=9, done=6, cap=300) == 200
+    assert budget_steps(5, 1.5, elapsed_s=150, done=100, cap=300) == 200  # re-timed: 150 s left at 1.5 s a step
+    assert budget_steps(5, 0.5, elapsed_s=3, done=6, cap=300) == 300  # capped by max_steps
+    assert budget_steps(0.1, 3.0, elapsed_s=18, done=6, cap=300) == 6  # slower than the budget: stop where it is
