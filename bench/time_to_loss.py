@@ -41,7 +41,10 @@ from training.config import parse_config
 from training.loop import Run, evaluate, setup, trainer_for
 
 # The recipe `make train` ran before this benchmark chose a new one (configs/cpu_small.yaml at that time).
-TODAY = "--optimizer adamw --lr 1e-3 --lr-schedule cosine --max-steps 60 --warmup-steps 6 --total-batch-tokens 8192"
+TODAY = (
+    "--preset small-cpu --optimizer adamw --lr 1e-3 --lr-schedule cosine --max-steps 60 --warmup-steps 6 "
+    "--total-batch-tokens 8192"
+)
 BUILTIN = {"today": TODAY, "default": ""}
 PEER = "build-nanogpt"
 # What the benchmark's runs leave out: it keeps its own curves, so no checkpoints, samples or exports; and no time

@@ -45,6 +45,9 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny-cpu": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
     # The project's CPU benchmark shape (micro-batch 8 x T 256 = 2,048 tokens per step).
     "small-cpu": GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256),
+    # `make train`'s shape: half as wide, so twice the tokens in its 5 CPU minutes (the tied 50,304-id head is most
+    # of the work at these widths), and a lower val loss at the end (BENCHMARKS.md, "Time to loss").
+    "mini-cpu": GPTConfig(n_layer=4, n_head=2, n_embd=128, block_size=256),
 }
 
 

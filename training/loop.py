@@ -368,19 +368,14 @@ class TrainMetrics:
             return
         run.span(total)
         accelerator.log({"total_steps": total, "budget_step_time_s": step_s}, step=progress.step)
+        if decided:  # a re-timing: logged, and the progress bar's total moves
+            return
         capped = ", the most max_steps allows" if total == cap else ""
-        steps = f"{total} steps ({total * cfg.total_batch_tokens:,} tokens{capped})"
-        if decided:
-            accelerator.print(
-                f"time budget: {step_s:.2f} s a step since the last count and {progress.train_seconds:.0f} s spent, "
-                f"so {steps} instead of {decided}"
-            )
-        else:
-            retimed = " (re-timed at each log step until its decay starts)" if cfg.lr_schedule == "wsd" else ""
-            accelerator.print(
-                f"time budget: {step_s:.2f} s a step here, so {steps} in {cfg.time_budget_minutes:g} min of "
-                f"training; the lr schedule ends there{retimed}"
-            )
+        retimed = " (re-timed at each log step until its decay starts)" if cfg.lr_schedule == "wsd" else ""
+        accelerator.print(
+            f"time budget: {step_s:.2f} s a step here, so {total} steps ({total * cfg.total_batch_tokens:,} tokens"
+            f"{capped}) in {cfg.time_budget_minutes:g} min of training; the lr schedule ends there{retimed}"
+        )
 
     def due(self, step: int) -> bool:
         return due(self.run.cfg.log_interval, step, self.run.is_last(step))

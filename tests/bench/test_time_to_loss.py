@@ -30,7 +30,7 @@ def test_spread_says_how_many_seeds_reached_the_target():
 
 
 def test_recipes_are_builtins_or_named_flags():
-    assert parse_recipe("today")[1].startswith("--optimizer adamw --lr 1e-3")
+    assert parse_recipe("today")[1].startswith("--preset small-cpu --optimizer adamw --lr 1e-3")
     assert parse_recipe("default") == ("default", "")
     assert parse_recipe("build-nanogpt") == ("build-nanogpt", None)
     assert parse_recipe("m=--optimizer muon") == ("m", "--optimizer muon")
