@@ -2,18 +2,20 @@
 modeling.fused_ce, eager and compiled, forward + backward of one micro-batch.
 
     python -m bench.loss_speed --preset gpt2-124m --device cuda --micro-batch-size 16 [--precision bf16] [--out DIR]
-        [--dynamo-backend inductor]
+        [--dynamo-backend inductor] [--chunk-rows 256 1024]
 
 The inputs are one micro-batch's final hidden states (B*T, n_embd) and the tied head (padded vocab, n_embd) as fp32
 master weights, under bf16 autocast by default (the GPU YAMLs' precision). Peak memory: on CUDA what the loss
 allocated on top of its inputs (max allocated minus allocated before); on CPU the process's peak resident memory.
-Writes loss_speed.json and loss_speed.md to --out; the Markdown table is printed last.
+--chunk-rows times the fused loss at each chunk size given, eager and compiled (default: modeling.fused_ce.CHUNK_ROWS,
+the rows then named without it). Writes loss_speed.json and loss_speed.md to --out; the Markdown table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -27,7 +29,7 @@ from bench.loss_numerics import plain_cross_entropy
 from bench.measure import peak_memory_gib, reset_peak_memory, synchronize
 from bench.report import device_name
 from modeling.config import REAL_VOCAB_SIZE, get_preset
-from modeling.fused_ce import fused_linear_cross_entropy
+from modeling.fused_ce import CHUNK_ROWS, fused_linear_cross_entropy
 from training.compile_cache import isolate_inductor_cache
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls (the first one compiles)")
     p.add_argument("--steps", type=int, default=10, help="timed calls; the median is reported")
     p.add_argument("--dynamo-backend", default="inductor", help="torch.compile backend of the compiled rows")
+    p.add_argument("--chunk-rows", type=int, nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
     isolate_inductor_cache()
@@ -80,9 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     fns: dict[str, LossFn] = {
         "F.cross_entropy, full logits": plain_cross_entropy,
         "F.cross_entropy, full logits, compiled": torch.compile(plain_cross_entropy, backend=args.dynamo_backend),
-        "fused (modeling.fused_ce)": fused_linear_cross_entropy,
-        "fused (modeling.fused_ce), compiled": torch.compile(fused_linear_cross_entropy, backend=args.dynamo_backend),
     }
+    for rows in args.chunk_rows:
+        fused = functools.partial(fused_linear_cross_entropy, chunk_rows=rows)
+        name = "fused (modeling.fused_ce)" + ("" if args.chunk_rows == [CHUNK_ROWS] else f", {rows}-row chunks")
+        fns[name] = fused
+        fns[f"{name}, compiled"] = torch.compile(fused, backend=args.dynamo_backend)
     rows = {}
     for name, fn in fns.items():
         rows[name] = time_loss(fn, h, weight, targets, args.precision, args.warmup, args.steps)

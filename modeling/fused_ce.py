@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss", has the timings).
-CHUNK_ROWS = 256
+# Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss" and "Chunk size on a Zen 5", has
+# the timings: on the CPU a chunk's bf16 grad_w product costs a pass over 25 MB more in the sum, so fewer chunks win).
+CHUNK_ROWS = 1024
 MAX_CHUNKS = 8
 
 

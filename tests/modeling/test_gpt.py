@@ -196,8 +196,8 @@ def test_compiled_forward_backward_matches_eager():
     config = dataclasses.replace(TINY, vocab_size=512)  # small head: this test pays for one inductor compile
     eager = tiny_model(config)
     compiled_model = tiny_model(config)
-    # 20 x 16 = 320 rows: two loss chunks (256 + a ragged 64), some of them ignored
-    idx, targets = random_ids(20, 16, vocab=512), random_ids(20, 16, vocab=512, seed=1)
+    # 80 x 16 = 1,280 rows: two loss chunks (CHUNK_ROWS 1,024 + a ragged 256), some of them ignored
+    idx, targets = random_ids(80, 16, vocab=512), random_ids(80, 16, vocab=512, seed=1)
     targets[0, :3] = -100
     _, eager_loss = eager(idx, targets)
     eager_loss.backward()
