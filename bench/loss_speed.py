@@ -31,6 +31,7 @@ from bench.report import device_name
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.fused_ce import CHUNK_ROWS, fused_linear_cross_entropy
 from training.compile_cache import isolate_inductor_cache
+from training.malloc import keep_freed_memory
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     isolate_inductor_cache()
     config, device = get_preset(args.preset), torch.device(args.device)
+    keep_freed_memory(device)  # as training does: no page faults on every big buffer
     n = args.micro_batch_size * config.block_size
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, config.n_embd, generator=g).to(device).requires_grad_()
