@@ -1,6 +1,6 @@
 """Out of memory mid-run, for real: train_accel.py in a process whose address space is capped (RLIMIT_AS) between
-what micro-batch 32 and micro-batch 64 need, so the first step's allocation fails at 64 and the step is retried at
-32 with twice the accumulation. The run must equal one started at micro-batch 32, and so must its resume."""
+what micro-batch 128 and micro-batch 256 need, so the first step's allocation fails at 256 and the step is retried
+at 128 with twice the accumulation. The run must equal one started at micro-batch 128, and so must its resume."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ LIMITED = textwrap.dedent("""
         peak = next(line for line in open("/proc/self/status") if line.startswith("VmPeak:"))
         print(f"address space peak: {int(peak.split()[1]) * 1024}", file=sys.stderr)
 """)
-# 8,192 tokens a step; micro-batch 64 x 64 tokens makes the fused loss's logits chunks twice those of 32 (~100 MB).
-ARGS = ["--total-batch-tokens", "8192", "--max-steps", "3", "--lr", "3e-3", "--warmup-steps", "2",
+# 16,384 tokens a step; micro-batch 256 x 64 tokens (16,384 rows, over MAX_CHUNKS x CHUNK_ROWS) makes the fused
+# loss's logits chunks twice those of 128 (2,048 rows instead of 1,024: ~200 MB more).
+ARGS = ["--total-batch-tokens", "16384", "--max-steps", "3", "--lr", "3e-3", "--warmup-steps", "2",
         "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "2"]  # fmt: skip
 
 
@@ -43,8 +44,8 @@ ARGS = ["--total-batch-tokens", "8192", "--max-steps", "3", "--lr", "3e-3", "--w
 # leaves the address space (by default its heap could keep it), and one arena for all threads (a new thread's
 # arena reserves 64 MiB of address space whenever it first allocates).
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
-# Slices of 32 rows summed as halves of micro-batch 64 are micro-batches of 32: the same sums, bit for bit, in
-# practice; if the cap was tight enough to halve again (16), the order of the sums differs in the last bits.
+# Slices of 128 rows summed as halves of micro-batch 256 are micro-batches of 128: the same sums, bit for bit, in
+# practice; if the cap was tight enough to halve again (64), the order of the sums differs in the last bits.
 TOL = dict(rel=0, abs=2e-6)
 
 
@@ -60,19 +61,19 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_out_of_memory_retries_at_half_the_micro_batch_with_the_same_losses(prepared_books, tmp_path):
-    _, fits = train(tmp_path / "mb32", prepared_books, 32)
-    _, needs = train(tmp_path / "mb64", prepared_books, 64)
+    _, fits = train(tmp_path / "mb128", prepared_books, 128)
+    _, needs = train(tmp_path / "mb256", prepared_books, 256)
     assert needs > fits + 40e6, (needs, fits)  # far enough apart to cap in between
     limit = (fits + needs) // 2
 
-    out, _ = train(tmp_path / "capped", prepared_books, 64, limit)
-    assert "step 1: out of memory at micro-batch 64; retrying at 32 × 4 accumulation (the same 8,192 tokens" in out
-    want = losses(tmp_path / "mb32")
+    out, _ = train(tmp_path / "capped", prepared_books, 256, limit)
+    assert "step 1: out of memory at micro-batch 256; retrying at 128 × 2 accumulation (the same 16,384 tokens" in out
+    want = losses(tmp_path / "mb128")
     assert losses(tmp_path / "capped") == pytest.approx(want, **TOL)
 
     # Resumed at step 2 in a fresh capped process: it runs out of memory again, halves again, and continues on the
-    # same data position (the loader still counts micro-batches of 64).
+    # same data position (the loader still counts micro-batches of 256).
     resume = ["--resume", str(checkpoint_dir(tmp_path / "capped", 2))]
-    out, _ = train(tmp_path / "resumed", prepared_books, 64, limit, *resume)
-    assert "step 3: out of memory at micro-batch 64; retrying at 32 × 4 accumulation" in out
+    out, _ = train(tmp_path / "resumed", prepared_books, 256, limit, *resume)
+    assert "step 3: out of memory at micro-batch 256; retrying at 128 × 2 accumulation" in out
     assert losses(tmp_path / "resumed") == pytest.approx({3: want[3]}, **TOL)
