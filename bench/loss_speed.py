@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         "F.cross_entropy, full logits": plain_cross_entropy,
         "F.cross_entropy, full logits, compiled": torch.compile(plain_cross_entropy, backend=args.dynamo_backend),
     }
-    for rows in args.chunk_rows:
-        fused = functools.partial(fused_linear_cross_entropy, chunk_rows=rows)
-        name = "fused (modeling.fused_ce)" + ("" if args.chunk_rows == [CHUNK_ROWS] else f", {rows}-row chunks")
+    for chunk_rows in args.chunk_rows:
+        fused = functools.partial(fused_linear_cross_entropy, chunk_rows=chunk_rows)
+        name = "fused (modeling.fused_ce)" + ("" if args.chunk_rows == [CHUNK_ROWS] else f", {chunk_rows}-row chunks")
         fns[name] = fused
         fns[f"{name}, compiled"] = torch.compile(fused, backend=args.dynamo_backend)
     rows = {}
