@@ -307,6 +307,7 @@ def full_recipe_trainer(
         device_type=device.type,
         muon_lr=TRAIN.muon_lr,
         muon_momentum=TRAIN.muon_momentum,
+        mixed_precision=accelerator.mixed_precision,
     )
     prepared, built = accelerator.prepare(model, built)
     tokens_per_step = micro_batch_size * config.block_size

@@ -174,7 +174,7 @@ def setup(cfg: TrainConfig) -> Run:
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
-        muon_momentum=cfg.muon_momentum,
+        muon_momentum=cfg.muon_momentum, mixed_precision=accelerator.mixed_precision,
     )  # fmt: skip
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(

@@ -37,14 +37,67 @@ def lr_multiplier(
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+def newton_schulz_dtype(mixed_precision: str) -> torch.dtype:
+    """Muon's Newton-Schulz matmuls in bf16 where the run's matmuls are (its launch YAML says bf16: GPUs, AMX and
+    Zen 4/5 CPUs, where bf16 is the fast dtype), else in fp32: on the CPUs that train in fp32 (AVX2-only, Xeons
+    without AMX) and on fp16 GPUs, bf16 matmuls are emulated or slower (BENCHMARKS.md, "Muon's Newton-Schulz")."""
+    return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iterations in ``ns_dtype``. torch's own casts the update to bf16;
+    with ns_dtype=torch.bfloat16 this step is torch's, bit for bit (tests/training/test_optim.py). Its arguments,
+    groups and state (momentum_buffer) are torch's, with Keller Jordan's lr scaling ("original": sqrt(max(1,
+    rows / cols)), the one whose lr 0.02 modded-nanogpt tuned)."""
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(params, adjust_lr_fn="original", **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError("Muon.step takes no closure")
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            lr, momentum = group["lr"], group["momentum"]
+            for param, grad, buffer in zip(params, grads, buffers, strict=True):
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                param.mul_(1 - lr * group["weight_decay"])
+                rows, cols = param.shape
+                param.add_(update, alpha=-lr * math.sqrt(max(1, rows / cols)))
+
+
+def newton_schulz(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Keller Jordan's quintic Newton-Schulz iteration towards the nearest semi-orthogonal matrix, in dtype, as
+    torch.optim.Muon runs it in bf16: the wide orientation, the Frobenius norm scaled to at most 1."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 class AdamWWithMuon(torch.optim.Optimizer):
-    """AdamW and torch.optim.Muon as one optimizer, for what takes exactly one (the Trainer, accelerate's prepare,
+    """AdamW and Muon as one optimizer, for what takes exactly one (the Trainer, accelerate's prepare,
     save_state and load_state, one LambdaLR): step() steps both, state_dict() holds both, and param_groups and
     state are both optimizers' own, read live (load_state_dict replaces them), so the schedule scales each group
     from its own initial lr. Muon has no fused found_inf, so neither has this (no _step_supports_amp_scaling):
     the Trainer reads each step's finiteness verdict before stepping."""
 
-    def __init__(self, adamw: torch.optim.AdamW, muon: torch.optim.Muon) -> None:
+    def __init__(self, adamw: torch.optim.AdamW, muon: Muon) -> None:
         self.adamw, self.muon = adamw, muon
         super().__init__([{"params": []}], {})  # an Optimizer's hooks; its groups and state are the two below
 
@@ -86,18 +139,21 @@ def build_optimizer(
     device_type: str,
     muon_lr: float = 0.02,
     muon_momentum: float = 0.95,
+    mixed_precision: str = "no",
 ) -> torch.optim.Optimizer:
     """AdamW over the groups, fused where torch has a fused kernel for the device (CUDA, and CPU since torch 2.4),
-    else foreach. A group named "muon" (GPT.optimizer_groups(muon=True)) goes to torch.optim.Muon instead, with
-    Nesterov momentum and Keller Jordan's lr scaling ("original": sqrt(max(1, rows / cols)), the one whose lr
-    0.02 modded-nanogpt tuned; "match_rms_adamw" would instead make muon_lr an AdamW-sized lr), the rest to AdamW."""
+    else foreach. A group named "muon" (GPT.optimizer_groups(muon=True)) goes to Muon instead (torch's, Nesterov
+    momentum, Keller Jordan's lr scaling), its Newton-Schulz in the dtype newton_schulz_dtype picks for the run's
+    mixed precision; the rest to AdamW."""
     fused = device_type in ("cuda", "cpu")
     adamw_groups = [g for g in param_groups if g.get("name") != "muon"]
     adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=1e-8, fused=fused, foreach=None if fused else True)
     muon_groups = [g for g in param_groups if g.get("name") == "muon"]
     if not muon_groups:
         return adamw
-    muon = torch.optim.Muon(muon_groups, lr=muon_lr, momentum=muon_momentum, nesterov=True, adjust_lr_fn="original")
+    muon = Muon(
+        muon_groups, lr=muon_lr, momentum=muon_momentum, nesterov=True, ns_dtype=newton_schulz_dtype(mixed_precision)
+    )
     return AdamWWithMuon(adamw, muon)
 
 

@@ -10,7 +10,14 @@ import torch
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from training.loop import budget_steps
-from training.optim import AdamWWithMuon, Schedule, build_optimizer, build_scheduler, lr_multiplier
+from training.optim import (
+    AdamWWithMuon,
+    Schedule,
+    build_optimizer,
+    build_scheduler,
+    lr_multiplier,
+    newton_schulz,
+)
 
 
 def test_warmup_is_linear_then_cosine_reaches_floor():
@@ -94,20 +101,22 @@ def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generat
 SCHEDULE = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.5)
 
 
-def muon_run(model: GPT, momentum_warmup: int = 0) -> tuple[AdamWWithMuon, Schedule]:
+def muon_run(model: GPT, momentum_warmup: int = 0, mixed_precision: str = "no") -> tuple[AdamWWithMuon, Schedule]:
     optimizer = build_optimizer(model.optimizer_groups(0.1, muon=True), lr=3e-3, betas=(0.9, 0.95),
-                                device_type="cpu", muon_lr=0.02, muon_momentum=0.9)  # fmt: skip
+                                device_type="cpu", muon_lr=0.02, muon_momentum=0.9,
+                                mixed_precision=mixed_precision)  # fmt: skip
     return optimizer, build_scheduler(optimizer, **SCHEDULE, momentum_warmup=momentum_warmup)
 
 
 def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_hand():
-    """build_optimizer's one object == torch.optim.Muon on the blocks' matrices + AdamW on the rest, each with
-    its own LambdaLR, stepped side by side (the update acts on fp32 master weights in every precision). Each
-    group must be in its optimizer (a wrong one would change the update) and scheduled from its own peak lr."""
+    """build_optimizer's one object, in a bf16 run, == torch.optim.Muon on the blocks' matrices + AdamW on the
+    rest, each with its own LambdaLR, stepped side by side (the update acts on fp32 master weights in every
+    precision). Each group must be in its optimizer (a wrong one would change the update) and scheduled from its
+    own peak lr."""
     torch.manual_seed(0)
     model = GPT(get_preset("tiny-cpu"))
     start, twin = copy.deepcopy(model.state_dict()), copy.deepcopy(model)
-    ours, schedule = muon_run(model)
+    ours, schedule = muon_run(model, mixed_precision="bf16")
     assert isinstance(ours, AdamWWithMuon) and [g["name"] for g in ours.param_groups] == ["decay", "no_decay", "muon"]
     train(model, [ours], [schedule], torch.Generator().manual_seed(0), steps=5)
 
@@ -129,6 +138,67 @@ def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_
         assert torch.equal(p, trained[name]), name  # the same updates on the same gradients, bit for bit
     peak = lr_multiplier(5, **SCHEDULE)  # one schedule scales each group from its own peak
     assert [g["lr"] for g in ours.param_groups] == pytest.approx([3e-3 * peak] * 2 + [0.02 * peak])
+
+
+def newton_schulz_inputs() -> dict[str, torch.Tensor]:
+    """Momentum-smoothed updates as long training has them: tall and wide, a few directions dominating (singular
+    values over 4 decades), and tiny (late in a decay, whose Frobenius norm is still above Muon's eps)."""
+    g = torch.Generator().manual_seed(0)
+
+    def spectrum(rows: int, cols: int, scale: float) -> torch.Tensor:
+        u, _ = torch.linalg.qr(torch.randn(rows, rows, generator=g, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=g, dtype=torch.float64))
+        k = min(rows, cols)
+        return scale * (u[:, :k] * torch.logspace(0, -4, k, dtype=torch.float64)) @ v[:, :k].T
+
+    return {
+        "tall 384x128, random": torch.randn(384, 128, generator=g, dtype=torch.float64),
+        "wide 128x512, 4 decades": spectrum(128, 512, 1.0),
+        "tall 512x128, 4 decades, tiny": spectrum(512, 128, 1e-5),
+    }
+
+
+@pytest.mark.parametrize("name", list(newton_schulz_inputs()))
+def test_newton_schulz_in_fp32_is_close_to_fp64_and_far_closer_than_torchs_bf16(name):
+    """fp32 runs (the CPUs whose bf16 is emulated, fp16 GPUs) keep Muon's orthogonalization within 1e-5 of the
+    same iteration in fp64, thousands of times closer than bf16 (torch's dtype, kept for bf16 runs), on the same
+    fp32 input."""
+    update = newton_schulz_inputs()[name].float()
+    coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7  # torch.optim.Muon's defaults
+    exact = newton_schulz(update.double(), coefficients, steps, eps, torch.float64)
+    fp32 = newton_schulz(update, coefficients, steps, eps, torch.float32)
+    bf16 = newton_schulz(update, coefficients, steps, eps, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and fp32.shape == update.shape
+    fp32_error = (fp32.double() - exact).abs().max().item()
+    bf16_error = (bf16.double() - exact).abs().max().item()
+    assert torch.linalg.matrix_norm(exact, ord=2) > 0.5  # an orthogonalized update, whatever the input's scale
+    assert fp32_error < 1e-5 and fp32_error < bf16_error / 100, (fp32_error, bf16_error)
+
+
+def test_muon_steps_in_the_precision_of_the_run():
+    """bf16 runs keep torch's bf16 Newton-Schulz; fp32 and fp16 runs (no fast bf16) get fp32, which trains the
+    blocks differently from bf16 but within fp32 rounding of the same run in fp64 (5 steps on the tiny GPT)."""
+    groups = lambda model: model.optimizer_groups(0.1, muon=True)  # noqa: E731
+    for precision, dtype in [("bf16", torch.bfloat16), ("no", torch.float32), ("fp16", torch.float32)]:
+        optimizer = build_optimizer(groups(GPT(get_preset("tiny-cpu"))), lr=3e-3, betas=(0.9, 0.95),
+                                    device_type="cpu", mixed_precision=precision)  # fmt: skip
+        assert optimizer.muon.ns_dtype == dtype, precision
+    torch.manual_seed(0)
+    runs = {precision: GPT(get_preset("tiny-cpu")) for precision in ("bf16", "no")}
+    runs["no"].load_state_dict(runs["bf16"].state_dict())
+    exact = copy.deepcopy(runs["no"]).double()
+    for precision, model in runs.items():
+        optimizer, schedule = muon_run(model, mixed_precision=precision)
+        train(model, [optimizer], [schedule], torch.Generator().manual_seed(0), steps=5)
+    optimizer, schedule = muon_run(exact)
+    optimizer.muon.ns_dtype = torch.float64
+    train(exact, [optimizer], [schedule], torch.Generator().manual_seed(0), steps=5)
+    reference = dict(exact.named_parameters())
+    for name, p in runs["no"].named_parameters():
+        if name.startswith("transformer.h.") and p.dim() == 2:  # Muon's
+            fp32_error = (p.double() - reference[name]).abs().max().item()
+            bf16_error = (dict(runs["bf16"].named_parameters())[name].double() - reference[name]).abs().max().item()
+            assert fp32_error < 1e-5 and fp32_error < bf16_error / 10, (name, fp32_error, bf16_error)
 
 
 def test_muon_momentum_warms_up_linearly_and_adamw_is_left_alone():
