@@ -37,7 +37,7 @@ from training.compile_cache import isolate_inductor_cache
 from training.config import OPTIMIZERS
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
-MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around torch.optim.Muon.step
+MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
 KINDS: list[tuple[str, Callable[[str], bool]]] = [

@@ -80,7 +80,8 @@ class TrainConfig:
     optimizer: str = field(
         default="adamw",
         metadata={
-            "help": "adamw: AdamW for every tensor; muon: torch.optim.Muon for the blocks' 2-D matrices (at muon_lr) "
+            "help": "adamw: AdamW for every tensor; muon: torch.optim.Muon (its Newton-Schulz in the launch YAML's "
+            "precision, bf16 or fp32) for the blocks' 2-D matrices (at muon_lr) "
             "and AdamW (at lr) for the embeddings, LayerNorm gains and biases"
         },
     )
