@@ -43,7 +43,7 @@ from training.metrics import (
     plot_losses,
     precision_name,
 )
-from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler
+from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler, newton_schulz_dtype
 from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
 
@@ -282,7 +282,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
         f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
         f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
-        + describe_optimizer(cfg, param_groups)
+        + describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
     )
 
 
@@ -294,8 +294,9 @@ def describe_steps(run: Run) -> str:
     return f"as many steps as fit in {budget:g} min of training (at most {run.total_steps}; timed in the warmup)"
 
 
-def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
-    """The optimizer(s) with their peak lrs and parameter groups, then the schedule (the start-up line's end)."""
+def describe_optimizer(cfg: TrainConfig, param_groups: list[dict], mixed_precision: str) -> str:
+    """The optimizer(s) with their peak lrs and parameter groups (Muon's with the dtype of its Newton-Schulz
+    iterations), then the schedule (the start-up line's end)."""
 
     def listing(groups: list[dict]) -> str:
         return ", ".join(f"{len(g['params'])} tensors {g['name']} (wd {g['weight_decay']:g})" for g in groups)
@@ -306,7 +307,8 @@ def describe_optimizer(cfg: TrainConfig, param_groups: list[dict]) -> str:
         momentum, warmup = f"momentum {cfg.muon_momentum:g}", cfg.muon_momentum_warmup_steps
         if warmup:
             momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
-        text = f"Muon lr {cfg.muon_lr:g} {momentum}: {listing(muon)}; {text}"
+        ns = str(newton_schulz_dtype(mixed_precision)).removeprefix("torch.")
+        text = f"Muon lr {cfg.muon_lr:g} {momentum}, Newton-Schulz in {ns}: {listing(muon)}; {text}"
     decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
     return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 
