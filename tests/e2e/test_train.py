@@ -105,9 +105,11 @@ def batch_layout_runs(request, prepared_books, tmp_path_factory):
     assert (
         "2 process(es)" in runs["2proc_mb4_x2"].stdout and "2 accumulation × 2 = 1,024" in runs["2proc_mb4_x2"].stdout
     )
-    groups = "Muon lr 0.02 momentum 0.95, Newton-Schulz in float32: 8 tensors muon (wd 0.1); AdamW lr 0.003: 2 tensors"
+    groups = (
+        "Muon lr 0.02 momentum 0.95, Newton-Schulz in float32: 8 tensors muon (wd 0.1); AdamW lr 0.003: 2 tensors decay"
+    )
     assert (groups in runs["2proc_mb4_x2"].stdout) == (request.param == "muon")  # the start-up line says which
-    return request.param, {"1proc_mb4_x4": root / "a", "1proc_mb16_x1": root / "b", "2proc_mb4_x2": root / "c"}
+    return {"1proc_mb4_x4": root / "a", "1proc_mb16_x1": root / "b", "2proc_mb4_x2": root / "c"}
 
 
 def assert_same_weights(got: Path, want: Path) -> None:
@@ -121,7 +123,7 @@ def assert_same_weights(got: Path, want: Path) -> None:
 
 def test_gradient_accumulation_matches_one_big_micro_batch(batch_layout_runs):
     """micro-batch 4 × accumulation 4 == micro-batch 16 × 1 on the same tokens (fp32; summation order only)."""
-    _, runs = batch_layout_runs
+    runs = batch_layout_runs
     a, b = runs["1proc_mb4_x4"], runs["1proc_mb16_x1"]
     assert len(losses(a)) == 10
     torch.testing.assert_close(torch.tensor(losses(a)), torch.tensor(losses(b)), rtol=1e-4, atol=1e-4)
@@ -130,7 +132,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(batch_layout_runs):
 
 def test_ddp_two_processes_match_one_process_with_double_accumulation(batch_layout_runs):
     """Real 2-process gloo DDP (mb 4 × accum 2 × 2 ranks) == 1 process (mb 4 × accum 4): same curve and weights."""
-    _, runs = batch_layout_runs
+    runs = batch_layout_runs
     one, two = runs["1proc_mb4_x4"], runs["2proc_mb4_x2"]
     torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), rtol=1e-4, atol=1e-4)
     assert_same_weights(two, one)
@@ -143,7 +145,7 @@ def test_export_holds_the_trained_weights_whatever_the_optimizer(batch_layout_ru
     embedding/head's 50,257 real rows: GPT-2 has no padded ones)."""
     from modeling.hf_export import load_hf
 
-    run = batch_layout_runs[1]["2proc_mb4_x2"]
+    run = batch_layout_runs["2proc_mb4_x2"]
     exported = load_hf(run / "export").state_dict()
     for name, w in final_weights(run).items():
         assert torch.equal(exported[name][:REAL_VOCAB_SIZE], w[:REAL_VOCAB_SIZE]), name
@@ -156,7 +158,7 @@ def val_losses(run_dir: Path) -> list[float]:
 def test_val_loss_is_the_same_on_any_layout(batch_layout_runs):
     """One set of val windows whatever the number of processes and the micro-batch size: at step 0 (the same
     weights) the val losses agree to fp32 summation order, and after 10 steps as the weights do."""
-    runs = [val_losses(run) for run in batch_layout_runs[1].values()]
+    runs = [val_losses(run) for run in batch_layout_runs.values()]
     assert all(len(v) == 2 for v in runs)
     for other in runs[1:]:
         torch.testing.assert_close(other[0], runs[0][0], rtol=1e-6, atol=0.0)

@@ -178,10 +178,9 @@ def test_newton_schulz_in_fp32_is_close_to_fp64_and_far_closer_than_torchs_bf16(
 def test_muon_steps_in_the_precision_of_the_run():
     """bf16 runs keep torch's bf16 Newton-Schulz; fp32 and fp16 runs (no fast bf16) get fp32, which trains the
     blocks differently from bf16 but within fp32 rounding of the same run in fp64 (5 steps on the tiny GPT)."""
-    groups = lambda model: model.optimizer_groups(0.1, muon=True)  # noqa: E731
     for precision, dtype in [("bf16", torch.bfloat16), ("no", torch.float32), ("fp16", torch.float32)]:
-        optimizer = build_optimizer(groups(GPT(get_preset("tiny-cpu"))), lr=3e-3, betas=(0.9, 0.95),
-                                    device_type="cpu", mixed_precision=precision)  # fmt: skip
+        groups = GPT(get_preset("tiny-cpu")).optimizer_groups(0.1, muon=True)  # optimizers fill in their groups
+        optimizer = build_optimizer(groups, lr=3e-3, betas=(0.9, 0.95), device_type="cpu", mixed_precision=precision)
         assert optimizer.muon.ns_dtype == dtype, precision
     torch.manual_seed(0)
     runs = {precision: GPT(get_preset("tiny-cpu")) for precision in ("bf16", "no")}
@@ -193,11 +192,11 @@ def test_muon_steps_in_the_precision_of_the_run():
     optimizer, schedule = muon_run(exact)
     optimizer.muon.ns_dtype = torch.float64
     train(exact, [optimizer], [schedule], torch.Generator().manual_seed(0), steps=5)
-    reference = dict(exact.named_parameters())
+    reference, bf16 = dict(exact.named_parameters()), dict(runs["bf16"].named_parameters())
     for name, p in runs["no"].named_parameters():
         if name.startswith("transformer.h.") and p.dim() == 2:  # Muon's
             fp32_error = (p.double() - reference[name]).abs().max().item()
-            bf16_error = (dict(runs["bf16"].named_parameters())[name].double() - reference[name]).abs().max().item()
+            bf16_error = (bf16[name].double() - reference[name]).abs().max().item()
             assert fp32_error < 1e-5 and fp32_error < bf16_error / 10, (name, fp32_error, bf16_error)
 
 
