@@ -45,7 +45,7 @@ KINDS: list[tuple[str, Callable[[str], bool]]] = [
     ("attention (SDPA flash, fwd + bwd)", lambda n: "scaled_dot_product" in n or "flash_attention" in n),
     ("fused loss: softmax over the vocab (inductor)", lambda n: "cpp_fused" in n and "exp" in n),
     ("LayerNorm (inductor)", lambda n: "cpp_fused" in n and "layer_norm" in n),
-    ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n)),
+    ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n or "sigmoid" in n)),
     ("other fused kernels: residuals, casts, bias grads (inductor)", lambda n: "cpp_fused" in n),
     ("embedding fwd/bwd", lambda n: "embedding" in n or "index" in n),
     ("zeroing (fill_, zero_)", lambda n: n in ("aten::fill_", "aten::zero_") or "zero_grad" in n),
