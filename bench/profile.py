@@ -33,16 +33,21 @@ from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
 from data_prep import ensure_default_corpus
 from data_prep.loader import TokenLoader
 from modeling.config import get_preset
+from modeling.cpu_attention import bf16_products
 from training.compile_cache import isolate_inductor_cache
 from training.config import OPTIMIZERS
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
 MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
+BF16_MATH = "bookgpt::bf16_products"  # modeling.cpu_attention's op: its matmuls run in oneDNN's bf16 math mode
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
 KINDS: list[tuple[str, Callable[[str], bool]]] = [
     ("matmul (mm, addmm, bmm)", lambda n: n in MATMULS),
-    ("attention (SDPA flash, fwd + bwd)", lambda n: "scaled_dot_product" in n or "flash_attention" in n),
+    (
+        "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)",
+        lambda n: "scaled_dot_product" in n or "flash_attention" in n or "_softmax" in n or "bf16_products" in n,
+    ),
     ("fused loss: softmax over the vocab (inductor)", lambda n: "cpp_fused" in n and "exp" in n),
     ("LayerNorm (inductor)", lambda n: "cpp_fused" in n and "layer_norm" in n),
     ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n or "sigmoid" in n)),
@@ -104,8 +109,17 @@ def matmul_calls(prof: profile, steps: int) -> dict[tuple, int]:
             shapes = tuple(tuple(s) for s in e.structured_input_shapes if s)
             strides = tuple(tuple(s) for s in e.structured_input_strides if s)
             dtypes = tuple(d for d, s in zip(e.input_dtypes, e.structured_input_shapes, strict=False) if s)
-            calls[(e.name, shapes[:3], strides[:3], dtypes[:3])] += 1
+            op = f"{e.name} ({BF16_MATH})" if under(e, BF16_MATH) else e.name
+            calls[(op, shapes[:3], strides[:3], dtypes[:3])] += 1
     return {k: v // steps for k, v in calls.items()}
+
+
+def under(event: Any, name: str) -> bool:
+    """Whether the profiler event ran inside an op of that name."""
+    parent = event.cpu_parent
+    while parent is not None and parent.name != name:
+        parent = parent.cpu_parent
+    return parent is not None
 
 
 DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
@@ -129,9 +143,10 @@ def time_matmul(op: str, shapes: tuple, strides: tuple, dtypes: tuple, repeats: 
         c, a, b = args[:3]
         run = (lambda: c.addmm_(a, b)) if op == "aten::addmm_" else (lambda: torch.addmm(c, a, b))
         flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    else:  # bmm, baddbmm
-        a, b = args[-2:]
-        run, flop = (lambda: torch.bmm(a, b)), 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    else:  # bmm (a third is out=), baddbmm (the first is the bias)
+        a, b = args[-2:] if op == "aten::baddbmm" else args[:2]
+        bmm = bf16_products if op.endswith(f"({BF16_MATH})") else torch.bmm
+        run, flop = (lambda: bmm(a, b)), 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
     run()
     times = []
     for _ in range(repeats):
@@ -208,7 +223,7 @@ def print_matmul_bound(calls: dict[tuple, int], in_step_ms: float, step_ms: floa
     rows: list[tuple[Any, ...]] = []
     for (op, shapes, strides, dtypes), count in calls.items():
         ms, gflop = time_matmul(op, shapes, strides, dtypes)
-        operands = shapes[:2] if op == "aten::mm" else shapes[-2:]  # addmm's first is the bias
+        operands = shapes[-2:] if op in ("aten::addmm", "aten::addmm_", "aten::baddbmm") else shapes[:2]  # a bias first
         rows.append((f"{op} {' @ '.join('x'.join(map(str, s)) for s in operands)}", dtypes[-1], count, ms, gflop))
     alone = sum(count * ms for _, _, count, ms, _ in rows)
     gflop = sum(count * g for _, _, count, _, g in rows)

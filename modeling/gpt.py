@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from modeling import cpu_attention
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.fused_ce import fused_linear_cross_entropy
 
@@ -34,10 +35,11 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        # is_causal masks inside the fused kernel, so no (T, T) mask buffer is stored or read.
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        if cpu_attention.takes(q, dropout_p):  # a CPU at short context: whole batched matmuls beat flash's blocks
+            y = cpu_attention.causal_attention(q, k, v)
+        else:  # is_causal masks inside the fused kernel, so no (T, T) mask buffer is stored or read
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.profile import MUON_STEP, kind_of, matmul_calls, time_matmul
+from bench.profile import BF16_MATH, MUON_STEP, kind_of, matmul_calls, time_matmul
 from bench.report import cpu_model
 from bench.rungs import REPO, full_recipe_trainer, launch_config
 from modeling.config import get_preset
+from modeling.cpu_attention import causal_attention
 
 
 def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
@@ -38,6 +39,22 @@ def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
     assert gflop == pytest.approx(2 * 32 * 16 * 8 / 1e9)
 
 
+def test_the_cpu_attention_matmuls_are_timed_in_its_bf16_math_mode():
+    """modeling.cpu_attention's bf16 products are aten::bmm calls on fp32 tensors inside its op: timed alone as plain
+    fp32 bmm they would be charged at MKL's fp32 speed, so they are marked and timed through the op."""
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        causal_attention(q, k, v).sum().backward()
+    calls = matmul_calls(prof, steps=1)
+    assert sum(calls.values()) == 6  # scores and output forward; four products backward
+    assert {op for op, *_ in calls} == {f"aten::bmm ({BF16_MATH})"}
+    op, shapes, strides, dtypes = next(iter(calls))
+    assert time_matmul(op, shapes, strides, dtypes, repeats=1)[1] == pytest.approx(2 * 2 * 16 * 16 * 8 / 1e9)
+
+
+ATTENTION = "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)"
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [
@@ -49,7 +66,9 @@ def test_the_matmuls_of_a_step_are_found_with_their_layout_and_timed_alone():
         ("graph_0_cpp_fused__to_copy_add_mul_sigmoid_sigmoid_backward_sum_view_1", "GELU (inductor)"),
         ("aten::_fused_adamw_", "optimizer (AdamW)"),
         ("Optimizer.zero_grad#AdamW.zero_grad", "zeroing (fill_, zero_)"),
-        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention (SDPA flash, fwd + bwd)"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", ATTENTION),
+        ("graph_0_cpp_fused__softmax_gt_mul_scalar_tensor_unsqueeze_where_1", ATTENTION),
+        ("graph_0_cpp_fused__softmax_backward_data_gt_mul_scalar_tensor_unsqueeze_where_4", ATTENTION),
     ],
 )  # fmt: skip
 def test_kernels_are_sorted_by_what_they_compute(name: str, kind: str):
