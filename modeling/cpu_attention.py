@@ -36,7 +36,8 @@ def bf16_products(a: Tensor, b: Tensor) -> Tensor:
     before = torch.backends.mkldnn.matmul.fp32_precision
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     try:
-        return _dense(a) @ _dense(b)
+        with torch.autocast("cpu", enabled=False):  # eager bf16 autocast would make it a bf16 matmul, bf16 result
+            return _dense(a) @ _dense(b)
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = before
 

@@ -65,6 +65,17 @@ def test_bf16_products_sum_in_fp32_and_round_no_more_than_to_bf16():
     assert (got - rounded).abs().max() < 1e-4  # values ~20: a bf16 result would be ~0.06 off
 
 
+def test_bf16_autocast_changes_nothing():
+    """Under a bf16 launch YAML without compile (cpu_eager.yaml --mixed_precision bf16) autocast is on around the op:
+    its matmuls must stay fp32 sums, as without autocast."""
+    q, k, v = attention_inputs(3.0, torch.bfloat16, T=32)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = output_and_grads(causal_attention, q, k, v, grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = output_and_grads(causal_attention, q, k, v, grad)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_leaves_the_global_matmul_precision_as_it_found_it():
     before = torch.backends.mkldnn.matmul.fp32_precision
     q, k, v = attention_inputs(1.0, torch.bfloat16, T=16)
