@@ -63,10 +63,13 @@ bf16_products.register_autograd(_backward, setup_context=_setup_context)
 
 
 def takes(q: Tensor, dropout_p: float) -> bool:
-    """Whether this path runs: bf16 or fp32 on a CPU, without attention dropout, up to MAX_T."""
+    """Whether this path runs: training (autograd records q) in bf16 or fp32 on a CPU, without attention dropout, up
+    to MAX_T. Inference keeps flash: the gain is in backward, and an eager fp32 forward alone is slower here."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.bfloat16, torch.float32)
+        and q.requires_grad
+        and torch.is_grad_enabled()
         and dropout_p == 0.0
         and q.shape[-2] <= MAX_T
     )

@@ -84,11 +84,14 @@ def test_leaves_the_global_matmul_precision_as_it_found_it():
     assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
-def test_takes_cpu_bf16_and_fp32_up_to_max_t_without_dropout():
+def test_takes_cpu_training_in_bf16_and_fp32_up_to_max_t_without_dropout():
     def q(T: int = MAX_T, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.empty(1, 1, T, 8, dtype=dtype)
+        return torch.empty(1, 1, T, 8, dtype=dtype, requires_grad=True)
 
     assert cpu_attention.takes(q(), 0.0) and cpu_attention.takes(q(dtype=torch.float32), 0.0)
     assert not cpu_attention.takes(q(MAX_T + 1), 0.0)  # flash is faster at long context (and keeps no T x T)
     assert not cpu_attention.takes(q(), 0.1)  # attention dropout: SDPA's
     assert not cpu_attention.takes(q(dtype=torch.float16), 0.0)
+    assert not cpu_attention.takes(q().detach(), 0.0)  # inference: flash
+    with torch.no_grad():
+        assert not cpu_attention.takes(q(), 0.0)
