@@ -6,7 +6,7 @@ batched matmul. In bf16 runs oneDNN takes them in its bf16 math mode on fp32 ten
 (q, k, v and dO already are bf16 values: exact), products summed in fp32, results fp32, as inside flash's blocks.
 The scores, the softmax and its gradient stay fp32 in between, so nothing is rounded that flash keeps. The price is
 the (B, H, T, T) fp32 probabilities kept for backward (flash recomputes them) and the masked half of the scores
-computed anyway, hence the cap on T (BENCHMARKS.md, "Attention as whole matmuls on a CPU").
+computed anyway, hence the cap on T (BENCHMARKS.md, "Attention as whole matmuls, and GELU through its sigmoid").
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The longest sequence this path takes. One layer's fwd + bwd against flash on a Zen 5, bf16: 0.50-0.54x the time
+# The longest sequence this path takes. One layer's fwd + bwd against flash on a Zen 5, bf16: 0.50-0.58x the time
 # at T 256, 0.60x at 512, 1.0-1.06x at 1,024; the saved probabilities cost B x H x T^2 x 4 bytes a layer.
 MAX_T = 512
 

@@ -48,7 +48,7 @@ class TanhGELU(nn.Module):
     """GPT-2's GELU ("gelu_new"; the exact erf GELU would break HF parity): 0.5 x (1 + tanh(u)), u = sqrt(2/pi)
     (x + 0.044715 x^3). Compiled, it takes the identity 0.5 (1 + tanh(u)) = sigmoid(2u), in fp32: inductor's CPU
     kernels run sigmoid (one exp) 2-3x faster than tanh, and it stays accurate where 1 + tanh(u) cancels (x < -3).
-    Eager keeps F.gelu's one kernel (BENCHMARKS.md, "GELU through sigmoid")."""
+    Eager keeps F.gelu's one kernel (BENCHMARKS.md, "Attention as whole matmuls, and GELU through its sigmoid")."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():
