@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.loss_numerics import relative_errors
 from modeling import cpu_attention
 from modeling.cpu_attention import MAX_T, bf16_products, causal_attention
 
@@ -26,10 +27,6 @@ def attention_inputs(sharpness: float, dtype: torch.dtype, T: int = 200) -> list
 def output_and_grads(attention, q, k, v, grad: torch.Tensor) -> list[torch.Tensor]:
     out = attention(q, k, v)
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
-
-
-def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
-    return [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
 
 
 @pytest.mark.parametrize("sharpness", [1.0, 3.0, 6.0])
