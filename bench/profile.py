@@ -32,6 +32,7 @@ from bench.report import cpu_model
 from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
 from data_prep import ensure_default_corpus
 from data_prep.loader import TokenLoader
+from modeling import cpu_linear
 from modeling.config import get_preset
 from modeling.cpu_attention import bf16_products
 from training.compile_cache import isolate_inductor_cache
@@ -39,7 +40,8 @@ from training.config import OPTIMIZERS
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
 MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
-MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
+ONEDNN_LINEAR = "mkldnn::_linear_pointwise"  # modeling.cpu_linear's fp32 products on AMD CPUs: x @ weight.T (+ bias)
+MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", ONEDNN_LINEAR}
 BF16_MATH = "bookgpt::bf16_products"  # modeling.cpu_attention's op: its matmuls run in oneDNN's bf16 math mode
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
 KINDS: list[tuple[str, Callable[[str], bool]]] = [
@@ -139,6 +141,10 @@ def time_matmul(op: str, shapes: tuple, strides: tuple, dtypes: tuple, repeats: 
     if op == "aten::mm":
         a, b = args[:2]  # a third is out=
         run, flop = (lambda: torch.mm(a, b)), 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    elif op == ONEDNN_LINEAR:
+        x, weight = args[:2]
+        bias = args[2] if len(args) > 2 else None
+        run, flop = (lambda: cpu_linear.onednn_linear(x, weight, bias)), 2 * x.numel() * weight.shape[0]
     elif op in ("aten::addmm", "aten::addmm_"):
         c, a, b = args[:3]
         run = (lambda: c.addmm_(a, b)) if op == "aten::addmm_" else (lambda: torch.addmm(c, a, b))
@@ -210,11 +216,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
     dtype = {"bf16": "c10::BFloat16", "fp32": "float"}[args.precision]
-    probe_ms, probe_gflop = time_matmul("aten::mm", ((2048, 2048),) * 2, ((2048, 1),) * 2, (dtype, dtype))
+    # the peak of the kernels the step's matmuls run: on AMD CPUs fp32 takes oneDNN's (modeling.cpu_linear)
+    probe = ONEDNN_LINEAR if args.precision == "fp32" and cpu_linear.ON_AMD else "aten::mm"
+    probe_ms, probe_gflop = time_matmul(probe, ((2048, 2048),) * 2, ((2048, 1),) * 2, (dtype, dtype))
     peak = probe_gflop / probe_ms * 1e3
     print(
         f"MFU: the step's model FLOPs (6N + 12LTC, {step_gflop:.0f} GFLOP) at {step_gflop / step_ms * 1e3:.0f} "
-        f"GFLOP/s, {step_gflop / step_ms * 1e3 / peak:.0%} of a 2048x2048 {args.precision} matmul's {peak:.0f} GFLOP/s"
+        f"GFLOP/s, {step_gflop / step_ms * 1e3 / peak:.0%} of a 2048x2048 {args.precision} matmul's {peak:.0f} GFLOP/s "
+        f"({probe})"
     )
 
 
@@ -224,7 +233,9 @@ def print_matmul_bound(calls: dict[tuple, int], in_step_ms: float, step_ms: floa
     for (op, shapes, strides, dtypes), count in calls.items():
         ms, gflop = time_matmul(op, shapes, strides, dtypes)
         operands = shapes[-2:] if op in ("aten::addmm", "aten::addmm_", "aten::baddbmm") else shapes[:2]  # a bias first
-        rows.append((f"{op} {' @ '.join('x'.join(map(str, s)) for s in operands)}", dtypes[-1], count, ms, gflop))
+        a, b = ("x".join(map(str, s)) for s in operands)
+        product = f"{a} @ ({b})ᵀ" if op == ONEDNN_LINEAR else f"{a} @ {b}"  # a linear's weight is (out, in)
+        rows.append((f"{op} {product}", dtypes[-1], count, ms, gflop))
     alone = sum(count * ms for _, _, count, ms, _ in rows)
     gflop = sum(count * g for _, _, count, _, g in rows)
     print("\n| matmul | dtype | calls/step | ms alone | GFLOP/s alone |\n|---|---|---:|---:|---:|")

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modeling import cpu_linear
+
 # Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss" and "Chunk size on a Zen 5", has
 # the timings: on the CPU a chunk's bf16 grad_w product costs a pass over 25 MB more in the sum, so fewer chunks win).
 CHUNK_ROWS = 1024
@@ -23,7 +25,10 @@ MAX_CHUNKS = 8
 def addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out += a @ b in place. An op of its own because torch.compile would otherwise give every chunk's fp32 sum
     a fresh (V, E) buffer and copy the previous sum into it first."""
-    out.addmm_(a, b)
+    if cpu_linear.takes(a, b):  # oneDNN's fp32 kernels, then the sum: still 0.6x MKL's in-place addmm on a Zen 5
+        out.add_(cpu_linear.weight_grad(a.t(), b))
+    else:
+        out.addmm_(a, b)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -59,10 +64,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # The same arithmetic in two forms, each slow in the other mode: inductor writes a scatter_'s (chunk, V)
         # input out whole, eager allocates every where() (BENCHMARKS.md, "Loss accuracy").
         compiled = torch.compiler.is_compiling()
+        # fp32 products on AMD CPUs through oneDNN in training (modeling/cpu_linear.py); x @ w.t() as a linear
+        onednn = (need_grad_h or need_grad_w) and cpu_linear.takes(h_c, w_c)
+        linear = cpu_linear.onednn_linear if onednn else F.linear
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             target = safe_targets[rows]
-            logits = (h_c[rows] @ w_c.t()).to(acc_dtype)  # (chunk, V)
+            logits = linear(h_c[rows], w_c, None).to(acc_dtype)  # (chunk, V)
             target_logit = logits.gather(1, target)  # (chunk, 1)
             # exp() once per logit, in place (eager CPU pays a page fault per touched page of a new big tensor)
             row_max = logits.amax(dim=-1, keepdim=True)
@@ -93,7 +101,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
             if need_grad_h:
-                grad_h[rows] = grad_logits @ w_c
+                grad_h[rows] = linear(grad_logits, w_c.t(), None)
             if need_grad_w:
                 if compute_dtype == acc_dtype:
                     addmm_(grad_w, grad_logits.t(), h_c[rows])

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling import cpu_attention
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.cpu_linear import Linear
 from modeling.fused_ce import fused_linear_cross_entropy
 
 
@@ -24,9 +25,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        # q, k and v for all heads in one matmul
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # q, k and v for all heads in one matmul; Linear is nn.Linear, with fp32 on AMD CPUs through oneDNN
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -61,9 +62,9 @@ class TanhGELU(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = TanhGELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -98,7 +99,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         # Trade compute for memory: store only each block's input and recompute its activations in backward
         # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
         self.activation_checkpointing = False

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 
+from modeling.cpu_linear import matmul
 from modeling.runs import read_metrics
 from modeling.runtime import dtype_name
 
@@ -62,7 +63,8 @@ def measure_matmul_tflops(
     On GPU, n defaults to 8192 (smaller ones leave an H100's SMs idle), timed in synced bursts of 8. On CPU, one
     thread's rate times the threads torch uses (the peak of perfect scaling): a threaded matmul waits at every
     barrier for threads other jobs have descheduled, which distorts fp32 (threaded) more than emulated bf16 and
-    so the hint's comparison. n defaults to the largest size up to 2048 that fits the budget (_grow_cpu_matmul)."""
+    so the hint's comparison. n defaults to the largest size up to 2048 that fits the budget (_grow_cpu_matmul).
+    fp32 takes the kernels the model's linears use (oneDNN's on AMD CPUs: modeling.cpu_linear)."""
     if device.type != "cpu":
         return _best_tflops(device, dtype, n or 8192, seconds)
     threads = torch.get_num_threads()
@@ -83,7 +85,7 @@ def _best_tflops(device: torch.device, dtype: torch.dtype, n: int | None, second
     burst = 8 if cuda else 1  # matmuls between GPU syncs: the sync's few µs stay out of the figure
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
+    matmul(a, b)  # warm-up
     if cuda:
         torch.cuda.synchronize(device)
     window = (deadline - time.perf_counter()) / 5
@@ -93,7 +95,7 @@ def _best_tflops(device: torch.device, dtype: torch.dtype, n: int | None, second
         iters, start = 0, time.perf_counter()
         while not iters or time.perf_counter() - start < window:  # at least one burst per window
             for _ in range(burst):
-                a @ b
+                matmul(a, b)
             if cuda:
                 torch.cuda.synchronize(device)  # count only finished work
             iters += burst
@@ -117,9 +119,9 @@ def _grow_cpu_matmul(dtype: torch.dtype, seconds: float) -> tuple[int, float]:
 def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
     """Seconds of one n x n CPU matmul, after a warm-up call (oneDNN builds its kernel on the first)."""
     a = torch.randn(n, n, dtype=dtype)
-    a @ a
+    matmul(a, a)
     start = time.perf_counter()
-    a @ a
+    matmul(a, a)
     return time.perf_counter() - start
 
 
@@ -184,13 +186,13 @@ def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
     try:
         mats = {mp: torch.randn(n, n, dtype=torch.bfloat16 if mp == "bf16" else torch.float32) for mp in CPU_YAML}
         for a in mats.values():
-            a @ a  # warm-up: oneDNN builds its kernel on the first call
+            matmul(a, a)  # warm-up: oneDNN builds its kernel on the first call
         best: dict[str, float] = {}
         deadline = time.perf_counter() + seconds
         while not best or time.perf_counter() < deadline:
             for mp, a in mats.items():
                 start = time.perf_counter()
-                a @ a
+                matmul(a, a)
                 best[mp] = min(best.get(mp, math.inf), time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)

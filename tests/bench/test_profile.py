@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.profile import BF16_MATH, MUON_STEP, kind_of, matmul_calls, time_matmul
+from bench.profile import BF16_MATH, MUON_STEP, ONEDNN_LINEAR, kind_of, matmul_calls, time_matmul
 from bench.report import cpu_model
 from bench.rungs import REPO, full_recipe_trainer, launch_config
+from modeling import cpu_linear
 from modeling.config import get_preset
 from modeling.cpu_attention import causal_attention
 
@@ -50,6 +51,24 @@ def test_the_cpu_attention_matmuls_are_timed_in_its_bf16_math_mode():
     assert {op for op, *_ in calls} == {f"aten::bmm ({BF16_MATH})"}
     op, shapes, strides, dtypes = next(iter(calls))
     assert time_matmul(op, shapes, strides, dtypes, repeats=1)[1] == pytest.approx(2 * 2 * 16 * 16 * 8 / 1e9)
+
+
+def test_the_onednn_linears_are_found_and_timed_alone(monkeypatch: pytest.MonkeyPatch):
+    """fp32 linears on AMD CPUs (modeling.cpu_linear, forced on here) run oneDNN's op, not aten::mm: its three
+    products per step are matmuls of the bound too, each timed alone with its bias where it has one."""
+    monkeypatch.setattr(cpu_linear, "ON_AMD", True)
+    layer = cpu_linear.Linear(16, 8)
+    x = torch.randn(32, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        layer(x).square().sum().backward()
+    calls = matmul_calls(prof, steps=1)
+    assert sorted((op, shapes) for op, shapes, _, _ in calls) == [
+        (ONEDNN_LINEAR, ((8, 32), (16, 32))),  # grad_W = grad_y.T @ x: the wider of in and out as its columns
+        (ONEDNN_LINEAR, ((32, 8), (16, 8))),  # grad_x = grad_y @ W
+        (ONEDNN_LINEAR, ((32, 16), (8, 16), (8,))),  # forward: x @ W.T + b
+    ]
+    forward = next(k for k in calls if len(k[1]) == 3)
+    assert time_matmul(*forward, repeats=1)[1] == pytest.approx(2 * 32 * 16 * 8 / 1e9)
 
 
 ATTENTION = "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bench import loss_numerics as numerics
+from modeling import cpu_linear
 from modeling.fused_ce import fused_linear_cross_entropy
 
 N, E, V = 300, 32, 1000
@@ -99,7 +100,10 @@ def fused(request):
     return torch.compile(fused) if request.param == "compiled" else fused
 
 
-def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused):
+# fp32 products by torch (MKL on x86) or, as on AMD CPUs, by oneDNN (modeling/cpu_linear.py), forced on either CPU
+@pytest.mark.parametrize("on_amd", [False, True], ids=["torch", "onednn"])
+def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused, on_amd, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "ON_AMD", on_amd)
     h, weight, targets, want = confident
     errors = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, "fp32"), want)
     # F.cross_entropy in fp32 is 2e-3 (loss) and 8e-2 (grads) off at p_target = 1 - 1e-8

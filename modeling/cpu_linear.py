@@ -1,0 +1,97 @@
+"""fp32 linears on AMD CPUs through oneDNN's fp32 kernels instead of MKL's.
+
+On x86 torch hands fp32 matmuls to MKL, which on AMD CPUs runs its AVX2 kernels: ~200 GFLOP/s on 2 Zen 5 cores whose
+AVX-512 oneDNN kernels do ~450. torch.ops.mkldnn._linear_pointwise (the op inductor's CPU fusions call) runs oneDNN
+on plain dense fp32 tensors, fp32 products summed in fp32 like MKL's: at the small models' shapes it takes 0.4-0.6x
+MKL's time on a Zen 5, ~0.9x with oneDNN held to AVX2 (BENCHMARKS.md, "fp32 matmuls through oneDNN on AMD").
+Intel CPUs keep MKL, which is tuned for them. bf16 matmuls already go to oneDNN on every CPU.
+
+Training only: inference keeps torch's kernels, as code outside the model computes with the same weights (the evals
+score a bare GPT's head with F.linear and a wrapped one through lm_head, and must agree to the bit on 1 or 2
+processes: tests/e2e/test_evals_cli.py). The two kernels' sums differ in the last bits (~3e-7 relative).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _on_amd() -> bool:
+    """Whether this is an x86 AMD CPU with torch's oneDNN: the CPUs where its fp32 kernels beat MKL's."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:  # not Linux: keep torch's choice
+        return False
+
+
+ON_AMD = _on_amd()  # read once: torch.compile guards on it as a constant
+
+
+def takes(*tensors: Tensor) -> bool:
+    """Whether fp32 products of these tensors go through oneDNN: fp32 CPU tensors, outside autocast, on AMD."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and not torch.is_autocast_enabled("cpu")
+        and ON_AMD
+    )
+
+
+@torch.library.custom_op("bookgpt::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ weight.T + bias for fp32 x (..., in), weight (out, in) and bias (out,) or None, by oneDNN's fp32 kernels.
+    Any of them may be a transposed view: oneDNN reads either order of a 2-D operand without a copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def weight_grad(grad: Tensor, x: Tensor) -> Tensor:
+    """grad.T @ x for grad (N, out) and x (N, in), the (out, in) gradient of a linear's weight. oneDNN is fastest with
+    the wider of out and in as its output's rows' length (a Zen 5: 0.5-0.7x the time of the other order)."""
+    if grad.shape[1] >= x.shape[1]:
+        return onednn_linear(x.t(), grad.t(), None).t()
+    return onednn_linear(grad.t(), x.t(), None)
+
+
+def _setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight = ctx.saved_tensors
+    grad2 = grad.reshape(-1, grad.shape[-1])  # (N, out)
+    grad_x = onednn_linear(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
+    grad_w = weight_grad(grad2, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    grad_b = grad2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
+onednn_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for 2-D tensors by the kernels the model's linears use: oneDNN's where takes(a, b), else torch's. The
+    matmul speed probes (MFU's peak, the CPU precision choice) time this, so they measure what a step runs."""
+    return onednn_linear(a, b.t(), None) if takes(a, b) else a @ b
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, init and state dict) whose fp32 CPU products take oneDNN on AMD in training."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad and takes(x, self.weight):
+            return onednn_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
