@@ -25,7 +25,7 @@ MAX_CHUNKS = 8
 def addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out += a @ b in place. An op of its own because torch.compile would otherwise give every chunk's fp32 sum
     a fresh (V, E) buffer and copy the previous sum into it first."""
-    if cpu_linear.takes(a, b):  # oneDNN's fp32 kernels, then the sum: still 0.6x MKL's in-place addmm on a Zen 5
+    if cpu_linear.takes(a, b):  # oneDNN's fp32 kernels, then the sum: ~0.7x MKL's in-place addmm on a Zen 5
         out.add_(cpu_linear.weight_grad(a.t(), b))
     else:
         out.addmm_(a, b)
