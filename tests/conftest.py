@@ -1,6 +1,7 @@
 """Shared fixtures: prepared books, a tiny GPT, an eval run folder (the embedded corpus and the eval data are
 downloaded once into the user cache, then offline)."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ def cpu_process_set_up() -> None:
     and no first call of MKL's vector math inside a comparison."""
     isolate_inductor_cache()
     warm_up_vector_math(torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def consistent_matmul_precision() -> Iterator[None]:
+    """After each test, torch's fp32 matmul flags back to one consistent state (fp32, no TF32). The training loop run
+    in-process turns TF32 on through the legacy allow_tf32; a later set_float32_matmul_precision("high") and
+    allow_tf32 = False then leave CUDA's flag and oneDNN's apart, where torch.get_float32_matmul_precision() raises
+    ("mix of the legacy and new APIs"), so a test's outcome would hang on the order the tests ran in."""
+    yield
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 @pytest.fixture(scope="session")
