@@ -22,10 +22,11 @@ MAX_CHUNKS = 8
 
 
 @torch.library.custom_op("bookgpt::addmm_", mutates_args=("out",))
-def addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
+def addmm_(out: Tensor, a: Tensor, b: Tensor, onednn: bool) -> None:
     """out += a @ b in place. An op of its own because torch.compile would otherwise give every chunk's fp32 sum
-    a fresh (V, E) buffer and copy the previous sum into it first."""
-    if cpu_linear.takes(a, b):  # oneDNN's fp32 kernels, then the sum: ~0.7x MKL's in-place addmm on a Zen 5
+    a fresh (V, E) buffer and copy the previous sum into it first. onednn: the product by oneDNN's fp32 kernels, then
+    the sum (~0.7x MKL's in-place addmm on a Zen 5; modeling/cpu_linear.py)."""
+    if onednn:
         out.add_(cpu_linear.weight_grad(a.t(), b))
     else:
         out.addmm_(a, b)
@@ -104,7 +105,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_h[rows] = linear(grad_logits, w_c.t(), None)
             if need_grad_w:
                 if compute_dtype == acc_dtype:
-                    addmm_(grad_w, grad_logits.t(), h_c[rows])
+                    addmm_(grad_w, grad_logits.t(), h_c[rows], onednn)
                 else:  # bf16 products: inductor sums them into the fp32 grad_w in one kernel after the loop
                     grad_w += grad_logits.t() @ h_c[rows]
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
