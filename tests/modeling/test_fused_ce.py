@@ -110,6 +110,30 @@ def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused, o
     assert max(errors) < 1e-5, errors
 
 
+def test_a_target_tied_at_the_max_with_another_id(fused):
+    """Every target's head row has a twin, and the hidden states point at it: the target's logit ties with another
+    id's at the row's max (p_target ~ 1/2). The compiled form takes the others' mass from the ids below the max only
+    where the target is alone there."""
+    g = torch.Generator().manual_seed(0)
+    n, n_embd, vocab = 256, 64, 2048
+    half = torch.randn(vocab // 2, n_embd, generator=g, dtype=torch.float64) / n_embd**0.5
+    weight = torch.cat([half, half])  # id j + vocab / 2 is id j's twin
+    targets = torch.randint(0, vocab // 2, (n,), generator=g)
+    h = torch.randn(n, n_embd, generator=g, dtype=torch.float64) / n_embd**0.5 + 10 * weight[targets]
+    targets[::9] = -100
+    want = numerics.reference(h, weight, targets)
+    p_target = torch.exp(-want[0]).item()
+    assert 0.4 < p_target < 0.5, p_target  # the rest: ~5% over the other ids
+    errors = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, "fp32"), want)
+    assert max(errors) < 1e-5, errors
+    got = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, "bf16"), want)
+    plain = numerics.relative_errors(
+        numerics.loss_and_grads(numerics.plain_cross_entropy, h, weight, targets, "bf16"), want
+    )
+    for name, g_err, p_err in zip(("loss", "grad_h", "grad_w"), got, plain, strict=True):
+        assert g_err <= 1.1 * p_err + 1e-6, f"bf16 {name}: fused {g_err:.3g} vs F.cross_entropy {p_err:.3g}"
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_is_at_least_as_accurate_as_cross_entropy(confident, fused, precision):
     """Against fp64, under the autocast dtype a launch YAML selects (fp16 with accelerate's loss scaling)."""
