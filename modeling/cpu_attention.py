@@ -4,7 +4,10 @@ torch's CPU flash-attention kernel runs B x H x T x T attention as many small bl
 reaches ~160 GFLOP/s on a Zen 5 whose bf16 matmuls do ~900. Here each product (two forward, four backward) is one
 batched matmul. In bf16 runs oneDNN takes them in its bf16 math mode on fp32 tensors: inputs rounded at most to bf16
 (q, k, v and dO already are bf16 values: exact), products summed in fp32, results fp32, as inside flash's blocks.
-The scores, the softmax and its gradient stay fp32 in between, so nothing is rounded that flash keeps. The price is
+The scores, the softmax and its gradient stay fp32 in between, so nothing is rounded that flash keeps. Where oneDNN
+does round (AMX), it rounds what flash rounds: the forward multiplies v by exp(s - max), whose largest entry is 1
+exactly, and divides by the row's sum after, as flash does (normalized probabilities rounded to bf16 gave 1.2x flash's
+output error on an AMX Xeon). The price is
 the (B, H, T, T) fp32 probabilities kept for backward (flash recomputes them) and the masked half of the scores
 computed anyway, hence the cap on T (BENCHMARKS.md, "Attention as whole matmuls, and GELU through its sigmoid").
 """
@@ -62,6 +65,34 @@ def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
 bf16_products.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("bookgpt::bf16_scaled_products", mutates_args=())
+def bf16_scaled_products(a: Tensor, b: Tensor, scale: Tensor) -> Tensor:
+    """(a @ b) * scale: bf16_products with each row of the result scaled by scale (..., M, 1), fp32. Its backward keeps
+    the scale out of the products' inputs, (grad @ bᵀ) * scale rather than (grad * scale) @ bᵀ: grad (dO) holds bf16
+    values, exact under oneDNN's rounding, where grad * scale would be rounded."""
+    return bf16_products(a, b) * scale
+
+
+@bf16_scaled_products.register_fake
+def _(a: Tensor, b: Tensor, scale: Tensor) -> Tensor:
+    return bf16_products(a, b)
+
+
+def _scaled_setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs, output)
+
+
+def _scaled_backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    a, b, scale, out = ctx.saved_tensors
+    grad_a = bf16_products(grad, b.transpose(-1, -2)) * scale if ctx.needs_input_grad[0] else None
+    grad_b = bf16_products((a * scale).transpose(-1, -2), grad) if ctx.needs_input_grad[1] else None
+    grad_scale = (grad * out).sum(-1, keepdim=True) / scale if ctx.needs_input_grad[2] else None
+    return grad_a, grad_b, grad_scale
+
+
+bf16_scaled_products.register_autograd(_scaled_backward, setup_context=_scaled_setup_context)
+
+
 def takes(q: Tensor, dropout_p: float) -> bool:
     """Whether this path runs: training (autograd records q) in bf16 or fp32 on a CPU, without attention dropout, up
     to MAX_T. Inference keeps flash: the gain is in backward, and an eager fp32 forward alone is slower here."""
@@ -79,12 +110,16 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(q kᵀ / sqrt(d), causal) v for (B, H, T, d) tensors: the function of
     F.scaled_dot_product_attention(q, k, v, is_causal=True). bf16 inputs take bf16 products summed in fp32, fp32
     inputs fp32 matmuls; the softmax is fp32 in both."""
-    products = bf16_products if q.dtype == torch.bfloat16 else torch.matmul
     dtype, T = q.dtype, q.shape[-2]
     # exact; cast once and laid out (B, H, T, d) in the graph (fused with the cast), saved for backward as they are
     q, k, v = (t.float().contiguous() for t in (q, k, v))
+    products = bf16_products if dtype == torch.bfloat16 else torch.matmul
     scores = products(q, k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
     # the mask from an index compare, not a stored (T, T) tensor: inductor then fuses mask, max, exp and sum per row
     i = torch.arange(T, device=q.device)
-    probs = F.softmax(torch.where(i[None, :] > i[:, None], float("-inf"), scores), dim=-1)
-    return products(probs, v).to(dtype)
+    scores = torch.where(i[None, :] > i[:, None], float("-inf"), scores)
+    if dtype != torch.bfloat16:
+        return torch.matmul(F.softmax(scores, dim=-1), v)
+    # softmax's shift cancels in its gradient: the max is a constant to autograd
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True).detach())
+    return bf16_scaled_products(weights, v, 1 / weights.sum(-1, keepdim=True)).to(dtype)
