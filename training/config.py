@@ -70,7 +70,7 @@ class TrainConfig:
     )
     max_steps: int = field(
         default=200,
-        metadata={"help": "optimizer steps to train (200 × 131,072 tokens: ~13 epochs of the default corpus)"},
+        metadata={"help": "optimizer steps to train (200 × 131,072 tokens: ~15 epochs of the default train split)"},
     )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
     time_budget_minutes: float = field(
