@@ -103,7 +103,7 @@ class TrainConfig:
         default=0.02,
         metadata={
             "help": "peak learning rate of Muon's matrices (optimizer muon), scaled per matrix by "
-            "sqrt(max(1, rows / cols)) as in modded-nanogpt, whose tuned value 0.02 is"
+            "sqrt(max(1, rows / cols)) as in modded-nanogpt (0.02: its tuned value at 124M)"
         },
     )
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})

@@ -92,11 +92,14 @@ def memorization_warning(cfg: TrainConfig, train_tokens: int) -> str | None:
     if epochs <= MEMORIZE_EPOCHS:
         return None
     at_most = "up to " if cfg.time_budget_minutes else ""
+    if Path(cfg.data_dir) == Path(BIG_CORPUS_DIR):
+        bigger = "join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
+    else:
+        bigger = f"run `{prepare_command(BIG_CORPUS_DIR, 'pg19')}` and train with --data-dir {BIG_CORPUS_DIR}"
     return (
         f"warning: this run plans {at_most}{planned:,} tokens, {epochs:.1f} epochs of the {train_tokens:,}-token train "
         f"split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its data (val loss stalls, then "
-        f"rises); for a bigger corpus run `{prepare_command(BIG_CORPUS_DIR, 'pg19')}` and train with "
-        f"--data-dir {BIG_CORPUS_DIR}"
+        f"rises); for a bigger corpus {bigger}"
     )
 
 

@@ -62,6 +62,10 @@ def test_a_run_past_four_epochs_of_its_train_split_is_warned_once_with_the_comma
     assert "plans 26,214,400 tokens, 15.2 epochs" in memorization_warning(TrainConfig(), train_tokens=1_720_000)
     budget = TrainConfig(time_budget_minutes=5, max_steps=600, total_batch_tokens=8192)  # make train's: at most
     assert memorization_warning(budget, train_tokens=1_000_000).startswith("warning: this run plans up to 4,915,200")
+    pg19 = TrainConfig(data_dir="data/pg19", max_tokens=31_000_000_000)  # GPT-2 XL at 20 tokens a parameter
+    assert memorization_warning(pg19, train_tokens=2_700_000_000).endswith(
+        "for a bigger corpus join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
+    )
 
 
 def test_setup_prints_the_memorization_warning_once(prepared_books, tmp_path, capsys):
