@@ -284,9 +284,8 @@ def full_recipe_trainer(
     optimizer: str = "adamw",
 ) -> Trainer:
     """Rung 11: train_accel.py's model, optimizer (AdamW, as the peers train, so that the ladder compares like
-    steps; or "muon", TrainConfig's default) and
-    train_step under the launch YAML's precision and compile, with its TF32 setting and its loader (pinned on CUDA,
-    TrainConfig's workers)."""
+    steps; or "muon", TrainConfig's default) and train_step under the launch YAML's precision and compile, with its
+    TF32 setting and its loader (pinned on CUDA, TrainConfig's workers)."""
     dynamo = launch.get("dynamo_config") or {}
     backend = dynamo_backend(launch, backend_override)
     accelerator = Accelerator(
