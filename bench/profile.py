@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=TRAIN.optimizer, help="muon: as cpu_small.yaml trains")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as train_accel.py trains by default")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

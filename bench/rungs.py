@@ -281,11 +281,11 @@ def full_recipe_trainer(
     micro_batch_size: int,
     launch: dict[str, Any],
     backend_override: str | None,
-    optimizer: str = TRAIN.optimizer,
+    optimizer: str = "adamw",
 ) -> Trainer:
-    """Rung 11: train_accel.py's model, optimizer (TrainConfig's, or "muon" as configs/cpu_small.yaml trains) and
-    train_step under the launch YAML's precision and compile, with its TF32 setting and its loader (pinned on CUDA,
-    TrainConfig's workers)."""
+    """Rung 11: train_accel.py's model, optimizer (AdamW, as the peers train, so that the ladder compares like
+    steps; or "muon", TrainConfig's default) and train_step under the launch YAML's precision and compile, with its
+    TF32 setting and its loader (pinned on CUDA, TrainConfig's workers)."""
     dynamo = launch.get("dynamo_config") or {}
     backend = dynamo_backend(launch, backend_override)
     accelerator = Accelerator(

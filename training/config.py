@@ -1,6 +1,7 @@
 """The one training config: a dataclass whose fields are also the YAML keys and the CLI flags.
 
-Precedence: dataclass defaults < run-config file (``--config configs/x.yaml``) < command line.
+The defaults are the recommended recipe (GPT-2 124M, Muon + AdamW, warmup-stable-decay); a run config holds only
+what differs from them. Precedence: dataclass defaults < run-config file (``--config configs/x.yaml``) < command line.
 Topology (processes, precision, compile, FSDP/DeepSpeed) lives only in the accelerate YAML, never here.
 """
 
@@ -10,11 +11,12 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -24,6 +26,8 @@ from modeling.runs import model_shape
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd")
+# Old names of renamed keys (YAML key or flag) -> the current name: still accepted, with one warning line.
+RENAMED = {"eval_batches": "eval_windows"}
 # A time budget is decided at the end of the warmup, from its steps after the first (which compiles): two at least.
 BUDGET_MIN_WARMUP = 3
 
@@ -65,7 +69,8 @@ class TrainConfig:
         metadata={"help": "tokens per optimizer step over all ranks; sets gradient accumulation"},
     )
     max_steps: int = field(
-        default=200, metadata={"help": "optimizer steps to train (default: ~15 epochs of the default corpus)"}
+        default=200,
+        metadata={"help": "optimizer steps to train (200 × 131,072 tokens: ~15 epochs of the default train split)"},
     )
     max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
     time_budget_minutes: float = field(
@@ -76,21 +81,29 @@ class TrainConfig:
             "(under wsd re-timed at each log step until the decay); 0: no time budget"
         },
     )
-    # --- optimizer and schedule (GPT-2 / GPT-3 small recipe) ---
+    # --- optimizer and schedule: Muon + AdamW under warmup-stable-decay, the recipe that won bench.time_to_loss ---
     optimizer: str = field(
-        default="adamw",
+        default="muon",
         metadata={
-            "help": "adamw: AdamW for every tensor; muon: torch.optim.Muon (its Newton-Schulz in the launch YAML's "
-            "precision, bf16 or fp32) for the blocks' 2-D matrices (at muon_lr) "
-            "and AdamW (at lr) for the embeddings, LayerNorm gains and biases"
+            "help": "muon: torch.optim.Muon (its Newton-Schulz in the launch YAML's precision, bf16 or fp32) for the "
+            "blocks' 2-D matrices (at muon_lr) and AdamW (at lr) for the embeddings, LayerNorm gains and biases; "
+            "adamw: AdamW for every tensor (GPT-2's recipe: add --lr-schedule cosine). Engines that shard each "
+            "matrix (FSDP2, DeepSpeed) cannot run Muon: there the default trains with adamw, and saying muon stops"
         },
     )
-    lr: float = field(default=6e-4, metadata={"help": "peak learning rate of AdamW (under muon: of its tensors)"})
+    lr: float = field(
+        default=6e-4,
+        metadata={
+            "help": "peak lr of AdamW: of every tensor under adamw, of the embeddings, norms and biases under muon. "
+            "6e-4 is GPT-2 124M's AdamW lr (GPT-3 paper), right for both at 124M; larger models take less "
+            "(GPT-3: 3e-4 at 350M, 2.5e-4 at 760M, 2e-4 at 1.3B), tiny CPU models more (3e-3 to 6e-3)"
+        },
+    )
     muon_lr: float = field(
         default=0.02,
         metadata={
             "help": "peak learning rate of Muon's matrices (optimizer muon), scaled per matrix by "
-            "sqrt(max(1, rows / cols)) as in modded-nanogpt"
+            "sqrt(max(1, rows / cols)) as in modded-nanogpt (0.02: its tuned value at 124M)"
         },
     )
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
@@ -99,7 +112,7 @@ class TrainConfig:
         metadata={"help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0: none"},
     )
     lr_schedule: str = field(
-        default="cosine",
+        default="wsd",
         metadata={
             "help": "after the linear warmup: cosine (decay to min_lr_ratio over the remaining steps) or wsd "
             "(warmup-stable-decay: constant, then linear decay to min_lr_ratio over the last decay_fraction of steps)"
@@ -156,6 +169,10 @@ class TrainConfig:
     push_to_hub: str = field(
         default="", metadata={"help": "Hub repo id (you/name) to push the export and model card to at the end"}
     )
+
+    # The fields the run-config file or the command line set (parse_config), as opposed to defaults: where the
+    # engine cannot run the default optimizer the run takes another, but never one the user asked for.
+    explicit: ClassVar[frozenset[str]] = frozenset()
 
     def model_config(self) -> GPTConfig:
         """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
@@ -245,7 +262,8 @@ def grad_accum_steps(total_batch_tokens: int, micro_batch_size: int, block_size:
 def _field_types() -> dict[str, tuple[type, bool]]:
     """Field name -> (base type, whether None is allowed): `int | None` -> (int, True)."""
     out = {}
-    for name, hint in typing.get_type_hints(TrainConfig).items():
+    hints = typing.get_type_hints(TrainConfig)
+    for name, hint in ((f.name, hints[f.name]) for f in fields(TrainConfig)):
         args = typing.get_args(hint)
         optional = type(None) in args
         out[name] = (next(a for a in args if a is not type(None)) if optional else hint, optional)
@@ -287,11 +305,27 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"run config {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"run config {path} must be a mapping of key: value, got {type(values).__name__}")
+    values = {_current_name(key, str(path)): value for key, value in values.items()}
     types_ = _field_types()
     for key in values:
         if key not in types_:
             raise _unknown_key(key, str(path))
     return {key: _coerce(key, value, *types_[key]) for key, value in values.items()}
+
+
+def _current_name(key: str, source: str | None) -> str:
+    """A renamed key's current name, with one warning line (on the main process only); other keys as given.
+    `source`: the YAML file, or None for a flag."""
+    new = RENAMED.get(key)
+    if new is None:
+        return key
+    if source is None:
+        old_new = f"--{key.replace('_', '-')} is now --{new.replace('_', '-')}"
+    else:
+        old_new = f"'{key}' in {source} is now '{new}'"
+    if os.environ.get("RANK", "0") == "0":  # the launcher's global rank; not set for one process
+        print(f"warning: {old_new}; the old name still works for now, use the new one", file=sys.stderr)
+    return new
 
 
 def _parse_bool(text: str) -> bool:
@@ -318,13 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="run-config YAML of TrainConfig fields (applied before the flags)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     types_ = _field_types()
-    for f in fields(TrainConfig):
-        kind, optional = types_[f.name]
+    names = [(f.name, f.name, f.metadata["help"]) for f in fields(TrainConfig)]
+    names += [(old, new, argparse.SUPPRESS) for old, new in RENAMED.items()]  # renamed by parse_config
+    for name, current, help_ in names:
+        kind, optional = types_[current]
         parse = _parse_bool if kind is bool else kind
         if optional:
             parse = _parse_optional(kind)
-        flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
-        parser.add_argument(*flags, dest=f.name, type=parse, default=argparse.SUPPRESS, help=f.metadata["help"])
+        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        parser.add_argument(*flags, dest=name, type=parse, default=argparse.SUPPRESS, help=help_)
     return parser
 
 
@@ -339,8 +375,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     config_path = overrides.pop("config")
     print_only = overrides.pop("print_config")
     values = load_yaml(config_path) if config_path else {}
-    values.update(overrides)
-    return TrainConfig(**values), print_only
+    values.update({_current_name(key, None): value for key, value in overrides.items()})
+    cfg = TrainConfig(**values)
+    cfg.explicit = frozenset(values)
+    return cfg, print_only
 
 
 def config_to_yaml(config: TrainConfig) -> str:

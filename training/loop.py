@@ -14,7 +14,7 @@ from accelerate.utils import DistributedType, set_seed
 from filelock import FileLock
 
 from data_prep import ensure_default_corpus
-from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
+from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest, prepare_command
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
@@ -49,12 +49,58 @@ from training.step import StepOutput, Trainer
 
 # Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
 # orthogonalizes whole matrices, is neither verified equal to DDP under them nor checkpointed by them (FSDP2's
-# distributed optimizer state dict wants one optimizer's standard layout), so it stops at start-up.
+# distributed optimizer state dict wants one optimizer's standard layout): the default optimizer becomes AdamW there,
+# and an explicit muon stops at start-up.
 SHARDED_ENGINES = {
     DistributedType.FSDP: "FSDP",
     DistributedType.DEEPSPEED: "DeepSpeed",
     DistributedType.MEGATRON_LM: "Megatron-LM",
 }
+
+
+# Up to ~4 epochs, repeated tokens train almost as well as new ones; past that returns fall fast and the model
+# memorizes its data (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models").
+MEMORIZE_EPOCHS = 4
+BIG_CORPUS_DIR = "data/pg19"
+
+
+def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainConfig, str | None]:
+    """The config this engine trains (under a sharding engine, the default muon becomes adamw, with the schedule and
+    lr kept) and the note that says so; an explicit muon there stops with a ConfigError."""
+    if cfg.optimizer != "muon" or engine is None:
+        return cfg, None
+    if "optimizer" in cfg.explicit:
+        raise ConfigError(
+            f"optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that Muon "
+            "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
+            "use --optimizer adamw"
+        )
+    resolved = dataclasses.replace(cfg, optimizer="adamw")
+    resolved.explicit = cfg.explicit
+    note = (
+        f"note: {engine} shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr {cfg.lr:g}) "
+        f"under the same {cfg.lr_schedule} schedule; --optimizer adamw silences this"
+    )
+    return resolved, note
+
+
+def memorization_warning(cfg: TrainConfig, train_tokens: int) -> str | None:
+    """One warning line when the run plans more than MEMORIZE_EPOCHS epochs of its train split (for a time budget,
+    the most it may train), naming the command that prepares a bigger corpus; None otherwise."""
+    planned = cfg.total_steps() * cfg.total_batch_tokens
+    epochs = planned / train_tokens
+    if epochs <= MEMORIZE_EPOCHS:
+        return None
+    at_most = "up to " if cfg.time_budget_minutes else ""
+    if Path(cfg.data_dir) == Path(BIG_CORPUS_DIR):
+        bigger = "join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
+    else:
+        bigger = f"run `{prepare_command(BIG_CORPUS_DIR, 'pg19')}` and train with --data-dir {BIG_CORPUS_DIR}"
+    return (
+        f"warning: this run plans {at_most}{planned:,} tokens, {epochs:.1f} epochs of the {train_tokens:,}-token train "
+        f"split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its data (val loss stalls, then "
+        f"rises); for a bigger corpus {bigger}"
+    )
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -138,7 +184,6 @@ def setup(cfg: TrainConfig) -> Run:
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
     resume_from = resolve_resume(cfg.resume, run_dir)
-    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
@@ -151,13 +196,10 @@ def setup(cfg: TrainConfig) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
-    engine = SHARDED_ENGINES.get(accelerator.distributed_type)
-    if cfg.optimizer == "muon" and engine:
-        raise ConfigError(
-            f"optimizer muon runs on one process or DDP only, not {engine} (which shards the matrices that Muon "
-            "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
-            "use --optimizer adamw"
-        )
+    cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
+    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None  # the optimizer run
+    if engine_note:
+        accelerator.print(engine_note)
     world_size = accelerator.num_processes
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
@@ -167,6 +209,9 @@ def setup(cfg: TrainConfig) -> Run:
     torch.backends.cudnn.allow_tf32 = True
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
+    warning = memorization_warning(cfg, manifest.num_tokens("train"))
+    if warning:
+        accelerator.print(warning)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)

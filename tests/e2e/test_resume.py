@@ -77,17 +77,19 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 
 MUON = ["--optimizer", "muon", "--lr-schedule", "wsd", "--muon-momentum-warmup-steps", "8"]
+ADAMW = ["--optimizer", "adamw", "--lr-schedule", "cosine"]
 
 
 @pytest.mark.parametrize(
     "accelerate_config, options",
-    [("cpu_eager.yaml", []), ("cpu_ddp2.yaml", []), ("cpu_eager.yaml", MUON)],
-    ids=["1proc", "ddp2", "1proc-muon"],
+    [("cpu_eager.yaml", ADAMW), ("cpu_ddp2.yaml", []), ("cpu_eager.yaml", MUON)],
+    ids=["1proc-adamw", "ddp2", "1proc-muon"],
 )
 def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config, options):
-    """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise). Under
-    muon the checkpoint holds both optimizers' state (Muon's momentum, AdamW's moments) and the one schedule,
-    which also warms up Muon's momentum past the kill."""
+    """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise): AdamW +
+    cosine, the default recipe under DDP, and Muon with a momentum warmup. Under muon the checkpoint holds both
+    optimizers' state (Muon's momentum, AdamW's moments) and the one schedule, which also warms up Muon's momentum
+    past the kill."""
     args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2", *options]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(tiny_cmd(accelerate_config, straight, prepared_books, *args))
@@ -202,9 +204,9 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         ), line
         assert "this run's is " + ("small-cpu (n_layer 4" if "small-cpu" in other else "tiny-cpu") in line
         assert {p: p.read_bytes() for p in saved} == saved
-    muon = run(tiny_cmd(None, run_dir, prepared_books, "--optimizer", "muon", "--resume", "auto"), expect_rc=1)
-    [line] = muon.stderr.strip().splitlines()
-    assert line.startswith("error: --resume ") and "holds adamw state, this run asks for --optimizer muon" in line
+    adamw = run(tiny_cmd(None, run_dir, prepared_books, "--optimizer", "adamw", "--resume", "auto"), expect_rc=1)
+    [line] = adamw.stderr.strip().splitlines()
+    assert line.startswith("error: --resume ") and "holds muon state, this run asks for --optimizer adamw" in line
     assert {p: p.read_bytes() for p in saved} == saved
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "3", "--checkpoint-interval", "2",
                            "--total-batch-tokens", "1024", "--resume", "auto"))  # fmt: skip

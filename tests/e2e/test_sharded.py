@@ -1,8 +1,9 @@
 """FSDP2, DeepSpeed ZeRO-2/3 and a 2-machine launch through the real `accelerate launch`, on CPU over gloo.
 
-Every run trains the tiny preset in fp32 on the same 6 global batches of 1,024 tokens (2 processes × micro-batch
-4 × accumulation 2), so each engine's per-step losses must match the DDP run's (cpu_ddp2.yaml). Sharding is
-checked in the checkpoints, where a silent fallback to DDP would show: accelerate writes DDP weights whole.
+Every run trains the tiny preset in fp32 with AdamW (the engines' stand-in for the default Muon) on the same 6
+global batches of 1,024 tokens (2 processes × micro-batch 4 × accumulation 2), so each engine's per-step losses must
+match the DDP run's (cpu_ddp2.yaml). Sharding is checked in the checkpoints, where a silent fallback to DDP would
+show: accelerate writes DDP weights whole.
 FSDP2 runs compiled per block, as its GPU YAML does, so its save/resume is that of a compiled model.
 Each engine's checkpoints are read back on one process by evals, generate and training.export.
 """
@@ -35,6 +36,7 @@ COMMON = [
     "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", str(HALF),
     "--keep-checkpoints", "2",
 ]  # fmt: skip
+SHARDED = ("cpu_fsdp2.yaml", "cpu_zero2.yaml", "cpu_zero3.yaml")
 # Different engines on the same batches: summation order differs (all-reduce vs reduce-scatter, flat buffers).
 ENGINE_TOL = dict(rtol=1e-4, atol=1e-4)
 # FSDP2 (compiled per block) vs DDP (eager) in fp32: the same arithmetic up to summation order and inductor's
@@ -47,7 +49,9 @@ RESUME_TOL = dict(rtol=0.0, atol=1e-6)
 def launch_cmd(
     accelerate_config: str, run_dir: Path, data_dir: Path, *args: str, launch_args: Sequence[str] = ()
 ) -> list[str]:
-    return train_cmd(accelerate_config, run_dir, data_dir, *COMMON, *args, launch_args=launch_args)
+    """The sharded engines train the default optimizer with AdamW; DDP launches, their reference, ask for it."""
+    adamw = [] if accelerate_config in SHARDED else ["--optimizer", "adamw"]
+    return train_cmd(accelerate_config, run_dir, data_dir, *COMMON, *adamw, *args, launch_args=launch_args)
 
 
 def check(result: subprocess.CompletedProcess | subprocess.Popen, cmd: list[str], out: str, err: str) -> None:
@@ -81,7 +85,7 @@ def ddp_run(prepared_books, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.fixture(scope="module", params=["cpu_fsdp2.yaml", "cpu_zero2.yaml", "cpu_zero3.yaml"])
+@pytest.fixture(scope="module", params=SHARDED)
 def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]:
     """(config, straight run, run resumed from the straight run's step-HALF checkpoint)."""
     config = request.param
@@ -91,6 +95,10 @@ def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]
     straight, resumed = root / "straight", root / "resumed"
     out = launch(config, straight, prepared_books, "--sample-interval", str(HALF), "--sample-tokens", "4")
     assert f"{TINY_PARAMS:,} params | 2 process(es) on cpu" in out and "2 accumulation × 2 = 1,024" in out
+    # the default optimizer (Muon) cannot run on sharded matrices: AdamW under the same schedule, said once
+    engine = "FSDP" if config == "cpu_fsdp2.yaml" else "DeepSpeed"
+    note = f"note: {engine} shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr 0.003) under"
+    assert out.count(note) == 1 and "| AdamW lr 0.003: " in out and "Muon lr" not in out
     assert ("dynamo INDUCTOR" in out) == (config == "cpu_fsdp2.yaml")
     half = checkpoint_dir(straight, HALF)
     launch(config, resumed, prepared_books, "--resume", str(half), "--export-hf", "true")

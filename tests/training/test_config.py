@@ -1,9 +1,12 @@
-"""TrainConfig: precedence defaults < YAML < flags, and one clear error per bad input."""
+"""TrainConfig: the defaults are the recipe, precedence defaults < YAML < flags, renamed keys, and one clear error
+per bad input."""
+
+import dataclasses
 
 import pytest
 
 from testkit import REPO
-from training.config import ConfigError, TrainConfig, grad_accum_steps, load_yaml, parse_config
+from training.config import RENAMED, ConfigError, TrainConfig, grad_accum_steps, load_yaml, parse_config
 
 
 def test_precedence_defaults_then_yaml_then_flags(tmp_path):
@@ -15,6 +18,37 @@ def test_precedence_defaults_then_yaml_then_flags(tmp_path):
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # file beats default, int accepted for float
     assert cfg.preset == "tiny-cpu"
     assert cfg.weight_decay == TrainConfig().weight_decay  # untouched default
+
+
+def test_no_argument_gives_the_recipe_and_records_what_was_set_explicitly(tmp_path):
+    """The bare command trains GPT-2 124M with Muon + AdamW under wsd; `explicit` holds exactly the keys the YAML
+    or the flags gave (an engine that cannot run Muon replaces only a default optimizer)."""
+    cfg, print_only = parse_config(["--print-config"])
+    assert print_only and cfg == TrainConfig() and cfg.explicit == frozenset()
+    assert (cfg.preset, cfg.optimizer, cfg.lr_schedule, cfg.muon_lr, cfg.lr) == ("gpt2-124m", "muon", "wsd", 0.02, 6e-4)
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("optimizer: muon\n")
+    cfg, _ = parse_config(["--config", str(run_config), "--lr-schedule", "cosine"])
+    assert cfg.explicit == {"optimizer", "lr_schedule"}
+    cfg, _ = parse_config(["--optimizer", "adamw", "--lr-schedule", "cosine"])  # GPT-2's recipe, one flag away
+    assert (cfg.optimizer, cfg.lr_schedule, cfg.explicit) == ("adamw", "cosine", {"optimizer", "lr_schedule"})
+
+
+@pytest.mark.parametrize("old, new", RENAMED.items())
+def test_a_renamed_key_still_works_with_one_warning_line(tmp_path, capsys, monkeypatch, old, new):
+    monkeypatch.delenv("RANK", raising=False)
+    cfg, _ = parse_config([f"--{old.replace('_', '-')}", "7"])
+    assert getattr(cfg, new) == 7 and cfg.explicit == {new}
+    dashed = f"--{old.replace('_', '-')} is now --{new.replace('_', '-')}"
+    assert capsys.readouterr().err == f"warning: {dashed}; the old name still works for now, use the new one\n"
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text(f"{old}: 9\n")
+    assert getattr(TrainConfig(**load_yaml(run_config)), new) == 9
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: '{old}' in {run_config} is now '{new}';")
+    monkeypatch.setenv("RANK", "1")  # the other processes of a launch stay silent
+    parse_config([f"--{old}", "7"])
+    assert capsys.readouterr().err == ""
 
 
 def test_flags_accept_both_spellings_and_optional_none():
@@ -108,8 +142,11 @@ def test_grad_accum_from_token_budget():
         grad_accum_steps(524_288, 16, 1024, 3)
 
 
-def test_every_run_config_in_repo_loads():
+def test_every_run_config_in_repo_loads_and_holds_only_what_differs_from_the_defaults():
     paths = sorted((REPO / "configs").glob("*.yaml"))
     assert paths, "configs/ holds the run configs"
+    defaults = dataclasses.asdict(TrainConfig())
     for path in paths:
-        TrainConfig(**load_yaml(path))
+        values = load_yaml(path)
+        TrainConfig(**values)
+        assert not {k: v for k, v in values.items() if defaults[k] == v}, f"{path.name} repeats a default"

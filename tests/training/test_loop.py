@@ -1,6 +1,6 @@
 """The run built by training.loop.setup and its one optimizer step (training.step.Trainer): non-finite gradients
 change nothing whether the verdict is read at once or one step late, the cadence test, the throughput clock, the
-val loss over the spread windows."""
+val loss over the spread windows, the optimizer an engine can run, the warning of a run that will memorize."""
 
 from __future__ import annotations
 
@@ -13,9 +13,17 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
-from data_prep.loader import EvalWindows
-from training.config import TrainConfig
-from training.loop import TrainMetrics, due, setup, trainer_for, window_loss_sum
+from data_prep.loader import EvalWindows, load_manifest
+from training.config import ConfigError, TrainConfig, parse_config
+from training.loop import (
+    TrainMetrics,
+    due,
+    memorization_warning,
+    optimizer_for_engine,
+    setup,
+    trainer_for,
+    window_loss_sum,
+)
 from training.metrics import read_metrics
 from training.optim import build_optimizer, build_scheduler
 from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
@@ -24,6 +32,50 @@ from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
 def test_due_every_interval_and_at_the_last_step_unless_off():
     assert [s for s in range(1, 11) if due(4, s, last=s == 10)] == [4, 8, 10]
     assert not any(due(0, s, last=s == 10) for s in range(1, 11))
+
+
+def test_a_sharding_engine_trains_the_default_with_adamw_and_stops_an_explicit_muon():
+    default, _ = parse_config(["--lr", "3e-4"])
+    cfg, note = optimizer_for_engine(default, "FSDP")
+    assert (cfg.optimizer, cfg.lr, cfg.lr_schedule, cfg.muon_lr) == ("adamw", 3e-4, "wsd", default.muon_lr)
+    assert note == (
+        "note: FSDP shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr 0.0003) under the "
+        "same wsd schedule; --optimizer adamw silences this"
+    )
+    assert optimizer_for_engine(default, None) == (default, None)  # one process or DDP: the recipe as it is
+    adamw, _ = parse_config(["--optimizer", "adamw"])
+    assert optimizer_for_engine(adamw, "DeepSpeed") == (adamw, None)
+    explicit, _ = parse_config(["--optimizer", "muon"])
+    with pytest.raises(ConfigError, match=r"^optimizer muon runs on one process or DDP only, not DeepSpeed \(which"):
+        optimizer_for_engine(explicit, "DeepSpeed")
+
+
+def test_a_run_past_four_epochs_of_its_train_split_is_warned_once_with_the_command_for_a_bigger_corpus():
+    four_epochs = TrainConfig(max_steps=4, total_batch_tokens=1000)  # 4,000 tokens
+    assert memorization_warning(four_epochs, train_tokens=1000) is None
+    assert memorization_warning(TrainConfig(max_tokens=4001, total_batch_tokens=1), train_tokens=1000) == (
+        "warning: this run plans 4,001 tokens, 4.0 epochs of the 1,000-token train split of data/default: past 4 "
+        "epochs a model memorizes its data (val loss stalls, then rises); for a bigger corpus run "
+        "`python -m data_prep.prepare --source pg19 --out data/pg19` and train with --data-dir data/pg19"
+    )
+    # the README's default command: 200 steps of 131,072 tokens over the default corpus's ~1.7M train tokens
+    assert "plans 26,214,400 tokens, 15.2 epochs" in memorization_warning(TrainConfig(), train_tokens=1_720_000)
+    budget = TrainConfig(time_budget_minutes=5, max_steps=600, total_batch_tokens=8192)  # make train's: at most
+    assert memorization_warning(budget, train_tokens=1_000_000).startswith("warning: this run plans up to 4,915,200")
+    pg19 = TrainConfig(data_dir="data/pg19", max_tokens=31_000_000_000)  # GPT-2 XL at 20 tokens a parameter
+    assert memorization_warning(pg19, train_tokens=2_700_000_000).endswith(
+        "for a bigger corpus join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
+    )
+
+
+def test_setup_prints_the_memorization_warning_once(prepared_books, tmp_path, capsys):
+    cfg = TrainConfig(
+        preset="tiny-cpu", data_dir=str(prepared_books), out_dir=str(tmp_path / "run"), micro_batch_size=2,
+        total_batch_tokens=256, max_steps=5000, peak_tflops=1.0, export_hf=False,
+    )  # fmt: skip
+    setup(cfg)  # 1.28M tokens over ~117k train tokens
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: this run plans")]
+    assert line == memorization_warning(cfg, load_manifest(prepared_books).num_tokens("train"))
 
 
 def test_val_loss_is_the_mean_over_the_set_on_one_or_two_ranks(prepared_books, tiny_gpt):
