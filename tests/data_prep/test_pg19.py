@@ -18,25 +18,9 @@ from data_prep.loader import load_manifest
 from data_prep.prepare import prepare
 from data_prep.sources import clean_text
 from data_prep.tokenizer import EOT_ID, get_encoding
+from testkit import PG19_FILES, pg19_book, write_pg19_copy
 
-# The Hub repository's layout: data/{split}-NNNNN-of-NNNNN-{hash}.parquet, 23 train files, 1 validation, 1 test.
-FILES = {
-    "train-00000-of-00002-2b13c68dbeba63b5.parquet": [1342, 11, 1661],
-    "train-00001-of-00002-54b567998cd5eb4b.parquet": [98, 2701],
-    "validation-00000-of-00001-1ea3d3e1c7d9a28c.parquet": [84],
-    "test-00000-of-00001-29a571947c0b5ccc.parquet": [74, 345],
-}
-FILES_SPLITS = ("train", "validation", "test")
-SCHEMA = pa.schema(
-    [("short_book_title", pa.string()), ("publication_date", pa.int32()), ("url", pa.string()), ("text", pa.string())]
-)
-
-
-def book_text(number: int) -> str:
-    lines = [
-        f"CHAPTER {i}.\r\n\r\nBook {number}, line {i}: “ünïcödé”, tabs\tand   runs of spaces.  " for i in range(40)
-    ]
-    return "\n".join(lines) + "\n\n\n\n\nThe End.\n"
+SPLITS = ("train", "validation", "test")  # PG-19's
 
 
 @pytest.fixture
@@ -45,20 +29,7 @@ def pg19_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     # datasets read HF_DATASETS_CACHE at import; point it here so runs leave nothing in ~/.cache
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
-    root = tmp_path / "pg19"
-    (root / "data").mkdir(parents=True)
-    for name, numbers in FILES.items():
-        table = pa.table(
-            {
-                "short_book_title": [f"Title of {n}" for n in numbers],
-                "publication_date": [1800 + n % 100 for n in numbers],
-                "url": [f"http://www.gutenberg.org/ebooks/{n}" for n in numbers],
-                "text": [book_text(n) for n in numbers],
-            },
-            schema=SCHEMA,
-        )
-        pq.write_table(table, root / "data" / name, row_group_size=2)  # several row groups, as the real files have
-    return root
+    return write_pg19_copy(tmp_path / "pg19")
 
 
 def split_tokens(data_dir: Path, split: str) -> np.ndarray:
@@ -72,7 +43,7 @@ def test_pg19_keeps_its_splits_and_tokenizes_every_book_exactly(pg19_copy, tmp_p
         prepare(f"pg19:{pg19_copy}", out, shard_tokens=2_000)
     assert f"pg19:{pg19_copy}: 8 books, " in caplog.text and " of shards, ~1 min with 1 process(es)" in caplog.text
     manifest = load_manifest(out, verify="sha256")
-    numbers = {split: [n for name, ns in FILES.items() if name.startswith(split) for n in ns] for split in FILES_SPLITS}
+    numbers = {split: [n for name, ns in PG19_FILES.items() if name.startswith(split) for n in ns] for split in SPLITS}
     expected = {
         "train": [(f"pg19/train/{n}", n) for n in numbers["train"]],
         "val": [(f"pg19/validation/{n}", n) for n in numbers["validation"]]
@@ -83,7 +54,7 @@ def test_pg19_keeps_its_splits_and_tokenizes_every_book_exactly(pg19_copy, tmp_p
     for split, books in expected.items():
         listed = [d for d in docs if d["split"] == split]
         assert [(d["id"], d["title"]) for d in listed] == [(i, f"Title of {n}") for i, n in books]
-        want = [t for _, n in books for t in [*enc.encode_ordinary(clean_text(book_text(n))), EOT_ID]]
+        want = [t for _, n in books for t in [*enc.encode_ordinary(clean_text(pg19_book(n))), EOT_ID]]
         assert split_tokens(out, split).tolist() == want
         assert manifest.splits[split] == {
             "num_tokens": len(want), "num_documents": len(books), "num_shards": -(-len(want) // 2_000)
