@@ -51,10 +51,11 @@ BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds m
 BATCH_DOCS = 256  # ... and at most this many books, so tiny documents still make progress checkpoints
 PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run got
 # The start-up estimate of a source's size and preparation time. GPT-2 BPE spends ~4.0 bytes of English book prose
-# a token (4.01 on LAMBADA's novel passages; 3.25 on the default corpus' verse and drama), and one process prepares
-# ~300k tokens/s (reading, cleaning, tokenizing and writing the default corpus on a 2-core AMD EPYC, busy).
+# a token (4.01 on LAMBADA's novel passages; 3.25 on the default corpus' verse and drama). Tokenizing is the work: a
+# --num-proc worker does 1.1-1.3M tokens per CPU-second (reading, cleaning and tokenizing the default corpus' books
+# from parquet through pg19:FOLDER on a 2-core AMD EPYC), the main process under 0.1 CPU-second per 1M tokens.
 BYTES_PER_TOKEN = 4.0
-TOKENS_PER_SECOND = 300_000  # per --num-proc worker
+TOKENS_PER_SECOND = 1_100_000  # per --num-proc worker with a core of its own
 
 
 def prepare(
@@ -138,7 +139,7 @@ def size_estimate(source: str, books: int, text_bytes: int, num_proc: int) -> st
         f"{source}: {books:,} books, {_amount(text_bytes, ' GB', ' MB', ' kB')} of text, "
         f"~{_amount(tokens, 'B', 'M', 'k')} tokens (at ~{BYTES_PER_TOKEN:g} bytes a token), "
         f"~{_amount(2 * tokens, ' GB', ' MB', ' kB')} of shards, ~{took} with {num_proc} process(es) at "
-        f"~{TOKENS_PER_SECOND // 1000}k tokens/s each (--num-proc N divides it)"
+        f"~{TOKENS_PER_SECOND / 1e6:g}M tokens/s each (--num-proc N divides it)"
     )
 
 
