@@ -117,6 +117,17 @@ def check_model_card(config: dict) -> None:
     ModelCard(f"---\n{card_data('check', config, _manifest(config), {'val_loss': 1.0}).to_yaml()}\n---\n")
 
 
+def check_push(repo_id: str) -> None:
+    """Raise now what push(repo_id) would raise before reaching the network: a malformed repo id, no token."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
+    require_token()
+
+
 def render_model_card(run_dir: str | Path) -> str:
     """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs and schedule
     as config.yaml says the run used them, steps, tokens, losses, eval results, throughput and the loss plot."""

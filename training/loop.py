@@ -35,7 +35,7 @@ from training.checkpoint import (
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
 from training.export import ExportError
-from training.hub import check_model_card, push, require_token, write_model_card
+from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
     JSONLTracker,
     cpu_precision_hint,
@@ -144,7 +144,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.push_to_hub:
         if not cfg.export_hf:
             raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
-        require_token()  # fail now, not after days of training
+        check_push(cfg.push_to_hub)  # fail now, not after days of training
     model_config = cfg.model_config()
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]

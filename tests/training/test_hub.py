@@ -16,7 +16,7 @@ from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from testkit import write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
-from training.hub import HubError, check_model_card, main, push, render_model_card, write_model_card
+from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
 
 
 @pytest.fixture
@@ -165,3 +165,17 @@ def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch)
     after = tree_hashes(finished_run)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing changed or lost
     assert set(after) - set(before) == {str(finished_run / "export" / "README.md")}  # only the card was added
+
+
+def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatch):
+    """What a run's start-up checks for --push-to-hub: no network needed to find either."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    check_push("someone/tiny-books")
+    with pytest.raises(
+        HubError, match=r"^--push-to-hub 'not a repo/id!' is not a Hub repository id \(.*\); use you/name"
+    ):
+        check_push("not a repo/id!")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    with pytest.raises(HubError, match="no Hugging Face token found"):
+        check_push("someone/tiny-books")
