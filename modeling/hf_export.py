@@ -17,6 +17,7 @@ from pathlib import Path
 
 import tiktoken
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -141,7 +142,11 @@ def export_tokenizer(encoding: tiktoken.Encoding, out_dir: str | Path, model_max
     """Write the GPT-2 tokenizer of `encoding` as transformers saves it (class "GPT2Tokenizer", bos/eos/unk
     <|endoftext|>, as the Hub's gpt2); it encodes exactly as `encoding` does, special tokens included."""
     vocab, merges = gpt2_vocab_and_merges(encoding)
-    tokenizer = GPT2TokenizerFast(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    # GPT-2's byte-level BPE, as the Hub's gpt2 tokenizer.json has it; built here so any transformers wraps it
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = GPT2TokenizerFast(tokenizer_object=backend, model_max_length=model_max_length)
     tokenizer.save_pretrained(out_dir)
 
 
