@@ -229,8 +229,8 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
-    """What write_outputs needs, checked before any training: the export (transformers, a GPT-2 shape, the model and
-    its tokenizer written and read back in a temporary folder) and its model card (huggingface_hub, the manifest)."""
+    """What write_outputs needs, checked before any training: the export (transformers, a GPT-2 shape, a one-layer
+    model and the tokenizer written in a temporary folder) and its model card (huggingface_hub, the manifest)."""
     try:
         from modeling.hf_export import check_export  # imports transformers (~3 s)
 
