@@ -423,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes reading and tokenizing books")
     parser.add_argument("--seed", type=int, default=0, help="salt of the train/val split hash")
     parser.add_argument("--mirror", default=DEFAULT_MIRROR, help="Project Gutenberg base URL for gutenberg:")
-    parser.add_argument("--streaming", action="store_true", help="stream hf: datasets instead of downloading")
+    parser.add_argument(
+        "--streaming", action="store_true", help="stream hf: datasets instead of downloading (pg19 always streams)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
