@@ -10,6 +10,10 @@ Spec grammar (combine several with `+`, e.g. `default+files:extra/`):
 - `hf:DATASET[:SPLIT[:COLUMN]]`     a Hugging Face dataset: a Hub id, a folder (of parquet/arrow/json
                                     files, or one written by `save_to_disk`) or one such file
                                     (split "train", column "text" by default)
+- `pg19` or `pg19:FOLDER`           PG-19 (DeepMind's 28,752 public-domain books published before 1919),
+                                    streamed from the Hub's parquet copy `emozilla/pg19`, or from a local
+                                    copy of that repository (e.g. `hf download emozilla/pg19 --repo-type
+                                    dataset --local-dir FOLDER`); its validation and test books are our val
 
 Planning lists the books without reading them (file sizes and mtimes, dataset fingerprints), so
 preparation reads each book exactly once, in a worker, and knows up front whether anything changed.
@@ -29,7 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
@@ -37,8 +41,22 @@ from data_prep.assets import atomic_write_bytes, cache_dir, sdist
 
 log = logging.getLogger(__name__)
 
-KINDS = ("default", "gutenberg", "files", "hf")
-SPEC_HELP = "default[:NAME,...], gutenberg:ID[,ID...], files:PATH_OR_GLOB, hf:DATASET[:SPLIT[:COLUMN]]"
+KINDS = ("default", "gutenberg", "files", "hf", "pg19")
+SPEC_HELP = "default[:NAME,...], gutenberg:ID[,ID...], files:PATH_OR_GLOB, hf:DATASET[:SPLIT[:COLUMN]], pg19[:FOLDER]"
+OPTIONAL_ARGUMENT = ("default", "pg19")
+# What each kind's books may be used under, as prepare records it in manifest.json (and model cards repeat it).
+LICENSES = {
+    "default": "public domain in the USA",  # Project Gutenberg's texts of Shakespeare and Milton
+    "gutenberg": "public domain in the USA",
+    "pg19": "apache-2.0",  # the dataset's license (DeepMind's PG-19 card); its books are public domain in the USA
+    "files": "unknown",
+    "hf": "unknown",
+}
+PG19_HUB = "emozilla/pg19"  # the parquet copy of deepmind/pg19 (a loading script, which datasets >= 4 refuses)
+# PG-19's splits -> ours: its validation and test books are kept out of train as its authors chose.
+PG19_SPLITS = {"train": "train", "validation": "val", "test": "val"}
+PG19_COLUMNS = ("short_book_title", "publication_date", "url", "text")
+PG19_BATCH_ROWS = 32  # books per Arrow record batch read (~13 MB of PG-19 text): bounds memory, not speed
 DEFAULT_MIRROR = "https://www.gutenberg.org"
 DOWNLOAD_WORKERS = 8  # concurrent Gutenberg downloads: enough to hide latency, polite to one mirror
 DOWNLOAD_ATTEMPTS = 4  # per book: rides out a mirror's brief 5xx, 429 or timeouts
@@ -80,6 +98,8 @@ class Plan:
     ids: list[str] | None  # every document id in order; None when only reading can tell (streaming)
     key: str | None  # identity of the inputs without reading them; None when only reading can tell
     records: Callable[[int], Iterator[Record]]  # the records from index `skip` on
+    text_bytes: int | None = None  # UTF-8 bytes of all the text, where listing can tell (before cleaning)
+    splits: dict[str, str] = field(default_factory=dict)  # id -> split, for books whose source names their split
 
 
 def parse_spec(spec: str) -> list[tuple[str, str]]:
@@ -91,7 +111,7 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
         kind, _, arg = part.strip().partition(":")
         if kind not in KINDS:
             raise DataPrepError(f"unknown source kind {kind!r} in source {spec!r}; use one of: {SPEC_HELP}")
-        if kind != "default" and not arg:
+        if kind not in OPTIONAL_ARGUMENT and not arg:
             raise DataPrepError(f"source {part.strip()!r} needs an argument; use one of: {SPEC_HELP}")
         parts.append((kind, arg))
     return parts
@@ -107,6 +127,8 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
             parts.append(_plan_gutenberg(arg, mirror))
         elif kind == "files":
             parts.append(_plan_files(arg))
+        elif kind == "pg19":
+            parts.append(_plan_pg19(arg))
         else:
             parts.append(_plan_hf(arg, streaming))
     known = all(p.ids is not None for p in parts)
@@ -123,6 +145,8 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     if known and all(p.key is not None for p in parts):
         key = hashlib.sha256(json.dumps([p.key for p in parts]).encode()).hexdigest()
     sizes = [len(p.ids) for p in parts] if known else None
+    text_bytes = sum(p.text_bytes for p in parts) if all(p.text_bytes is not None for p in parts) else None
+    splits = {doc_id: split for p in parts for doc_id, split in p.splits.items()}
 
     def records(skip: int = 0) -> Iterator[Record]:
         if skip and sizes is None:
@@ -134,7 +158,21 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
             yield from part.records(skip)
             skip = 0
 
-    return Plan(ids, key, records)
+    return Plan(ids, key, records, text_bytes, splits)
+
+
+def source_licenses(spec: str) -> list[dict[str, str | None]]:
+    """Each part of `spec` with the license of its books and, for a Hugging Face Hub dataset, its id."""
+    out = []
+    for kind, arg in parse_spec(spec):
+        dataset = None
+        if kind == "pg19":
+            dataset = PG19_HUB  # a local copy of it is still that dataset
+        elif kind == "hf":
+            name = arg.partition(":")[0]
+            dataset = None if Path(name).expanduser().exists() else name
+        out.append({"source": f"{kind}:{arg}" if arg else kind, "license": LICENSES[kind], "dataset": dataset})
+    return out
 
 
 def iter_documents(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) -> Iterator[Document]:
@@ -248,7 +286,9 @@ def _plan_default(arg: str) -> Plan:
     if unknown:
         raise DataPrepError(f"unknown default book(s) {unknown}; available: {', '.join(sorted(corpus))}")
     records = [Record(corpus[n][0], corpus[n][1], raw=corpus[n][2], size=len(corpus[n][2])) for n in names]
-    return Plan([r.id for r in records], f"default:{_DEFAULT_SDIST[2]}:{names}", lambda skip: iter(records[skip:]))
+    key = f"default:{_DEFAULT_SDIST[2]}:{names}"
+    text_bytes = sum(len(r.raw.encode()) for r in records)
+    return Plan([r.id for r in records], key, lambda skip: iter(records[skip:]), text_bytes)
 
 
 def _plan_files(arg: str) -> Plan:
@@ -272,7 +312,8 @@ def _plan_files(arg: str) -> Plan:
         stat = p.stat()
         records.append(Record(doc_id, p.stem, path=str(p.absolute()), size=stat.st_size))
         key.append((doc_id, stat.st_size, stat.st_mtime_ns))
-    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]))
+    text_bytes = sum(r.size for r in records)
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes)
 
 
 def _first_magic(parts: tuple[str, ...]) -> int:
@@ -303,7 +344,8 @@ def _plan_gutenberg(arg: str, mirror: str) -> Plan:
         for b in ids
     ]
     key = [(r.id, r.size, Path(r.path).stat().st_mtime_ns) for r in records]
-    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]))
+    text_bytes = sum(r.size for r in records)
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes)
 
 
 def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
@@ -378,3 +420,79 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
             f"check the name, split and network (or pass a local dataset folder or parquet/arrow file)"
         ) from None
+
+
+def _plan_pg19(arg: str) -> Plan:
+    """PG-19's books in its split order (train, validation, test), each part one `datasets` stream per parquet
+    file. Listing reads only the files' parquet footers and url columns (the Hub's through HTTP range requests),
+    so the books, their ids and the text size are known before any text is read, and a killed preparation
+    resumes at its parquet file instead of reading the books before it again."""
+    import datasets  # lazily, as in _load_hf
+    import fsspec
+    import pyarrow.parquet as pq
+
+    location = str(Path(arg).expanduser()) if arg else PG19_HUB
+    where = f"pg19:{arg}" if arg else f"pg19 (the Hub dataset {PG19_HUB})"
+    if arg and not Path(location).is_dir():
+        raise DataPrepError(
+            f"{where}: no such folder; give the folder of a local copy of {PG19_HUB} (its data/*.parquet files, e.g. "
+            f"from `hf download {PG19_HUB} --repo-type dataset --local-dir FOLDER`), or drop the folder to stream it"
+        )
+    try:
+        # One resolution of the data files, the Hub's or the folder's, by datasets' own rules (data/{split}-*).
+        builder = datasets.load_dataset_builder(location, batch_size=PG19_BATCH_ROWS)
+        files = builder.config.data_files or {}
+        listing = []  # (split, file, its origin metadata, rows, text bytes, urls)
+        for split in PG19_SPLITS:
+            if split not in files:
+                raise DataPrepError(f"{where} has no {split} split (found: {sorted(files)})")
+            for file, origin in zip(files[split], files[split].origin_metadata):
+                with fsspec.open(file, "rb") as f:
+                    parquet = pq.ParquetFile(f)
+                    missing = [c for c in PG19_COLUMNS if c not in parquet.schema_arrow.names]
+                    if missing:
+                        raise DataPrepError(
+                            f"{file} has no column(s) {missing} (columns: {parquet.schema_arrow.names}); "
+                            f"pg19 reads {PG19_HUB}'s layout: {', '.join(PG19_COLUMNS)}"
+                        )
+                    text = parquet.schema_arrow.get_field_index("text")
+                    meta = parquet.metadata
+                    size = sum(
+                        meta.row_group(g).column(text).total_uncompressed_size for g in range(meta.num_row_groups)
+                    )
+                    urls = parquet.read(columns=["url"]).column("url").to_pylist()
+                listing.append((split, file, origin, meta.num_rows, size, urls))
+        streams = {split: builder.as_streaming_dataset(split=split) for split in PG19_SPLITS}
+    except DataPrepError:
+        raise
+    except Exception as e:  # hub, network and file-format failures have no common base class
+        raise DataPrepError(
+            f"could not list {where} ({type(e).__name__}: {e}); check the network (or give a local copy: "
+            f"--source pg19:FOLDER)"
+        ) from None
+
+    ids = [_pg19_id(split, url) for split, *_, urls in listing for url in urls]
+    splits = {_pg19_id(split, url): PG19_SPLITS[split] for split, *_, urls in listing for url in urls}
+
+    def records(skip: int) -> Iterator[Record]:
+        shards = dict.fromkeys(PG19_SPLITS, 0)  # a split's stream has a shard per file, in data_files order
+        for split, _, _, rows, _, urls in listing:
+            shard, shards[split] = shards[split], shards[split] + 1
+            if skip >= rows:
+                skip -= rows
+                continue
+            stream = streams[split].shard(num_shards=streams[split].n_shards, index=shard)
+            for i, row in enumerate(stream.select_columns(["short_book_title", "url", "text"]).skip(skip), skip):
+                if row["url"] != urls[i]:
+                    raise DataPrepError(f"{where} changed while it was read (book {i} of a {split} file); run again")
+                text = row["text"] or ""
+                yield Record(_pg19_id(split, row["url"]), row["short_book_title"] or "", raw=text, size=len(text))
+            skip = 0
+
+    key = _digest([location, [(file, origin, rows, size) for _, file, origin, rows, size, _ in listing]])
+    return Plan(ids, key, records, sum(size for *_, size, _ in listing), splits)
+
+
+def _pg19_id(split: str, url: str) -> str:
+    """pg19/train/10146: the Project Gutenberg number that ends the book's url."""
+    return f"pg19/{split}/{url.rstrip('/').rpartition('/')[2]}"

@@ -10,14 +10,18 @@ Every conversion checks every key and shape against the model it feeds, so a sil
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 
 import tiktoken
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.utils import logging as hf_logging
 
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
@@ -114,13 +118,70 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
     hf_model = GPT2LMHeadModel(hf_config(model.config))
     hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
     hf_model.save_pretrained(out_dir)  # safetensors
-    with tempfile.TemporaryDirectory() as tmp:  # the converter also leaves a tiktoken copy we do not ship
-        convert_tiktoken_to_fast(encoding, tmp)
-        tokenizer = GPT2TokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"), model_max_length=model.config.block_size
-        )
-    tokenizer.save_pretrained(out_dir)  # class "GPT2Tokenizer", bos/eos/unk <|endoftext|>, as the Hub's gpt2
+    export_tokenizer(encoding, out_dir, model.config.block_size)
     return out_dir
+
+
+def check_export(config: GPTConfig, encoding: tiktoken.Encoding) -> None:
+    """Raise now what export_hf would raise after training: the shape is GPT-2's, and a one-layer model of it
+    with its tokenizer writes into a temporary folder and loads back with transformers."""
+    _check_exportable(config)
+    small = dataclasses.replace(config, n_layer=1, n_head=1, n_embd=8)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a check, not an export: no "Writing model shards" bar at start-up
+    try:
+        with tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
+            export_hf(GPT(small), tmp, encoding)
+            GPT2TokenizerFast.from_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def export_tokenizer(encoding: tiktoken.Encoding, out_dir: str | Path, model_max_length: int) -> None:
+    """Write the GPT-2 tokenizer of `encoding` as transformers saves it (class "GPT2Tokenizer", bos/eos/unk
+    <|endoftext|>, as the Hub's gpt2); it encodes exactly as `encoding` does, special tokens included."""
+    vocab, merges = gpt2_vocab_and_merges(encoding)
+    # GPT-2's byte-level BPE, as the Hub's gpt2 tokenizer.json has it; built here so any transformers wraps it
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = GPT2TokenizerFast(tokenizer_object=backend, model_max_length=model_max_length)
+    tokenizer.save_pretrained(out_dir)
+
+
+@functools.cache
+def gpt2_vocab_and_merges(encoding: tiktoken.Encoding) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's vocab.json and merges.txt contents from tiktoken's BPE ranks (no blobfile, no network): a token is
+    its bytes spelled in GPT-2's byte-to-unicode alphabet, and the merge that made the token of rank r is the last
+    step of BPE over its bytes with the ranks below r (~2 s, once per process)."""
+    ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}
+    alphabet = bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[byte] for byte in token)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = _last_merge(token, rank, ranks)
+            merges.append((spell(left), spell(right)))
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    vocab.update({name: encoding.encode_single_token(name) for name in encoding.special_tokens_set})
+    return vocab, merges
+
+
+def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        merged = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        best, i = min(merged)
+        if best >= rank:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} (rank {rank}) is not one merge of two lower-ranked tokens: not a BPE")
+    return parts[0], parts[1]
 
 
 def load_hf_config(folder: str | Path) -> GPTConfig:

@@ -74,3 +74,39 @@ def new_run(root: Path, preset: str = "tiny-cpu") -> Path:
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(config_to_yaml(TrainConfig(preset=preset, block_size=32, out_dir=str(run))))
     return run
+
+
+# A local copy of the Hub dataset emozilla/pg19 (PG-19 as parquet): its file layout and exact schema, 8 small books.
+PG19_FILES = {
+    "train-00000-of-00002-2b13c68dbeba63b5.parquet": [1342, 11, 1661],
+    "train-00001-of-00002-54b567998cd5eb4b.parquet": [98, 2701],
+    "validation-00000-of-00001-1ea3d3e1c7d9a28c.parquet": [84],
+    "test-00000-of-00001-29a571947c0b5ccc.parquet": [74, 345],
+}
+
+
+def pg19_book(number: int) -> str:
+    lines = [f"CHAPTER {i}.\r\n\r\nBook {number}, line {i}: “ünïcödé”, tabs\tand   runs of spaces." for i in range(40)]
+    return "\n".join(lines) + "\n\n\n\n\nThe End.\n"
+
+
+def write_pg19_copy(root: Path) -> Path:
+    """root/data/{split}-NNNNN-of-NNNNN-{hash}.parquet as the Hub repository lays them out (its train has 23
+    files), columns short_book_title, publication_date (int32), url, text; several row groups a file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [("short_book_title", pa.string()), ("publication_date", pa.int32()), ("url", pa.string()),
+         ("text", pa.string())]
+    )  # fmt: skip
+    (root / "data").mkdir(parents=True)
+    for name, numbers in PG19_FILES.items():
+        columns = {
+            "short_book_title": [f"Title of {n}" for n in numbers],
+            "publication_date": [1800 + n % 100 for n in numbers],
+            "url": [f"http://www.gutenberg.org/ebooks/{n}" for n in numbers],
+            "text": [pg19_book(n) for n in numbers],
+        }
+        pq.write_table(pa.table(columns, schema=schema), root / "data" / name, row_group_size=2)
+    return root

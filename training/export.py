@@ -18,6 +18,10 @@ from data_prep.tokenizer import get_encoding
 from modeling.runs import RunError, list_checkpoints, load_checkpoint
 
 
+class ExportError(RuntimeError):
+    """The end of a run could not write its export; the message names the command that does it from the run folder."""
+
+
 def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: str | Path | None = None) -> Path:
     """Export `checkpoint` (a step-NNNNNNNN name in the run's checkpoints/ or a path; default the newest) to `out`
     (default RUN/export-<checkpoint name>), written under a temporary name and renamed into place."""

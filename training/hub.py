@@ -9,12 +9,14 @@ model card and loss plot written into its export/ folder.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
 import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from modeling.runs import read_metrics
 
@@ -39,8 +41,96 @@ def require_token(token: str | None = None) -> str:
     return token
 
 
+# Benchmark scores the training loop logs (evals.runner) -> (task, its Hub dataset, split, metric type, metric name).
+EVAL_METRICS = {
+    "hellaswag_acc_norm": ("HellaSwag", "Rowan/hellaswag", "validation", "acc_norm", "accuracy (length-normalized)"),
+    "hellaswag_acc": ("HellaSwag", "Rowan/hellaswag", "validation", "accuracy", "accuracy"),
+    "lambada_acc": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "accuracy", "last-word accuracy"),
+    "lambada_ppl": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "perplexity", "last-word perplexity"),
+}
+PUBLIC_DOMAIN = "public domain in the USA"  # data_prep.sources.LICENSES' word for it
+
+
+def _manifest(config: dict) -> dict | None:
+    path = Path(config["data_dir"]) / "manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def data_sources(manifest: dict | None) -> list[dict]:
+    """The data's parts with the license and Hub dataset id that prepare recorded for each."""
+    if manifest is None:
+        return []
+    return manifest.get("sources") or [
+        {"source": manifest["source"], "license": "unknown (prepared before licenses were recorded)", "dataset": None}
+    ]
+
+
+def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[str, float]) -> ModelCardData:
+    """The card's metadata: license, tags, the Hub datasets trained on, the base model, and `evals` (the last eval
+    row: val_loss, benchmark scores) as model-index results."""
+    sources = data_sources(manifest)
+    hub_datasets = sorted({s["dataset"] for s in sources if s["dataset"]})
+    results = []
+    if "val_loss" in evals:
+        data = hub_datasets[0] if len(sources) == 1 and hub_datasets else (manifest or {}).get("source", "books")
+        results.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type=data,
+                dataset_name=f"{data} (held-out books)",
+                dataset_split="val",
+                metric_type="loss",
+                metric_name="val loss (nats/token)",
+                metric_value=round(evals["val_loss"], 4),
+            )  # fmt: skip
+        )
+    limit = {"limit": config["eval_limit"]} if config.get("eval_limit") else None
+    for key, (task, dataset, split, metric, name) in EVAL_METRICS.items():
+        if key in evals:
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type=dataset,
+                    dataset_name=task,
+                    dataset_split=split,
+                    dataset_args=limit,
+                    metric_type=metric,
+                    metric_name=f"{name}, zero-shot",
+                    metric_value=round(evals[key], 4),
+                )  # fmt: skip
+            )
+    init_from = config.get("init_from")
+    return ModelCardData(
+        model_name=run_name,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license="mit",  # bookgpt's, under which its code writes these weights; the data's is in the card's text
+        tags=["gpt2", "text-generation", "bookgpt", "pretraining"],
+        datasets=hub_datasets or None,
+        base_model=init_from if init_from and not Path(init_from).exists() else None,  # a Hub id, not a folder
+        eval_results=results or None,
+    )
+
+
+def check_model_card(config: dict) -> None:
+    """Raise now what writing the card would raise at the end (huggingface_hub, the data's manifest)."""
+    ModelCard(f"---\n{card_data('check', config, _manifest(config), {'val_loss': 1.0}).to_yaml()}\n---\n")
+
+
+def check_push(repo_id: str) -> None:
+    """Raise now what push(repo_id) would raise before reaching the network: a malformed repo id, no token."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
+    require_token()
+
+
 def render_model_card(run_dir: str | Path) -> str:
-    """A README.md for the export: data, config, steps, tokens, losses, throughput and the loss plot."""
+    """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs and schedule
+    as config.yaml says the run used them, steps, tokens, losses, eval results, throughput and the loss plot."""
     run_dir = Path(run_dir)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -52,48 +142,40 @@ def render_model_card(run_dir: str | Path) -> str:
     # The first step (compile, warm-up) is timed apart, so a one-step run has no throughput row.
     speeds = [r["tokens_per_sec"] for r in train if "tokens_per_sec" in r]
     throughput = f"{statistics.median(speeds):,.0f} tokens/s" if speeds else "n/a (one step)"
-    manifest_path = Path(config["data_dir"]) / "manifest.json"
-    data_line = f"`{config['data_dir']}`"
-    if manifest_path.is_file():
-        manifest = yaml.safe_load(manifest_path.read_text())  # JSON is YAML
-        splits = manifest["splits"]
-        data_line = (
-            f"source `{manifest['source']}`: {splits['train']['num_documents']} train documents "
-            f"({splits['train']['num_tokens']:,} tokens), {splits['val']['num_documents']} val documents "
-            f"({splits['val']['num_tokens']:,} tokens), GPT-2 BPE"
-        )
+    manifest = _manifest(config)
     val_line = score_lines = ""
+    evals = {k: v for k, v in val[-1].items() if k != "step"} if val else {}
     if val:
         best_val = min(r["val_loss"] for r in val)
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
-        scores = {k: v for k, v in val[-1].items() if k.startswith(("hellaswag", "lambada"))}
-        score_lines = "".join(f"| {name.replace('_', ' ')} (final) | {value:.4f} |\n" for name, value in scores.items())
+        score_lines = "".join(
+            f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals
+        )
     init_from = config.get("init_from")
     model = f"{init_from} (continued)" if init_from else config["preset"]
     origin = f"from the weights of {init_from}" if init_from else "from scratch"
-    return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-license: mit
-tags: [gpt2, text-generation, bookgpt, pretraining]
+    data = card_data(run_dir.name, config, manifest, evals)
+    content = f"""---
+{data.to_yaml()}
 ---
 
 # {run_dir.name}: a {model} GPT trained with bookgpt
 
-A GPT-2-architecture model pretrained {origin} on public-domain books with bookgpt
-(a pretraining project built on Hugging Face Accelerate).
+A GPT-2-architecture model pretrained {origin} with bookgpt (a pretraining project built on Hugging Face
+Accelerate, MIT-licensed).
 
 ## Training data
-{data_line}
+{_data_section(config, manifest)}
 
 ## Training
 | | |
 |---|---|
 | model | {model} (context {config["block_size"] or "the model's"}) |
+| optimizer | {_optimizer_line(config)} |
+| lr schedule | {_schedule_line(config)} |
 | optimizer steps | {last["step"]:,} |
 | tokens seen | {last["tokens_seen"]:,} |
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
-| learning rate | {config["lr"]} peak, cosine to {config["min_lr_ratio"]}×, {config["warmup_steps"]} warmup steps |
 | final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {throughput} |
 
@@ -108,6 +190,53 @@ out = model.generate(**tok("ROMEO:", return_tensors="pt"), max_new_tokens=50, do
 print(tok.decode(out[0]))
 ```
 """
+    return str(ModelCard(content))
+
+
+def _data_section(config: dict, manifest: dict | None) -> str:
+    if manifest is None:
+        return f"`{config['data_dir']}` (no manifest.json there: source and license unknown)"
+    splits = manifest["splits"]
+    sources = data_sources(manifest)
+    rows = "".join(
+        f"| `{s['source']}` | "
+        + (f"[{s['dataset']}](https://huggingface.co/datasets/{s['dataset']})" if s["dataset"] else "")
+        + f" | {s['license']} |\n"
+        for s in sources
+    )
+    licenses = {s["license"] for s in sources}
+    if licenses == {PUBLIC_DOMAIN}:
+        note = "The books are in the public domain in the USA."
+    elif any(license.startswith("unknown") for license in licenses):
+        note = "The license of some of this data is unknown: check it before you share this model or its outputs."
+    else:
+        note = "Each source's license is as its dataset states it."
+    return (
+        f"{splits['train']['num_documents']:,} train documents ({splits['train']['num_tokens']:,} tokens), "
+        f"{splits['val']['num_documents']:,} val documents ({splits['val']['num_tokens']:,} tokens), GPT-2 BPE.\n\n"
+        f"| source | Hub dataset | license |\n|---|---|---|\n{rows}\n{note}"
+    )
+
+
+def _optimizer_line(config: dict) -> str:
+    adamw = (
+        f"AdamW lr {config['lr']:g} (betas {config['beta1']:g}/{config['beta2']:g}, weight decay "
+        f"{config['weight_decay']:g})"
+    )
+    if config["optimizer"] != "muon":
+        return adamw
+    muon = f"Muon lr {config['muon_lr']:g} (momentum {config['muon_momentum']:g}) on the blocks' matrices"
+    return f"{muon}; {adamw} on embeddings, LayerNorms and biases"
+
+
+def _schedule_line(config: dict) -> str:
+    warmup, floor = config["warmup_steps"], config["min_lr_ratio"]
+    if config["lr_schedule"] == "wsd":
+        return (
+            f"wsd: {warmup} warmup steps, constant, then linear decay over the last {config['decay_fraction']:g} of "
+            f"the steps to {floor:g}× the peak"
+        )
+    return f"cosine: {warmup} warmup steps, then cosine decay to {floor:g}× the peak"
 
 
 def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:

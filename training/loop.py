@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from training.checkpoint import (
 )
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
-from training.hub import push, require_token, write_model_card
+from training.export import ExportError
+from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
     JSONLTracker,
     cpu_precision_hint,
@@ -185,7 +187,9 @@ def setup(cfg: TrainConfig) -> Run:
     lock = lock_run_folder(run_dir)
     resume_from = resolve_resume(cfg.resume, run_dir)
     if cfg.push_to_hub:
-        require_token()  # fail now, not after days of training
+        if not cfg.export_hf:
+            raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
+        check_push(cfg.push_to_hub)  # fail now, not after days of training
     model_config = cfg.model_config()
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
@@ -212,6 +216,8 @@ def setup(cfg: TrainConfig) -> Run:
     warning = memorization_warning(cfg, manifest.num_tokens("train"))
     if warning:
         accelerator.print(warning)
+    if cfg.export_hf:
+        check_outputs(cfg, model_config)
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
@@ -265,6 +271,21 @@ def setup(cfg: TrainConfig) -> Run:
         run.span(progress.total_steps)
     log_run_info(run, num_params, peak_source, param_groups)
     return run
+
+
+def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
+    """What write_outputs needs, checked before any training: the export (transformers, a GPT-2 shape, a one-layer
+    model and the tokenizer written in a temporary folder) and its model card (huggingface_hub, the manifest)."""
+    try:
+        from modeling.hf_export import check_export  # imports transformers (~3 s)
+
+        check_export(model_config, get_encoding())
+        check_model_card(dataclasses.asdict(cfg))
+    except Exception as err:  # a missing package, a shape GPT-2 lacks, an unwritable temp folder: all stop here
+        raise ConfigError(
+            f"the export at the end of this run would fail ({type(err).__name__}: {err}); fix that, or train "
+            "without it: --export-hf false"
+        ) from err
 
 
 def build_data(
@@ -511,12 +532,31 @@ def write_outputs(run: Run) -> None:
     if cfg.export_hf:
         state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
-            from modeling.hf_export import export_hf  # imports transformers (~3 s), here at the end only
-
             export_model = GPT(run.model_config)
             export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
-            export_hf(export_model, run_dir / "export", get_encoding())
+            export_final(run_dir, export_model)
             write_model_card(run_dir, cfg.push_to_hub or None)
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
+
+
+def export_final(run_dir: Path, model: GPT) -> None:
+    """The run's export/ (a transformers folder), written under a temporary name and renamed into place (replacing
+    the export of an earlier end of this run, resumed since). A failure leaves the checkpoints, and says how to
+    export the newest of them, which holds these same weights."""
+    export, tmp = run_dir / "export", run_dir / "export.tmp"
+    try:
+        from modeling.hf_export import export_hf  # imports transformers (~3 s), here at the end only
+
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
+        export_hf(model, tmp, get_encoding())
+        if export.exists():
+            shutil.rmtree(export)
+        tmp.rename(export)
+    except Exception as err:  # after all the training, whatever it is: one line that says how to finish the job
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(
+            f"the export to {export} failed after training ({type(err).__name__}: {err}); the run's checkpoints are "
+            f"kept: export the newest (the final weights) with `python -m training.export {run_dir}`"
+        ) from err

@@ -1,23 +1,38 @@
 """modeling.hf_export: a round trip through a transformers GPT-2 folder keeps the logits and the tokenizer."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
+from data_prep.sources import iter_documents
 from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
-from modeling.hf_export import export_hf, from_hf_state_dict, load_hf, load_hf_config, to_hf_state_dict
+from modeling.hf_export import (
+    check_export,
+    export_hf,
+    from_hf_state_dict,
+    load_hf,
+    load_hf_config,
+    to_hf_state_dict,
+)
 
-SAMPLE = "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too."
+SAMPLE = (
+    "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too.\r\n"
+    "   runs   of spaces,\n\n\n\nblank lines, trailing spaces   \n you'll we've I'M 你好 🤗 ½ 3.14159 -- end  \t"
+)
 
 
 @pytest.fixture(scope="module")
 def export(tiny_gpt: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", get_encoding())
+    """The export with blobfile hidden from this process (as in an image without it): `import blobfile` fails."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "blobfile", None)
+        return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", get_encoding())
 
 
 def ids() -> torch.Tensor:
@@ -47,6 +62,25 @@ def test_auto_tokenizer_encodes_like_tiktoken(tiny_gpt: GPT, export: Path):
     assert tokenizer(SAMPLE)["input_ids"] == expected
     assert tokenizer.decode(expected) == SAMPLE
     assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == tiny_gpt.config.block_size
+    assert len(tokenizer) == REAL_VOCAB_SIZE
+
+
+def test_auto_tokenizer_encodes_a_whole_book_like_tiktoken(export: Path):
+    """Hamlet (~50k tokens of verse, prose, names and punctuation): every id the same, and back to the same text."""
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    text = next(iter_documents("default:hamlet")).text
+    expected = get_encoding().encode_ordinary(text)
+    assert tokenizer(text)["input_ids"] == expected
+    assert tokenizer.decode(expected) == text
+
+
+def test_check_export_refuses_what_the_export_would_refuse_and_passes_without_blobfile(monkeypatch):
+    monkeypatch.setitem(sys.modules, "blobfile", None)
+    check_export(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304), get_encoding())
+    with pytest.raises(ValueError, match="only bias=True models can be exported"):
+        check_export(
+            GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False), get_encoding()
+        )
 
 
 def test_conversion_rejects_a_missing_key_or_a_wrong_shape(tiny_gpt: GPT):

@@ -7,13 +7,16 @@ import json
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 
+from data_prep.prepare import prepare
 from data_prep.tokenizer import get_encoding
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
+from testkit import write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
-from training.hub import HubError, main, push, render_model_card, write_model_card
+from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
 
 
 @pytest.fixture
@@ -46,6 +49,95 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
     assert "| throughput (median) | 1,000 tokens/s |" in card
 
 
+def write_run(run, data_dir, rows, **config) -> TrainConfig:
+    """config.yaml and metrics.jsonl as a finished run leaves them."""
+    run.mkdir(exist_ok=True)
+    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(data_dir), total_batch_tokens=1024, max_steps=2, **config)
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return cfg
+
+
+ROWS = [{"step": 2, "train_loss": 9.25, "tokens_per_sec": 1000.0, "tokens_seen": 2048}]
+
+
+@pytest.mark.parametrize(
+    ("config", "optimizer", "schedule"),
+    [
+        (
+            {"optimizer": "muon", "muon_lr": 0.03, "muon_momentum": 0.9, "lr": 6e-3, "lr_schedule": "wsd",
+             "warmup_steps": 6, "decay_fraction": 0.25, "min_lr_ratio": 0.0},
+            "| optimizer | Muon lr 0.03 (momentum 0.9) on the blocks' matrices; AdamW lr 0.006 (betas 0.9/0.95, "
+            "weight decay 0.1) on embeddings, LayerNorms and biases |",
+            "| lr schedule | wsd: 6 warmup steps, constant, then linear decay over the last 0.25 of the steps to 0× "
+            "the peak |",
+        ),
+        (
+            {"optimizer": "adamw", "lr": 3e-4, "lr_schedule": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1},
+            "| optimizer | AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) |",
+            "| lr schedule | cosine: 10 warmup steps, then cosine decay to 0.1× the peak |",
+        ),
+    ],
+)  # fmt: skip
+def test_model_card_says_the_optimizers_lrs_and_schedule_of_the_run(
+    tmp_path, prepared_books, config, optimizer, schedule
+):
+    write_run(tmp_path / "run", prepared_books, ROWS, **config)
+    card = render_model_card(tmp_path / "run")
+    assert optimizer in card and schedule in card
+
+
+def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepared_books, monkeypatch):
+    """Public domain only where the source says so; a Hub dataset (PG-19, even from a local copy) in `datasets:`."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    pg19 = tmp_path / "pg19-data"
+    prepare(f"pg19:{write_pg19_copy(tmp_path / 'pg19')}", pg19)
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("A book of unknown provenance.\n" * 20)
+    (books / "b.txt").write_text("Another one.\n" * 20)
+    mine = tmp_path / "mine"
+    prepare(f"files:{books}", mine)
+
+    cards = {}
+    for name, data_dir in (("default", prepared_books), ("pg19", pg19), ("files", mine)):
+        write_run(tmp_path / name, data_dir, ROWS)
+        cards[name] = ModelCard(render_model_card(tmp_path / name))
+    assert cards["default"].data.datasets is None
+    assert "| `default:hamlet,macbeth,tempest,twelfth_night` |  | public domain in the USA |" in cards["default"].text
+    assert "The books are in the public domain in the USA." in cards["default"].text
+    assert cards["pg19"].data.datasets == ["emozilla/pg19"]
+    assert "| [emozilla/pg19](https://huggingface.co/datasets/emozilla/pg19) | apache-2.0 |" in cards["pg19"].text
+    assert "5 train documents" in cards["pg19"].text and "3 val documents" in cards["pg19"].text
+    assert "public domain" not in cards["pg19"].text and "public domain" not in cards["files"].text
+    assert f"| `files:{books}` |  | unknown |" in cards["files"].text
+    assert "The license of some of this data is unknown" in cards["files"].text
+    for card in cards.values():
+        assert card.data.license == "mit"  # bookgpt's, under which the weights are written
+
+
+def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_books):
+    rows = [
+        {"step": 0, "val_loss": 10.9},
+        *ROWS,
+        {"step": 2, "val_loss": 9.51234, "hellaswag_acc_norm": 0.3125, "hellaswag_acc": 0.25, "lambada_acc": 0.125},
+    ]
+    write_run(tmp_path / "run", prepared_books, rows, eval_tasks="hellaswag,lambada", eval_limit=16)
+    results = {
+        (r.dataset_type, r.metric_type): r for r in ModelCard(render_model_card(tmp_path / "run")).data.eval_results
+    }
+    assert set(results) == {
+        ("default:hamlet,macbeth,tempest,twelfth_night", "loss"), ("Rowan/hellaswag", "acc_norm"),
+        ("Rowan/hellaswag", "accuracy"), ("EleutherAI/lambada_openai", "accuracy"),
+    }  # fmt: skip
+    assert results["default:hamlet,macbeth,tempest,twelfth_night", "loss"].metric_value == 9.5123
+    assert results["Rowan/hellaswag", "acc_norm"].metric_value == 0.3125
+    assert results["Rowan/hellaswag", "acc_norm"].dataset_args == {"limit": 16}  # a subset, and it says so
+    check_model_card(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()))  # the start-up check passes
+
+
 def test_write_model_card_fills_repo_id(finished_run):
     path = write_model_card(finished_run, "someone/tiny-books")
     assert 'from_pretrained("someone/tiny-books")' in path.read_text()
@@ -73,3 +165,17 @@ def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch)
     after = tree_hashes(finished_run)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing changed or lost
     assert set(after) - set(before) == {str(finished_run / "export" / "README.md")}  # only the card was added
+
+
+def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatch):
+    """What a run's start-up checks for --push-to-hub: no network needed to find either."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    check_push("someone/tiny-books")
+    with pytest.raises(
+        HubError, match=r"^--push-to-hub 'not a repo/id!' is not a Hub repository id \(.*\); use you/name"
+    ):
+        check_push("not a repo/id!")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    with pytest.raises(HubError, match="no Hugging Face token found"):
+        check_push("someone/tiny-books")

@@ -1,0 +1,110 @@
+"""The pg19 source on a local copy of emozilla/pg19 built here: its exact schema and file layout, read through the
+same `datasets` calls as the Hub's, its own splits kept, resumed after a kill as if never stopped."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_prep import DataPrepError
+from data_prep import prepare as prepare_module
+from data_prep.loader import load_manifest
+from data_prep.prepare import prepare
+from data_prep.sources import clean_text
+from data_prep.tokenizer import EOT_ID, get_encoding
+from testkit import PG19_FILES, pg19_book, write_pg19_copy
+
+SPLITS = ("train", "validation", "test")  # PG-19's
+
+
+@pytest.fixture
+def pg19_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    import datasets
+
+    # datasets read HF_DATASETS_CACHE at import; point it here so runs leave nothing in ~/.cache
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    return write_pg19_copy(tmp_path / "pg19")
+
+
+def split_tokens(data_dir: Path, split: str) -> np.ndarray:
+    manifest = load_manifest(data_dir, verify="sha256")
+    return np.concatenate([np.fromfile(data_dir / s.file, dtype=np.uint16) for s in manifest.shards_of(split)])
+
+
+def test_pg19_keeps_its_splits_and_tokenizes_every_book_exactly(pg19_copy, tmp_path, caplog):
+    out = tmp_path / "data"
+    with caplog.at_level(logging.INFO):
+        prepare(f"pg19:{pg19_copy}", out, shard_tokens=2_000)
+    assert f"pg19:{pg19_copy}: 8 books, " in caplog.text and " of shards, ~1 min with 1 process(es)" in caplog.text
+    manifest = load_manifest(out, verify="sha256")
+    numbers = {split: [n for name, ns in PG19_FILES.items() if name.startswith(split) for n in ns] for split in SPLITS}
+    expected = {
+        "train": [(f"pg19/train/{n}", n) for n in numbers["train"]],
+        "val": [(f"pg19/validation/{n}", n) for n in numbers["validation"]]
+        + [(f"pg19/test/{n}", n) for n in numbers["test"]],
+    }
+    docs = list(manifest.documents())
+    enc = get_encoding()
+    for split, books in expected.items():
+        listed = [d for d in docs if d["split"] == split]
+        assert [(d["id"], d["title"]) for d in listed] == [(i, f"Title of {n}") for i, n in books]
+        want = [t for _, n in books for t in [*enc.encode_ordinary(clean_text(pg19_book(n))), EOT_ID]]
+        assert split_tokens(out, split).tolist() == want
+        assert manifest.splits[split] == {
+            "num_tokens": len(want), "num_documents": len(books), "num_shards": -(-len(want) // 2_000)
+        }  # fmt: skip
+    raw = json.loads((out / "manifest.json").read_text())
+    assert raw["sources"] == [{"source": f"pg19:{pg19_copy}", "license": "apache-2.0", "dataset": "emozilla/pg19"}]
+
+
+def test_killed_pg19_preparation_resumes_inside_a_parquet_file(pg19_copy, tmp_path, monkeypatch, caplog):
+    """Killed after 2 batches of 2 books: the resumed run skips the first file and one book of the second, and
+    ends byte-identical to a run never stopped."""
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 2)
+    real, calls = prepare_module.tokenize_records, []
+
+    def killed_at_the_third_batch(records):
+        calls.append([r.id for r in records])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as Ctrl-C: BaseException, nothing cleans the build folder up
+        return real(records)
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", killed_at_the_third_batch)
+    source, out = f"pg19:{pg19_copy}", tmp_path / "data"
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, out, shard_tokens=2_000)
+    assert (tmp_path / ".data.build" / "progress.json").is_file() and not out.exists()
+    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    resumed = []
+    monkeypatch.setattr(prepare_module, "tokenize_records", lambda rs: resumed.append(rs[0].id) or real(rs))
+    with caplog.at_level(logging.INFO):
+        prepare(source, out, shard_tokens=2_000)
+    assert "after 4 books" in caplog.text
+    assert resumed[0] == "pg19/train/2701"  # the second book of the second train file: nothing read twice
+    fresh = tmp_path / "fresh"
+    prepare(source, fresh, shard_tokens=2_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in fresh.iterdir()}
+
+
+def test_pg19_errors_say_what_to_do(pg19_copy, tmp_path, monkeypatch):
+    import datasets
+
+    with pytest.raises(DataPrepError, match=r"pg19:.*nope: no such folder; give the folder of a local copy of emozi"):
+        prepare(f"pg19:{tmp_path}/nope", tmp_path / "a")
+    (pg19_copy / "data" / "test-00000-of-00001-29a571947c0b5ccc.parquet").unlink()
+    with pytest.raises(DataPrepError, match=r"has no test split \(found: \['train', 'validation'\]\)"):
+        prepare(f"pg19:{pg19_copy}", tmp_path / "b")
+    pq.write_table(pa.table({"title": ["x"], "text": ["y"]}), pg19_copy / "data" / "test-00000-of-00001-0.parquet")
+    with pytest.raises(DataPrepError, match=r"has no column\(s\) \['short_book_title', 'publication_date', 'url'\]"):
+        prepare(f"pg19:{pg19_copy}", tmp_path / "c")
+    # The Hub's copy goes through the same calls; with the Hub out of reach, one line says what to do.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataPrepError, match=r"could not list pg19 \(the Hub dataset emozilla/pg19\) .*pg19:FOLDER"):
+        prepare("pg19", tmp_path / "d")
+    assert not any((tmp_path / name).exists() for name in "abcd")

@@ -1,0 +1,80 @@
+"""The end of a run cannot kill the run: what the export needs is checked before training, and an export that
+still fails after it keeps the checkpoints and names the command that exports them."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data_prep.tokenizer import get_encoding
+from modeling.config import REAL_VOCAB_SIZE
+from modeling.hf_export import load_hf
+from training.checkpoint import list_checkpoints, save_checkpoint
+from training.config import ConfigError, TrainConfig
+from training.export import ExportError
+from training.export import main as export_main
+from training.loop import TrainMetrics, setup, trainer_for, write_outputs
+
+
+def tiny_config(data_dir, out_dir) -> TrainConfig:
+    return TrainConfig(
+        preset="tiny-cpu", data_dir=str(data_dir), out_dir=str(out_dir), micro_batch_size=2, total_batch_tokens=256,
+        max_steps=2, log_interval=1, eval_interval=0, sample_interval=0, num_workers=0, peak_tflops=1.0,
+    )  # fmt: skip
+
+
+def test_an_export_that_could_not_run_stops_the_run_before_it_trains(
+    prepared_books, tmp_path, monkeypatch, fresh_accelerate_state
+):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as an image without transformers
+    monkeypatch.delitem(sys.modules, "modeling.hf_export", raising=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"^the export at the end of this run would fail \(ModuleNotFoundError: import of transformers halted; "
+        r"None in sys.modules\); fix that, or train without it: --export-hf false$",
+    ):
+        setup(tiny_config(prepared_books, tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # nothing else
+
+
+def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_exports_them(
+    prepared_books, tmp_path, monkeypatch, fresh_accelerate_state
+):
+    monkeypatch.setitem(sys.modules, "blobfile", None)  # as an image without blobfile: checked, then exported
+    run = setup(tiny_config(prepared_books, tmp_path / "run"))
+    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run, 0.0)
+    while run.progress.step < run.total_steps:
+        metrics.step_started()
+        out = trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(run.progress.step)
+        metrics.log(run.progress.step, out)  # metrics.jsonl's train rows, which the model card reports
+    save_checkpoint(run.accelerator, run.run_dir, 2, 2, {"step": 2}, run.checkpoint_bytes)
+    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+
+    (run.run_dir / "export").write_text("a file where the export folder goes")  # a fault the start could not see
+    run_dir = re.escape(str(run.run_dir))
+    with pytest.raises(
+        ExportError,
+        match=f"^the export to {run_dir}/export failed after training \\(NotADirectoryError: .*\\); the run's "
+        f"checkpoints are kept: export the newest \\(the final weights\\) with `python -m training.export {run_dir}`$",
+    ):
+        write_outputs(run)
+    assert [c.name for c in list_checkpoints(run.run_dir)] == ["step-00000002"]
+    assert not (run.run_dir / "export.tmp").exists()
+
+    export_main([str(run.run_dir)])  # the command the error names
+    exported = load_hf(run.run_dir / "export-step-00000002").state_dict()
+    for name, tensor in weights.items():  # the export has GPT-2's 50,257 rows of the padded vocab: its real ids
+        assert torch.equal(exported[name][:REAL_VOCAB_SIZE], tensor[:REAL_VOCAB_SIZE]), name
+
+    (run.run_dir / "export").unlink()  # the fault gone, the end of the run writes its export/ and model card
+    write_outputs(run)
+    tokenizer = AutoTokenizer.from_pretrained(run.run_dir / "export")
+    text = "The end of a run:  ünïcödé\n\n<|endoftext|>"
+    assert tokenizer(text)["input_ids"] == get_encoding().encode(text, allowed_special="all")
+    assert "| optimizer steps | 2 |" in (run.run_dir / "export" / "README.md").read_text()
