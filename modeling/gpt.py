@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from modeling import cpu_attention
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.cpu_linear import Linear
-from modeling.fused_ce import fused_linear_cross_entropy
+from modeling.fused_ce import linear_cross_entropy
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,11 +143,12 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         """(logits over the padded vocab (B, T, vocab_size), None) without targets; (None, mean loss) with
-        targets (B, T), where -100 marks positions to ignore. Training never builds the full logits tensor."""
+        targets (B, T), where -100 marks positions to ignore. The loss's form (the full logits or the fused, chunked
+        one) is modeling.fused_ce.takes_full_logits's per-device rule."""
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x), None
-        return None, fused_linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
     @torch.no_grad()
     def generate(
