@@ -36,12 +36,14 @@ from training.distributed import build_accelerator, generation_model
 from training.hub import push, require_token, write_model_card
 from training.metrics import (
     JSONLTracker,
+    StartupClock,
     cpu_precision_hint,
     gpu_precision_hint,
     memory_stats,
     peak_tflops,
     plot_losses,
     precision_name,
+    startup_line,
 )
 from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler, newton_schulz_dtype
 from training.runlock import lock_run_folder
@@ -84,6 +86,7 @@ class Run:
     peak_tflops: float
     checkpoint_bytes: int  # one checkpoint's size, estimated before any exists
     lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
+    startup: StartupClock  # the start-up's phases, timed until the end of the first step
 
     def is_last(self, step: int) -> bool:
         return step == self.total_steps
@@ -131,9 +134,11 @@ def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
     return load_hf(cfg.init_from, model_config)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     """The fixed build order: run folder, Accelerator, seed, data, model, optimizer, schedule, one prepare(),
-    resume, run info. Precision, compile and distribution come from the launch YAML."""
+    resume, run info. Precision, compile and distribution come from the launch YAML. `startup` times the phases
+    (a fresh clock when None)."""
+    startup = startup or StartupClock()
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
@@ -142,6 +147,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
+    startup.mark()
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     accelerator = build_accelerator(
@@ -165,8 +171,10 @@ def setup(cfg: TrainConfig) -> Run:
     set_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
+    startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
+    startup.lap("data")
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
@@ -184,7 +192,9 @@ def setup(cfg: TrainConfig) -> Run:
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)
+    startup.lap("model")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    startup.lap("prepare")
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, train_loader)
 
@@ -199,6 +209,8 @@ def setup(cfg: TrainConfig) -> Run:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        startup.lap("resume")
+    startup.mark()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
     if device.type == "cuda" and accelerator.is_main_process:
@@ -211,10 +223,11 @@ def setup(cfg: TrainConfig) -> Run:
         hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
+    startup.lap("probes")
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
-        flops_per_token, peak, one_checkpoint, lock,
+        flops_per_token, peak, one_checkpoint, lock, startup,
     )  # fmt: skip
     if progress.total_steps:  # resumed after a time budget's decision: the same steps and schedule
         run.span(progress.total_steps)
@@ -327,10 +340,11 @@ class TrainMetrics:
     """Throughput, MFU and the train rows of metrics.jsonl, every log_interval steps and at the last.
 
     Its clock counts train_step() time only (evals, samples and saves are left out) and starts after the first
-    step: that one carries compile and warm-up, logged once as time_to_first_step_s (from launch)."""
+    step: that one carries compile and warm-up. At its end the start-up row (time_to_first_step_s from the process's
+    start, and its phases: training.metrics.StartupClock) is logged and, on the main process, printed on one line."""
 
-    def __init__(self, run: Run, launched: float) -> None:
-        self.run, self.launched = run, launched
+    def __init__(self, run: Run) -> None:
+        self.run = run
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
@@ -344,7 +358,11 @@ class TrainMetrics:
         now = time.perf_counter()
         if self.first:
             self.first = False
-            self.run.accelerator.log({"time_to_first_step_s": now - self.launched}, step=step)
+            startup = self.run.startup
+            startup.lap("first_step")
+            row = startup.row()
+            self.run.accelerator.log(row, step=step)
+            self.run.accelerator.print(startup_line(row))
             return
         self.window_s += now - self._started
         self.window_steps += 1
@@ -424,9 +442,15 @@ def window_loss_sum(model: torch.nn.Module, windows: EvalWindows, device: torch.
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def evaluate(run: Run) -> dict[str, float]:
     """Val loss over the `eval_windows` windows spread over the val split (a fixed set, so evals compare), plus
-    the `eval_tasks` benchmark scores; the same numbers on every rank."""
+    the `eval_tasks` benchmark scores; the same numbers on every rank.
+
+    Eager, also under a compiling launch YAML: in eval mode and without grad the compiled model would compile a
+    graph of its own (the step-0 eval, before the first step, paid it: 93 of 309 s to the first step on a busy
+    2-core CPU at tiny-cpu, and tens of seconds on a GPU), and the benchmarks' varying lengths more. A forward pass
+    costs a third of a step; eager, the loss takes its fused form (modeling.fused_ce.takes_full_logits)."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     model.eval()
     loss_sum = accelerator.reduce(window_loss_sum(model, run.val_windows, accelerator.device), "sum")
