@@ -31,8 +31,8 @@ from training.checkpoint import (
     resolve_resume,
     room_warning,
 )
-from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, generation_model
+from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
+from training.distributed import build_accelerator, generation_model, set_deepspeed_micro_batch
 from training.hub import push, require_token, write_model_card
 from training.metrics import (
     JSONLTracker,
@@ -45,6 +45,7 @@ from training.metrics import (
     precision_name,
     startup_line,
 )
+from training.micro_batch import resolve_micro_batch
 from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler, newton_schulz_dtype
 from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
@@ -150,8 +151,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.mark()
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
+    auto = cfg.micro_batch_size == AUTO
     accelerator = build_accelerator(
-        micro_batch_size=cfg.micro_batch_size,
+        micro_batch_size=None if auto else cfg.micro_batch_size,
         grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
         log_with=[JSONLTracker(run_dir), *trackers],
@@ -165,8 +167,14 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
             "use --optimizer adamw"
         )
     world_size = accelerator.num_processes
+    if auto:  # the run from here on is the one launched with the size picked
+        size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)
+        cfg = dataclasses.replace(cfg, micro_batch_size=size)
+        set_deepspeed_micro_batch(accelerator, size)
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
+    if auto:
+        accelerator.print(f"micro-batch: auto -> {cfg.micro_batch_size} ({why}; accumulation {grad_accum})")
     device = accelerator.device
     set_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
