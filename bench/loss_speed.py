@@ -29,11 +29,12 @@ from bench.loss_numerics import plain_cross_entropy
 from bench.measure import peak_memory_gib, reset_peak_memory, synchronize
 from bench.report import device_name
 from modeling.config import REAL_VOCAB_SIZE, get_preset
-from modeling.fused_ce import CHUNK_ROWS, fused_linear_cross_entropy
+from modeling.fused_ce import CHUNK_ROWS, cuda_memory_bytes, fused_linear_cross_entropy, takes_full_logits
 from training.compile_cache import isolate_inductor_cache
 from training.malloc import keep_freed_memory
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+FORMS = ("eager", "compiled")
 
 
 def time_loss(
@@ -102,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         f"after {args.warmup} warm-up calls"
     )
     memory = "GiB over the inputs (CUDA max allocated)" if device.type == "cuda" else "GiB (process peak RSS)"
+    logits_bytes = n * config.vocab_size * (2 if args.precision == "bf16" else 4)
+    device_bytes = cuda_memory_bytes(device) if device.type == "cuda" else None
+    picks = {mode: takes_full_logits(device.type, mode == "compiled", logits_bytes, device_bytes) for mode in FORMS}
+    rule = ", ".join(f"{mode} -> {'full logits' if full else 'fused'}" for mode, full in picks.items())
+    what += f"; the model's loss here (modeling.fused_ce.takes_full_logits): {rule}"
     lines = [f"| loss | ms | peak mem {memory} | loss value |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {r['ms']:.2f} | {r['peak_mem_gib']:.2f} | {r['loss']:.5f} |" for k, r in rows.items()]
     markdown = "\n".join([*lines, "", what, ""])
