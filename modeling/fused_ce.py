@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modeling import cpu_linear
+from modeling.fp8_head import fp8_logits
 
 # Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss" and "Chunk size on a Zen 5", has
 # the timings: on the CPU a chunk's bf16 grad_w product costs a pass over 25 MB more in the sum, so fewer chunks win).
@@ -175,15 +176,20 @@ def full_logits_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore
     return F.cross_entropy(h @ weight.t(), targets, ignore_index=ignore_index)
 
 
-def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def linear_cross_entropy(
+    h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100, fp8: bool = False
+) -> Tensor:
     """The training loss: mean cross-entropy of the logits h @ weight.T over the targets that are not ignore_index,
-    in the form takes_full_logits picks for this device, mode (eager or compiled) and size."""
+    in the form takes_full_logits picks for this device, mode (eager or compiled) and size. fp8: the full logits,
+    where that form is taken, from an FP8 matmul (modeling.fp8_head); the fused form ignores it."""
     device = h.device
     autocast = torch.is_autocast_enabled(device.type)
     compute_dtype = torch.get_autocast_dtype(device.type) if autocast else h.dtype
     logits_bytes = h.shape[0] * weight.shape[0] * compute_dtype.itemsize
     device_bytes = cuda_memory_bytes(device) if device.type == "cuda" else None
     if takes_full_logits(device.type, torch.compiler.is_compiling(), logits_bytes, device_bytes):
+        if fp8:
+            return F.cross_entropy(fp8_logits(h, weight).float(), targets, ignore_index=ignore_index)
         return full_logits_cross_entropy(h, weight, targets, ignore_index)
     return fused_linear_cross_entropy(h, weight, targets, ignore_index)
 

@@ -103,6 +103,9 @@ class GPT(nn.Module):
         # Trade compute for memory: store only each block's input and recompute its activations in backward
         # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
         self.activation_checkpointing = False
+        # The head's logits from an FP8 matmul where the loss takes the full logits (training.config's fp8_head,
+        # set only on CUDA 8.9+; modeling.fp8_head); not part of the architecture either.
+        self.fp8_head = False
         # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -148,7 +151,7 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x), None
-        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), fp8=self.fp8_head)
 
     @torch.no_grad()
     def generate(

@@ -59,6 +59,14 @@ class TrainConfig:
             "activation memory falls to ~1/9 + 1/n_layer of it for ~1/3 more compute; for models that do not fit"
         },
     )
+    fp8_head: bool = field(
+        default=False,
+        metadata={
+            "help": "the tied head's logits from an FP8 matmul (torch._scaled_mm: e4m3 forward, e5m2 gradients) where "
+            "the loss takes the full logits (compiled, on CUDA); only on GPUs of compute capability 8.9+ (Ada, "
+            "Hopper), elsewhere it stays off and the run says so"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
     # --- batch and budget (the token budget is the source of truth) ---
     micro_batch_size: int | str = field(

@@ -19,6 +19,7 @@ from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
+from modeling import fp8_head
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from training.checkpoint import (
@@ -187,6 +188,13 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.fp8_head:
+        model.fp8_head = fp8_head.supported(device)
+        if not model.fp8_head:
+            accelerator.print(
+                f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
+                f"{'.'.join(map(str, fp8_head.MIN_CAPABILITY))} or more (Ada, Hopper)"
+            )
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,

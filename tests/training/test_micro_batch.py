@@ -55,13 +55,17 @@ def test_the_estimate_covers_the_h100s_measured_peak_with_little_to_spare(micro_
 
 
 def test_auto_on_the_cpu_is_the_cpu_default_that_divides_the_step(prepared_books, tmp_path, capsys):
-    """tiny-cpu at 12 sequences a step: 8 does not divide them, 4 does (3 accumulation); said in one line."""
+    """tiny-cpu at 12 sequences a step: 8 does not divide them, 4 does (3 accumulation); said in one line. (And
+    fp8_head, asked for, stays off on the CPU with one line saying so.)"""
     assert CPU_DEFAULT == 8
     cfg = TrainConfig(
         preset="tiny-cpu", data_dir=str(prepared_books), out_dir=str(tmp_path / "run"), micro_batch_size="auto",
-        total_batch_tokens=12 * 64, max_steps=2, peak_tflops=1.0, export_hf=False,
+        total_batch_tokens=12 * 64, max_steps=2, peak_tflops=1.0, export_hf=False, fp8_head=True,
     )  # fmt: skip
     run = setup(cfg)
+    out = capsys.readouterr().out
+    assert "note: fp8_head is off on cpu: FP8 matmuls need a CUDA GPU of compute capability 8.9" in out
+    assert not run.accelerator.unwrap_model(run.model).fp8_head
     assert (run.cfg.micro_batch_size, run.grad_accum, run.train_loader.micro_batch_size) == (4, 3, 4)
-    assert "micro-batch: auto -> 4 (the CPU default on cpu, not probed; accumulation 3)" in capsys.readouterr().out
+    assert "micro-batch: auto -> 4 (the CPU default on cpu, not probed; accumulation 3)" in out
     assert "micro_batch_size: 4\n" in (tmp_path / "run" / "config.yaml").read_text()
