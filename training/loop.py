@@ -149,7 +149,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
-    startup.mark()
+    startup.lap("config")  # the config read, the run folder locked, the checkpoint to resume found
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     auto = cfg.micro_batch_size == AUTO

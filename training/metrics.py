@@ -167,6 +167,7 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
 # A run's start-up, phase by phase in the order they run: the metrics.jsonl key's middle -> the words on screen.
 STARTUP_PHASES = {
     "imports": "python + imports",
+    "config": "config",
     "accelerator": "accelerator",
     "data": "data",
     "model": "model",
