@@ -54,3 +54,25 @@ def test_the_models_loss_takes_fp8_only_with_the_full_logits():
     h, weight = torch.randn(64, 32, generator=g), torch.randn(128, 32, generator=g) * 0.1
     targets = torch.randint(0, 128, (64,), generator=g)
     assert torch.equal(linear_cross_entropy(h, weight, targets, fp8=True), linear_cross_entropy(h, weight, targets))
+
+
+def test_compiled_in_one_graph_and_equal_to_eager():
+    """Training compiles the FP8 head (it is taken with the full logits, under torch.compile on CUDA): no graph break,
+    and inductor's loss and grads are eager's."""
+
+    def loss(h, weight, targets):
+        return F.cross_entropy(fp8_logits(h, weight).float(), targets)
+
+    g = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(64, 32, generator=g), torch.randn(128, 32, generator=g) * 0.1
+    targets = torch.randint(0, 128, (64,), generator=g)
+    explained = torch._dynamo.explain(loss)(h, weight, targets)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+    def run(fn):
+        h_, weight_ = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(h_, weight_, targets)
+        out.backward()
+        return out, h_.grad, weight_.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(run(torch.compile(loss)), run(loss), strict=True))
