@@ -9,7 +9,6 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 from __future__ import annotations
 
 import sys
-import time
 
 from tqdm.auto import tqdm
 
@@ -21,19 +20,22 @@ from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
+from training.metrics import StartupClock
 from training.runlock import RunFolderInUse
 from training.signals import StopRequest, stop_with_the_launcher
 from training.step import TrainingAborted, is_out_of_memory
 
 
-def fit(run: Run, launched: float) -> bool:
+def fit(run: Run) -> bool:
     """Train to run.total_steps; False when a signal stopped the run (after saving a checkpoint)."""
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
+    run.startup.mark()
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log(evaluate(run), step=0)
+        run.startup.lap("step0_eval")
     stop = StopRequest()
     trainer = trainer_for(run, stop)
-    metrics = TrainMetrics(run, launched)
+    metrics = TrainMetrics(run)
     batches = iter(run.train_loader)
     # a with block: an error closes the bar before its line is printed, so that line stays the last on screen
     with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
@@ -81,14 +83,14 @@ def fit(run: Run, launched: float) -> bool:
 
 
 def main() -> None:
-    launched = time.perf_counter()
+    startup = StartupClock()  # from the process's start: the imports count too
     stop_with_the_launcher()  # before any work: a launcher stopped during setup stops this process too
     cfg, print_only = parse_config()
     if print_only:
         print(config_to_yaml(cfg), end="")
         return
-    run = setup(cfg)  # accelerator, data, model, optimizer, schedule, prepare(), resume
-    if fit(run, launched):
+    run = setup(cfg, startup)  # accelerator, data, model, optimizer, schedule, prepare(), resume
+    if fit(run):
         write_outputs(run)  # loss.png, export/ with its model card, the Hub push
     finish(run.accelerator)
 

@@ -8,7 +8,8 @@ The inputs are one micro-batch's final hidden states (B*T, n_embd) and the tied 
 master weights, under bf16 autocast by default (the GPU YAMLs' precision). Peak memory: on CUDA what the loss
 allocated on top of its inputs (max allocated minus allocated before); on CPU the process's peak resident memory.
 --chunk-rows times the fused loss at each chunk size given, eager and compiled (default: modeling.fused_ce.CHUNK_ROWS,
-the rows then named without it). Writes loss_speed.json and loss_speed.md to --out; the Markdown table is printed last.
+the rows then named without it). On CUDA 8.9+ a row times the full logits from the FP8 head (modeling.fp8_head),
+compiled. Writes loss_speed.json and loss_speed.md to --out; the Markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from torch import Tensor
 from bench.loss_numerics import plain_cross_entropy
 from bench.measure import peak_memory_gib, reset_peak_memory, synchronize
 from bench.report import device_name
+from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE, get_preset
-from modeling.fused_ce import CHUNK_ROWS, fused_linear_cross_entropy
+from modeling.fused_ce import CHUNK_ROWS, cuda_memory_bytes, fused_linear_cross_entropy, takes_full_logits
 from training.compile_cache import isolate_inductor_cache
 from training.malloc import keep_freed_memory
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+FORMS = ("eager", "compiled")
 
 
 def time_loss(
@@ -62,6 +65,10 @@ def time_loss(
     return {"ms": statistics.median(times[warmup:]) * 1e3, "peak_mem_gib": peak, "loss": loss.item()}
 
 
+def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    return torch.nn.functional.cross_entropy(fp8_head.fp8_logits(h, weight).float(), targets)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpt2-124m", help="model shape (modeling.config presets)")
@@ -86,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         "F.cross_entropy, full logits": plain_cross_entropy,
         "F.cross_entropy, full logits, compiled": torch.compile(plain_cross_entropy, backend=args.dynamo_backend),
     }
+    if fp8_head.supported(device):  # the full logits from an FP8 matmul (TrainConfig.fp8_head): CUDA 8.9+ only
+        fns["F.cross_entropy, full logits, FP8 head, compiled"] = torch.compile(
+            fp8_cross_entropy, backend=args.dynamo_backend
+        )
     for chunk_rows in args.chunk_rows:
         fused = functools.partial(fused_linear_cross_entropy, chunk_rows=chunk_rows)
         name = "fused (modeling.fused_ce)" + ("" if args.chunk_rows == [CHUNK_ROWS] else f", {chunk_rows}-row chunks")
@@ -102,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         f"after {args.warmup} warm-up calls"
     )
     memory = "GiB over the inputs (CUDA max allocated)" if device.type == "cuda" else "GiB (process peak RSS)"
+    logits_bytes = n * config.vocab_size * (2 if args.precision == "bf16" else 4)
+    device_bytes = cuda_memory_bytes(device) if device.type == "cuda" else None
+    picks = {mode: takes_full_logits(device.type, mode == "compiled", logits_bytes, device_bytes) for mode in FORMS}
+    rule = ", ".join(f"{mode} -> {'full logits' if full else 'fused'}" for mode, full in picks.items())
+    what += f"; the model's loss here (modeling.fused_ce.takes_full_logits): {rule}"
     lines = [f"| loss | ms | peak mem {memory} | loss value |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {r['ms']:.2f} | {r['peak_mem_gib']:.2f} | {r['loss']:.5f} |" for k, r in rows.items()]
     markdown = "\n".join([*lines, "", what, ""])

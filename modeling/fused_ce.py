@@ -5,6 +5,9 @@ several times in forward and backward; at 2,048 tokens x 50,304 ids that is ~400
 about a third of a small model's step on CPU. Here the rows are processed in chunks: for each chunk the
 forward pass computes the logits, the log-sum-exp, the loss AND the gradients w.r.t. h and W right away,
 so the chunk's logits are dropped before the next one. Backward only scales the stored gradients.
+
+Which of the two forms the model's loss takes is one rule, takes_full_logits: the full logits on CUDA under
+torch.compile (inductor's code for this form is slower and larger there), this form elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modeling import cpu_linear
+from modeling.fp8_head import fp8_logits
 
 # Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss" and "Chunk size on a Zen 5", has
 # the timings: on the CPU a chunk's bf16 grad_w product costs a pass over 25 MB more in the sum, so fewer chunks win).
@@ -135,6 +139,61 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
+# The largest full logits tensor (tokens x vocab in the compute dtype) the full-logits form may build, as a share of
+# the device's memory: 1/8 is 10 GiB on an 80 GB H100, micro-batch 64 at T 1024 of GPT-2's 50,304 ids in bf16 (6.1 GiB).
+FULL_LOGITS_MAX_SHARE = 1 / 8
+
+
+def takes_full_logits(device_type: str, compiling: bool, logits_bytes: int, device_bytes: int | None) -> bool:
+    """Whether the training loss is F.cross_entropy on the full logits (True) or the fused form (False): the full
+    logits on CUDA under torch.compile while they take at most FULL_LOGITS_MAX_SHARE of the device's memory
+    (device_bytes); the fused form on CPUs (and MPS), in eager mode and where the full logits would be too large.
+
+    Measured (BENCHMARKS.md, "GPU"), forward + backward of the loss alone at gpt2-124m, B16 x T1024 (16,384 rows x
+    50,304 ids), bf16 autocast:
+    - H100, torch 2.11, compiled: F.cross_entropy 7.62 ms / 1.51 GiB, fused 8.70 ms / 3.02 GiB: inductor's CUDA code
+      for the fused form holds twice the memory and is 14% slower, so the full logits win under compile;
+    - H100, eager: fused 21.77 ms / 1.25 GiB, F.cross_entropy 14.05 ms / 7.83 GiB: eager F.cross_entropy keeps fp32
+      copies of the logits (6x the fused form's memory), so eager takes the fused form (evals run eager);
+    - CPU, 16,384 rows at n_embd 768, bf16, peak RSS over a 0.41 GiB baseline: fused compiled 1.58 GiB, fused eager
+      1.87, F.cross_entropy compiled 2.34; 2,048 rows at n_embd 256, compiled: fused 1,189 ms, F.cross_entropy
+      1,330 (BENCHMARKS.md, "Loss accuracy"). CPUs take the fused form, compiled or not.
+    The whole device's memory, not its free memory, sets the cap: the choice is made while torch.compile traces, and
+    it must be the same on every rank and at every recompile."""
+    if device_type != "cuda" or not compiling:
+        return False
+    return device_bytes is not None and logits_bytes <= FULL_LOGITS_MAX_SHARE * device_bytes
+
+
+@torch.compiler.assume_constant_result
+def cuda_memory_bytes(device: torch.device) -> int:
+    """The CUDA device's total memory; a constant to torch.compile (read once while tracing, no graph break)."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def full_logits_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """F.cross_entropy(h @ weight.T, targets): the plain form, which builds the (N, V) logits."""
+    return F.cross_entropy(h @ weight.t(), targets, ignore_index=ignore_index)
+
+
+def linear_cross_entropy(
+    h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100, fp8: bool = False
+) -> Tensor:
+    """The training loss: mean cross-entropy of the logits h @ weight.T over the targets that are not ignore_index,
+    in the form takes_full_logits picks for this device, mode (eager or compiled) and size. fp8: the full logits,
+    where that form is taken, from an FP8 matmul (modeling.fp8_head); the fused form ignores it."""
+    device = h.device
+    autocast = torch.is_autocast_enabled(device.type)
+    compute_dtype = torch.get_autocast_dtype(device.type) if autocast else h.dtype
+    logits_bytes = h.shape[0] * weight.shape[0] * compute_dtype.itemsize
+    device_bytes = cuda_memory_bytes(device) if device.type == "cuda" else None
+    if takes_full_logits(device.type, torch.compiler.is_compiling(), logits_bytes, device_bytes):
+        if fp8:
+            return F.cross_entropy(fp8_logits(h, weight).float(), targets, ignore_index=ignore_index)
+        return full_logits_cross_entropy(h, weight, targets, ignore_index)
+    return fused_linear_cross_entropy(h, weight, targets, ignore_index)
+
+
 def fused_linear_cross_entropy(
     h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100, chunk_rows: int = CHUNK_ROWS
 ) -> Tensor:
@@ -148,7 +207,7 @@ def fused_linear_cross_entropy(
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else h.dtype
     if compute_dtype == torch.float16:
-        return F.cross_entropy(h @ weight.t(), targets, ignore_index=ignore_index)
+        return full_logits_cross_entropy(h, weight, targets, ignore_index)
     grad_enabled = torch.is_grad_enabled()
     return _FusedLinearCrossEntropy.apply(
         h,

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from modeling import cpu_attention
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.cpu_linear import Linear
-from modeling.fused_ce import fused_linear_cross_entropy
+from modeling.fused_ce import linear_cross_entropy
 
 
 class CausalSelfAttention(nn.Module):
@@ -103,6 +103,9 @@ class GPT(nn.Module):
         # Trade compute for memory: store only each block's input and recompute its activations in backward
         # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
         self.activation_checkpointing = False
+        # The head's logits from an FP8 matmul where the loss takes the full logits (training.config's fp8_head,
+        # set only on CUDA 8.9+; modeling.fp8_head); not part of the architecture either.
+        self.fp8_head = False
         # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -143,11 +146,12 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         """(logits over the padded vocab (B, T, vocab_size), None) without targets; (None, mean loss) with
-        targets (B, T), where -100 marks positions to ignore. Training never builds the full logits tensor."""
+        targets (B, T), where -100 marks positions to ignore. The loss's form (the full logits or the fused, chunked
+        one) is modeling.fused_ce.takes_full_logits's per-device rule."""
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x), None
-        return None, fused_linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), fp8=self.fp8_head)
 
     @torch.no_grad()
     def generate(

@@ -12,10 +12,12 @@
 #               wrong-gradient bugs for compiled autograd.Functions, pytorch#180642/#184113), the one-step-late
 #               verdict on CUDA, and `python -m bench.loss_numerics --device cuda`
 #   2 train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
-#               to TRAIN_STEPS (200) steps: metrics.jsonl, samples, loss.png, a checkpoint and the export
+#               to TRAIN_STEPS (200) steps, with --micro-batch-size auto: metrics.jsonl, samples, loss.png, a
+#               checkpoint and the export; its "micro-batch: auto" and "start-up:" lines go into summary.md
 #   3 ladder    python -m bench.ladder at gpt2-124m, rungs LADDER_RUNGS (0,2,5,7,9,11), build-nanogpt beside it
 #               (--peer-dir: a folder holding its train_gpt2.py; skipped without one), --profile-steps 3
-#   4 loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory)
+#   4 loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory),
+#               eager and compiled, and which form the loss rule (modeling.fused_ce.takes_full_logits) picks
 #   5 nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
 #               group, which must be NCCL, then 20 training steps
 #   6 hellaswag python -m evals on step 2's export, HELLASWAG_LIMIT (2000) examples
@@ -24,6 +26,16 @@
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
 # eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the GPU box
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
+#
+# What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes on one H100:
+#   TRAIN_STEPS=120 LADDER_RUNGS=0,11 HELLASWAG_LIMIT=1000 scripts/gpu_first_light.sh OUT --cache .gpu/cache \
+#       --peer-dir .gpu/build-nanogpt --time-limit 525
+# and reads from summary.md: the micro-batch auto picked and its accumulation, tok/s and peak memory at that size
+# (the 2026-11-26 H100 run: B16 449-454k tok/s at 10.4 GiB; the ladder's B32 476k at 18.15 GiB); the start-up line
+# (96.5 s to the first step on 2026-11-26, the step-0 eval then compiled a graph of its own; target <= 45 s) and
+# which phase holds the rest; the loss table: both forms' ms and GiB, eager and compiled, and the rule's pick (the
+# full logits compiled on CUDA while the fused form stays larger or slower there: 7.62 ms / 1.51 GiB against
+# 8.70 ms / 3.02 GiB on 2026-11-26). Record the figures in BENCHMARKS.md, "GPU", with the GPU, torch and command.
 set -uo pipefail
 
 usage() {
@@ -76,7 +88,7 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
-        --sample-interval 4 --checkpoint-interval 4)
+        --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 0 --sample-interval 0)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
@@ -87,7 +99,7 @@ else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
     DDP_YAML=accelerate_configs/8xh100.yaml
     TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
-        --checkpoint-interval "${TRAIN_STEPS:-200}")
+        --checkpoint-interval "${TRAIN_STEPS:-200}" --micro-batch-size auto)
     DDP_ARGS=(--max-steps 20 --log-interval 5 --eval-interval 0 --sample-interval 0)
     TESTS=(tests/modeling/test_fused_ce.py "$VERDICT_TEST")
     LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
@@ -198,6 +210,12 @@ step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limi
 
 {
     echo
+    if [[ -f $OUT/03-train.log ]]; then
+        echo "## train: the micro-batch and the start-up"
+        echo
+        grep -aoE "(micro-batch: auto|start-up:) .*" "$OUT/03-train.log"
+        echo
+    fi
     for f in ladder/ladder.md loss/loss_speed.md; do
         [[ -f $OUT/$f ]] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
     done

@@ -24,6 +24,8 @@ from modeling.config import GPTConfig, get_preset
 from modeling.runs import model_shape
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
+AUTO = "auto"  # micro_batch_size's value for "the largest that fits" (training.micro_batch)
+INT_OR_AUTO = int | str  # micro_batch_size's type: a number or AUTO
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd")
 # Old names of renamed keys (YAML key or flag) -> the current name: still accepted, with one warning line.
@@ -61,9 +63,24 @@ class TrainConfig:
             "activation memory falls to ~1/9 + 1/n_layer of it for ~1/3 more compute; for models that do not fit"
         },
     )
+    fp8_head: bool = field(
+        default=False,
+        metadata={
+            "help": "the tied head's logits from an FP8 matmul (torch._scaled_mm: e4m3 forward, e5m2 gradients) where "
+            "the loss takes the full logits (compiled, on CUDA); only on GPUs of compute capability 8.9+ (Ada, "
+            "Hopper), elsewhere it stays off and the run says so"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
     # --- batch and budget (the token budget is the source of truth) ---
-    micro_batch_size: int = field(default=16, metadata={"help": "sequences per forward pass per device"})
+    micro_batch_size: int | str = field(
+        default=16,
+        metadata={
+            "help": "sequences per forward pass per device, or auto: on CUDA the largest power of two up to 64 that "
+            "divides the step's sequences per device and fits the free memory with headroom (estimated: "
+            "training.micro_batch), elsewhere 8"
+        },
+    )
     total_batch_tokens: int = field(
         default=131_072,
         metadata={"help": "tokens per optimizer step over all ranks; sets gradient accumulation"},
@@ -193,7 +210,10 @@ class TrainConfig:
                 f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}: the newest checkpoint is the run's "
                 "resumable state; to save less often raise --checkpoint-interval (0: at the end only)"
             )
-        positive = ("micro_batch_size", "total_batch_tokens", "max_steps", "log_interval", "eval_windows")
+        if isinstance(self.micro_batch_size, str) and self.micro_batch_size != AUTO:
+            raise ConfigError(f"micro_batch_size must be a whole number >= 1 or auto, got {self.micro_batch_size!r}")
+        numbers = ("micro_batch_size",) if self.micro_batch_size != AUTO else ()
+        positive = (*numbers, "total_batch_tokens", "max_steps", "log_interval", "eval_windows")
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -278,10 +298,11 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
         raise ConfigError(f"{name} may not be empty (null)")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    what = "a whole number or auto" if kind == INT_OR_AUTO else kind.__name__
     if kind is bool and not isinstance(value, bool) or kind is not bool and isinstance(value, bool):
-        raise ConfigError(f"{name} must be {kind.__name__}, got {value!r}")
-    if not isinstance(value, kind):
-        raise ConfigError(f"{name} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    if not isinstance(value, kind) or kind == INT_OR_AUTO and isinstance(value, str) and value != AUTO:
+        raise ConfigError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -336,6 +357,15 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _parse_int_or_auto(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
+
+
 def _parse_optional(kind: type) -> Any:
     def parse(text: str) -> Any:
         return None if text.lower() in ("none", "null", "") else kind(text)
@@ -356,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     names += [(old, new, argparse.SUPPRESS) for old, new in RENAMED.items()]  # renamed by parse_config
     for name, current, help_ in names:
         kind, optional = types_[current]
-        parse = _parse_bool if kind is bool else kind
+        parse = {bool: _parse_bool, INT_OR_AUTO: _parse_int_or_auto}.get(kind, kind)
         if optional:
             parse = _parse_optional(kind)
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])

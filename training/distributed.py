@@ -23,11 +23,12 @@ def _launched_with(engine: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
 
 
-def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any) -> Accelerator:
+def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwargs: Any) -> Accelerator:
     """An Accelerator for the launch YAML's engine (DDP, FSDP2 or DeepSpeed ZeRO).
 
     micro_batch_size and grad_clip are the training config's; DeepSpeed must know them before prepare()
-    (our loader does not go through prepare, and DeepSpeed clips inside its own step).
+    (our loader does not go through prepare, and DeepSpeed clips inside its own step). micro_batch_size None:
+    decided later (auto), and given to DeepSpeed then with set_deepspeed_micro_batch.
 
     With CUDA this is a plain Accelerator; a single process on a Mac uses its GPU (MPS). Otherwise, accelerate
     would quietly drop FSDP and DeepSpeed YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the
@@ -62,9 +63,18 @@ def build_accelerator(*, micro_batch_size: int, grad_clip: float, **kwargs: Any)
     keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size, gradient_clipping=grad_clip)
+        _configure_deepspeed(ds_config, gradient_clipping=grad_clip)
+        if micro_batch_size is not None:
+            set_deepspeed_micro_batch(accelerator, micro_batch_size)
         deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
+
+
+def set_deepspeed_micro_batch(accelerator: Accelerator, micro_batch_size: int) -> None:
+    """The training config's micro-batch into the DeepSpeed config, before prepare(); nothing under other engines."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size)
 
 
 def fsdp_plugin() -> FullyShardedDataParallelPlugin:

@@ -20,6 +20,7 @@ from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
+from modeling import fp8_head
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from training.checkpoint import (
@@ -32,19 +33,22 @@ from training.checkpoint import (
     resolve_resume,
     room_warning,
 )
-from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, generation_model
+from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
+from training.distributed import build_accelerator, generation_model, set_deepspeed_micro_batch
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
     JSONLTracker,
+    StartupClock,
     cpu_precision_hint,
     gpu_precision_hint,
     memory_stats,
     peak_tflops,
     plot_losses,
     precision_name,
+    startup_line,
 )
+from training.micro_batch import resolve_micro_batch
 from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler, newton_schulz_dtype
 from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
@@ -132,6 +136,7 @@ class Run:
     peak_tflops: float
     checkpoint_bytes: int  # one checkpoint's size, estimated before any exists
     lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
+    startup: StartupClock  # the start-up's phases, timed until the end of the first step
 
     def is_last(self, step: int) -> bool:
         return step == self.total_steps
@@ -179,9 +184,11 @@ def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
     return load_hf(cfg.init_from, model_config)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     """The fixed build order: run folder, Accelerator, seed, data, model, optimizer, schedule, one prepare(),
-    resume, run info. Precision, compile and distribution come from the launch YAML."""
+    resume, run info. Precision, compile and distribution come from the launch YAML. `startup` times the phases
+    (a fresh clock when None)."""
+    startup = startup or StartupClock()
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
@@ -191,10 +198,12 @@ def setup(cfg: TrainConfig) -> Run:
             raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
         check_push(cfg.push_to_hub)  # fail now, not after days of training
     model_config = cfg.model_config()
+    startup.lap("config")  # the config read, the run folder locked, the checkpoint to resume found
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
+    auto = cfg.micro_batch_size == AUTO
     accelerator = build_accelerator(
-        micro_batch_size=cfg.micro_batch_size,
+        micro_batch_size=None if auto else cfg.micro_batch_size,
         grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
         log_with=[JSONLTracker(run_dir), *trackers],
@@ -205,23 +214,39 @@ def setup(cfg: TrainConfig) -> Run:
     if engine_note:
         accelerator.print(engine_note)
     world_size = accelerator.num_processes
+    if auto:  # the run from here on is the one launched with the size picked
+        size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)
+        cfg = dataclasses.replace(cfg, micro_batch_size=size)
+        set_deepspeed_micro_batch(accelerator, size)
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
+    if auto:
+        accelerator.print(f"micro-batch: auto -> {cfg.micro_batch_size} ({why}; accumulation {grad_accum})")
     device = accelerator.device
     set_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+; no effect on CPU
     torch.backends.cudnn.allow_tf32 = True
+    startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
     warning = memorization_warning(cfg, manifest.num_tokens("train"))
     if warning:
         accelerator.print(warning)
+    startup.lap("data")
     if cfg.export_hf:
         check_outputs(cfg, model_config)
+        startup.lap("export_check")  # what the end of the run writes, tried now
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.fp8_head:
+        model.fp8_head = fp8_head.supported(device)
+        if not model.fp8_head:
+            accelerator.print(
+                f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
+                f"{'.'.join(map(str, fp8_head.MIN_CAPABILITY))} or more (Ada, Hopper)"
+            )
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
@@ -235,7 +260,9 @@ def setup(cfg: TrainConfig) -> Run:
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)
+    startup.lap("model")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    startup.lap("prepare")
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress, train_loader)
 
@@ -250,6 +277,8 @@ def setup(cfg: TrainConfig) -> Run:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        startup.lap("resume")
+    startup.mark()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
     if device.type == "cuda" and accelerator.is_main_process:
@@ -262,10 +291,11 @@ def setup(cfg: TrainConfig) -> Run:
         hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)
+    startup.lap("probes")
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
-        flops_per_token, peak, one_checkpoint, lock,
+        flops_per_token, peak, one_checkpoint, lock, startup,
     )  # fmt: skip
     if progress.total_steps:  # resumed after a time budget's decision: the same steps and schedule
         run.span(progress.total_steps)
@@ -393,10 +423,11 @@ class TrainMetrics:
     """Throughput, MFU and the train rows of metrics.jsonl, every log_interval steps and at the last.
 
     Its clock counts train_step() time only (evals, samples and saves are left out) and starts after the first
-    step: that one carries compile and warm-up, logged once as time_to_first_step_s (from launch)."""
+    step: that one carries compile and warm-up. At its end the start-up row (time_to_first_step_s from the process's
+    start, and its phases: training.metrics.StartupClock) is logged and, on the main process, printed on one line."""
 
-    def __init__(self, run: Run, launched: float) -> None:
-        self.run, self.launched = run, launched
+    def __init__(self, run: Run) -> None:
+        self.run = run
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
@@ -410,7 +441,11 @@ class TrainMetrics:
         now = time.perf_counter()
         if self.first:
             self.first = False
-            self.run.accelerator.log({"time_to_first_step_s": now - self.launched}, step=step)
+            startup = self.run.startup
+            startup.lap("first_step")
+            row = startup.row()
+            self.run.accelerator.log(row, step=step)
+            self.run.accelerator.print(startup_line(row))
             return
         self.window_s += now - self._started
         self.window_steps += 1
@@ -490,9 +525,15 @@ def window_loss_sum(model: torch.nn.Module, windows: EvalWindows, device: torch.
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def evaluate(run: Run) -> dict[str, float]:
     """Val loss over the `eval_windows` windows spread over the val split (a fixed set, so evals compare), plus
-    the `eval_tasks` benchmark scores; the same numbers on every rank."""
+    the `eval_tasks` benchmark scores; the same numbers on every rank.
+
+    Eager, also under a compiling launch YAML: in eval mode and without grad the compiled model would compile a
+    graph of its own (the step-0 eval, before the first step, paid it: 93 of 309 s to the first step on a busy
+    2-core CPU at tiny-cpu, and tens of seconds on a GPU), and the benchmarks' varying lengths more. A forward pass
+    costs a third of a step; eager, the loss takes its fused form (modeling.fused_ce.takes_full_logits)."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     model.eval()
     loss_sum = accelerator.reduce(window_loss_sum(model, run.val_windows, accelerator.device), "sum")

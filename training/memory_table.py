@@ -74,7 +74,8 @@ def activation_bytes(config: GPTConfig, micro_batch_size: int, checkpointed: boo
     36 is what autograd saves per token and channel for our Block under bf16 autocast, measured with
     torch.autograd.graph.saved_tensors_hooks (Korthikanti et al. 2022 count 34 for an all-16-bit block; our
     residual stream and LayerNorm inputs stay fp32). SDPA's fused kernels keep no T×T scores and the fused loss
-    no logits, so nothing grows with T² or the vocabulary. With activation checkpointing each block keeps only
+    no logits, so nothing grows with T² or the vocabulary (compiled on CUDA the loss takes the full logits:
+    training.micro_batch adds them). With activation checkpointing each block keeps only
     its fp32 input (4·T·B·C), and backward holds one block's 36·T·B·C at a time while it recomputes it."""
     per_block = config.block_size * micro_batch_size * config.n_embd
     if checkpointed:

@@ -164,6 +164,61 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float | No
     return measure_matmul_tflops(device, dtype), f"measured {kind} matmul{threads}"
 
 
+# A run's start-up, phase by phase in the order they run: the metrics.jsonl key's middle -> the words on screen.
+STARTUP_PHASES = {
+    "imports": "python + imports",
+    "config": "config",
+    "accelerator": "accelerator",
+    "data": "data",
+    "export_check": "export check",
+    "model": "model",
+    "prepare": "prepare",
+    "resume": "resume",
+    "probes": "probes",
+    "step0_eval": "step-0 eval",
+    "first_step": "first step + compile",
+}
+
+
+class StartupClock:
+    """Where the time from the process's start to the end of its first optimizer step went: lap(phase) counts the
+    time since the last lap (or mark) as that phase's (STARTUP_PHASES); the time after a mark() and before the next
+    lap is "other". The process's start comes from the OS, so the interpreter's start and the imports count too."""
+
+    def __init__(self) -> None:
+        import psutil  # accelerate's own dependency
+
+        now = time.perf_counter()
+        self.started = now - max(0.0, time.time() - psutil.Process().create_time())
+        self.seconds = {"imports": now - self.started}
+        self._mark = now
+
+    def mark(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    def row(self) -> dict[str, float]:
+        """metrics.jsonl's start-up row, as of now: time_to_first_step_s and startup_<phase>_s for each phase timed,
+        then startup_other_s (the rest)."""
+        total = time.perf_counter() - self.started
+        row = {"time_to_first_step_s": total}
+        row |= {f"startup_{phase}_s": self.seconds[phase] for phase in STARTUP_PHASES if phase in self.seconds}
+        row["startup_other_s"] = total - sum(self.seconds.values())
+        return row
+
+
+def startup_line(row: dict[str, float]) -> str:
+    """The start-up row on one line: `start-up: 12.3 s to the first step (python + imports 2.1, ..., other 0.1)`."""
+    timed = [(words, row.get(f"startup_{phase}_s")) for phase, words in STARTUP_PHASES.items()]
+    timed = [(words, seconds) for words, seconds in timed if seconds is not None] + [("other", row["startup_other_s"])]
+    parts = ", ".join(f"{words} {seconds:.1f}" for words, seconds in timed)
+    return f"start-up: {row['time_to_first_step_s']:.1f} s to the first step ({parts})"
+
+
 def precision_name(mixed_precision: str) -> str:
     """accelerate's mixed_precision as the run log says it."""
     return dtype_name(mixed_precision) + ("" if mixed_precision == "no" else " mixed precision")

@@ -28,6 +28,9 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
         assert f"| {i} {name} | ok |" in summary, summary
         assert (out / f"{i:02d}-{name}.log").is_file()
     assert "summary:" in result.stdout.splitlines()[-1]
+    # the train step's micro-batch auto (the CPU default, 8, divides tiny_cpu.yaml's 16 sequences) and start-up line
+    assert "micro-batch: auto -> 8 (the CPU default on cpu, not probed; accumulation 2)" in summary, summary
+    assert "start-up: " in summary and "first step + compile" in summary, summary
     assert "2 passed, 1 skipped" in (out / "02-tests.log").read_text()  # the verdict test's CUDA case skips here
     assert (out / "nccl_backend.txt").read_text().startswith("distributed_type DistributedType.MULTI_CPU, backend gloo")
     for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl"):

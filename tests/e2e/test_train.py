@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,15 @@ def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
     """The README path: cpu.yaml (fp32 + inductor). Val loss falls well below its start; export loads."""
     run, stdout = readme_run
     assert "fp32, dynamo INDUCTOR" in stdout
+    # the start-up on one line, and as the first step's row (training.metrics.StartupClock)
+    assert re.search(
+        r"^start-up: [\d.]+ s to the first step \(python \+ imports [\d.]+, .*step-0 eval [\d.]+, "
+        r"first step \+ compile [\d.]+, other [\d.]+\)$",
+        stdout,
+        re.MULTILINE,
+    ), stdout
+    (startup,) = [r for r in read_metrics(run / "metrics.jsonl") if "time_to_first_step_s" in r]
+    assert startup["step"] == 1 and startup["startup_step0_eval_s"] > 0 and startup["startup_first_step_s"] > 0
     # the compiled graphs in the subfolder of this process's vector ISA (training.compile_cache)
     isa_folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this process's, isolated by conftest
     assert [p.parent.name for p in (run.parent / "inductor").glob("*/fxgraph")] == [isa_folder]

@@ -1,11 +1,17 @@
-"""modeling.fused_ce: the chunked linear + cross-entropy equals F.cross_entropy over the full logits."""
+"""modeling.fused_ce: the chunked linear + cross-entropy equals F.cross_entropy over the full logits, and the rule that
+picks one of the two forms for the model's loss."""
 
 import pytest
 import torch
 
 from bench import loss_numerics as numerics
-from modeling import cpu_linear
-from modeling.fused_ce import fused_linear_cross_entropy
+from modeling import cpu_linear, fused_ce
+from modeling.fused_ce import (
+    full_logits_cross_entropy,
+    fused_linear_cross_entropy,
+    linear_cross_entropy,
+    takes_full_logits,
+)
 
 N, E, V = 300, 32, 1000
 
@@ -143,3 +149,77 @@ def test_low_precision_is_at_least_as_accurate_as_cross_entropy(confident, fused
     """Against fp64, under the autocast dtype a launch YAML selects (fp16 with accelerate's loss scaling)."""
     h, weight, targets, want = confident
     assert_at_least_as_accurate_as_cross_entropy(fused, h, weight, targets, want, precision)
+
+
+GIB = 2**30
+H100 = 80 * GIB  # an H100's memory, about (the rule reads the device's own)
+B16_BF16 = 16 * 1024 * 50_304 * 2  # gpt2-124m's logits at micro-batch 16 in bf16: 1.5 GiB
+
+
+@pytest.mark.parametrize(
+    "device_type, compiling, logits_bytes, device_bytes, full",
+    [
+        ("cuda", True, B16_BF16, H100, True),  # compiled on CUDA: the full logits (7.62 ms / 1.51 GiB vs 8.70 / 3.02)
+        ("cuda", True, H100 // 8, H100, True),  # at the cap
+        ("cuda", True, H100 // 8 + 1, H100, False),  # past it: too large to hold, fused
+        ("cuda", True, 4 * B16_BF16, 16 * GIB, False),  # B64 on a 16 GB card
+        ("cuda", False, B16_BF16, H100, False),  # eager on CUDA (evals): fused (1.25 GiB vs 7.83)
+        ("cpu", True, B16_BF16, None, False),  # CPUs: fused, compiled or not
+        ("cpu", False, B16_BF16, None, False),
+        ("mps", False, B16_BF16, None, False),
+    ],
+)
+def test_the_rule_takes_the_full_logits_only_compiled_on_cuda_while_they_fit(
+    device_type, compiling, logits_bytes, device_bytes, full
+):
+    assert takes_full_logits(device_type, compiling, logits_bytes, device_bytes) is full
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_models_loss_on_the_cpu_is_the_fused_form(compiled):
+    """linear_cross_entropy (GPT.forward's loss) is the fused form, bit for bit, eager and compiled."""
+    h, weight, targets = make_inputs(torch.float32)
+    wrap = torch.compile if compiled else lambda fn: fn
+    got = loss_and_grads(wrap(linear_cross_entropy), h, weight, targets)
+    want = loss_and_grads(wrap(fused_linear_cross_entropy), h, weight, targets)
+    plain = loss_and_grads(wrap(full_logits_cross_entropy), h, weight, targets)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not all(torch.equal(g, p) for g, p in zip(got, plain, strict=True))  # the forms round apart: it tells
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_two_forms_agree_compiled_where_the_rule_switches(precision):
+    """Compiled (where the rule switches between them with the device and size), the full-logits form and the fused
+    one give the same loss and grads: to rounding (the bf16 matmuls round alike in both; the sums differ)."""
+    h, weight, targets = make_inputs(torch.float32)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+        full = loss_and_grads(torch.compile(full_logits_cross_entropy), h, weight, targets)
+        fused = loss_and_grads(torch.compile(fused_linear_cross_entropy), h, weight, targets)
+    errors = [((f - p).norm() / p.norm()).item() for f, p in zip(fused, full, strict=True)]
+    # measured (loss, grad_h, grad_w) apart: fp32 0 / 5.3e-7 / 2.2e-7, bf16 0 / 2.7e-7 / 1.1e-5; ~10x margin
+    bound = 5e-6 if precision == "fp32" else 1e-4
+    assert max(errors) < bound, errors
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_on_cuda_the_rule_compiles_in_one_graph_and_takes_the_full_logits():
+    """On a CUDA device, compiled: the rule reads the device's memory while tracing without a graph break, and at a
+    size well under the cap the loss is the full-logits form's; eager it is the fused form's."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2048, 256, generator=g).cuda()
+    weight = (torch.randn(50_304, 256, generator=g) * 0.02).cuda()
+    targets = torch.randint(0, 50_257, (2048,), generator=g).cuda()
+    assert fused_ce.FULL_LOGITS_MAX_SHARE * fused_ce.cuda_memory_bytes(h.device) >= 2048 * 50_304 * 4
+    explained = torch._dynamo.explain(linear_cross_entropy)(h, weight, targets)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.compiler.reset()
+    got = loss_and_grads(torch.compile(linear_cross_entropy), h, weight, targets)
+    want = loss_and_grads(torch.compile(full_logits_cross_entropy), h, weight, targets)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    eager = loss_and_grads(linear_cross_entropy, h, weight, targets)
+    fused = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)
+    assert all(torch.equal(a, b) for a, b in zip(eager, fused, strict=True))

@@ -82,8 +82,8 @@ def test_malformed_yaml_says_where(tmp_path):
 
 def test_wrong_type_in_yaml(tmp_path):
     run_config = tmp_path / "run.yaml"
-    run_config.write_text("micro_batch_size: four\n")
-    with pytest.raises(ConfigError, match="micro_batch_size must be int"):
+    run_config.write_text("max_steps: four\n")
+    with pytest.raises(ConfigError, match="max_steps must be int"):
         load_yaml(run_config)
 
 

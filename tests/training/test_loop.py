@@ -227,10 +227,10 @@ def tiny_run(prepared_books, tmp_path_factory):
 
 
 def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
-    """The first step (compile, warm-up) only sets time_to_first_step_s; the window after it counts later steps."""
+    """The first step (compile, warm-up) only logs the start-up row; the window after it counts later steps."""
     run = tiny_run
     trainer = trainer_for(run, stop=False)
-    metrics = TrainMetrics(run, launched=time.perf_counter())
+    metrics = TrainMetrics(run)
     data = iter(run.train_loader)
     out: StepOutput | None = None
     spans = []
@@ -249,5 +249,13 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
     logged = read_metrics(run.run_dir / "metrics.jsonl")
     first = [r for r in logged if "time_to_first_step_s" in r]
     assert len(first) == 1 and first[0]["step"] == 1 and first[0]["time_to_first_step_s"] >= 0.5
+    # the start-up row: setup's phases, then the first step's, and the rest as other, adding up to the total
+    phases = {k: v for k, v in first[0].items() if k.startswith("startup_")}
+    assert [k for k in phases if k != "startup_other_s"] == [
+        "startup_imports_s", "startup_config_s", "startup_accelerator_s", "startup_data_s", "startup_model_s",
+        "startup_prepare_s", "startup_probes_s", "startup_first_step_s",
+    ]  # fmt: skip
+    assert phases["startup_first_step_s"] >= 0.5 and min(phases.values()) >= 0
+    assert sum(phases.values()) == pytest.approx(first[0]["time_to_first_step_s"])
     # a log whose window is empty (the first step is also a log step) has no throughput to report
     assert "tokens_per_sec" not in metrics.log(run.progress.step, out)
