@@ -55,13 +55,16 @@ def _root_cause_line(err: Exception) -> str | None:
 
 
 def main() -> None:
+    import torch.distributed.run  # noqa: F401  (creates torchelastic's loggers, which -q quiets)
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args()
-    if args.quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if args.quiet:  # each torchelastic module's logger has its own level (LOGLEVEL's), so each is set
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch_command(args)
     except ChildFailedError as err:
