@@ -40,7 +40,7 @@ def fit(run: Run, launched: float) -> bool:
     metrics = TrainMetrics(run, launched)
     batches = iter(run.train_loader)
     saves = 0
-    # a with block: an error closes the bar before its line is printed, so that line stays the last on screen
+    # a with block: an error or a stop closes the bar before its line is printed, so that line stays the last on screen
     with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
         while progress.step < run.total_steps:
             metrics.step_started()
@@ -81,12 +81,12 @@ def fit(run: Run, launched: float) -> bool:
                     accelerator.print(grace_period_line(time.perf_counter() - save_started, metrics.last_step_s))
                 saves += 1
             if trainer.stopping and not last:
-                accelerator.print(
-                    f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
-                    "--resume auto"
-                )
-                return False
-    return True
+                break
+        else:
+            return True
+    # after the bar's last refresh, so this line stays the last on screen
+    accelerator.print(f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command")
+    return False
 
 
 def main() -> None:
