@@ -32,7 +32,7 @@ def fit(run: Run, launched: float) -> bool:
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     if progress.step >= run.total_steps:  # a finished run launched again
         accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, raise "
-                          "--max-steps or --max-tokens)")  # fmt: skip
+                          "--max-steps or --max-tokens; to start afresh, --resume never)")  # fmt: skip
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log(evaluate(run), step=0)
     stop = StopRequest()
