@@ -73,19 +73,25 @@ MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes
 PREVIOUS = "previous-"  # run folders' subfolders holding what a fresh start or a resume set aside
 _LOCKS = (".run.lock", ".run.lock.json")  # training.runlock's: the live run's, never set aside
 _CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
+_READ = 4 * 2**20  # each thread reads its chunk in pieces: memory stays a few MB however many threads run
+_THREADS = min(8, os.cpu_count() or 1)  # every rank of a node checks the checkpoint it resumes at once
 
 
 def _sha256(path: Path) -> str:
-    """sha256 over the sha256 of each 64 MiB chunk: a multi-GB file hashes on all cores."""
+    """sha256 over the sha256 of each 64 MiB chunk: a multi-GB file hashes on several cores."""
+    size = path.stat().st_size
 
     def chunk(offset: int) -> bytes:
+        digest, left = hashlib.sha256(), min(_CHUNK, size - offset)
         with path.open("rb") as f:
             f.seek(offset)
-            return hashlib.sha256(f.read(_CHUNK)).digest()
+            while left > 0 and (piece := f.read(min(left, _READ))):
+                digest.update(piece)
+                left -= len(piece)
+        return digest.digest()
 
-    offsets = range(0, max(path.stat().st_size, 1), _CHUNK)
-    with ThreadPoolExecutor(min(len(offsets), os.cpu_count() or 1)) as pool:
-        return hashlib.sha256(b"".join(pool.map(chunk, offsets))).hexdigest()
+    with ThreadPoolExecutor(_THREADS) as pool:
+        return hashlib.sha256(b"".join(pool.map(chunk, range(0, max(size, 1), _CHUNK)))).hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
