@@ -207,17 +207,19 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
             )
         change = compare_resume_config(cfg, path, f"--resume {cfg.resume}")
         return path, [change] if change else []
-    notes = []
+    damaged = []
     for checkpoint in reversed(list_checkpoints(run_dir)):
         damage = checkpoint_damage(checkpoint)
         if damage is None:
+            notes = [f"warning: checkpoint {c} is damaged ({d}); skipping it" for c, d in damaged]
             change = compare_resume_config(cfg, checkpoint, f"out_dir {run_dir} holds a run ({checkpoint.name})")
             return checkpoint, [*notes, change] if change else notes
-        notes.append(f"warning: checkpoint {checkpoint} is damaged ({damage}); skipping it")
-    if notes:
+        damaged.append((checkpoint, damage))
+    if damaged:
+        listing = "; ".join(f"{c} is damaged ({d})" for c, d in damaged)
         raise CheckpointError(
-            f"out_dir {run_dir} has no intact checkpoint ({'; '.join(n.split(': ', 1)[1] for n in notes)}); restore "
-            f"one, or start afresh with --resume never (the run is moved into {run_dir}/{PREVIOUS}<time>/ first)"
+            f"out_dir {run_dir} has no intact checkpoint ({listing}); restore one, or start afresh with --resume "
+            f"never (the run is moved into {run_dir}/{PREVIOUS}<time>/ first)"
         )
     saved = _saved_config(run_dir)
     if saved is not None and _shape(theirs := TrainConfig(**saved)) != _shape(cfg):

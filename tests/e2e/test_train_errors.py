@@ -83,7 +83,7 @@ CASES = {
     "only_damaged_checkpoints": (
         None,
         ["--resume", "auto"],
-        r"out_dir .* has no intact checkpoint \(checkpoint .*step-00000002 is damaged "
+        r"out_dir .* has no intact checkpoint \(.*step-00000002 is damaged "
         r"\(model.safetensors does not load \(SafetensorError: .*\)\); restore one, or start afresh with --resume",
     ),
     "resume_empty": (None, ["--resume", ""], r"resume must be auto, never or a checkpoint folder, got ''"),
