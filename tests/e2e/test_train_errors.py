@@ -121,6 +121,8 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
                  timeout=300)  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == "error: lr must be > 0, got -1.0"
+    launches = r"^\s*(?:accelerate launch|python -m training.launch) [^\n]*"  # the latter: multi-node SLURM
     for script in (REPO / "scripts").glob("*.sh"):
-        for launch in re.findall(r"^\s*accelerate launch[^\n]*", script.read_text(), re.M):
-            assert launch.split()[:3] == ["accelerate", "launch", "-q"], f"{script.name}: {launch}"
+        for launch in re.findall(launches, script.read_text(), re.M):
+            words = launch.split()
+            assert words[2 if words[0] == "accelerate" else 3] == "-q", f"{script.name}: {launch}"
