@@ -242,7 +242,7 @@ def set_aside(run_dir: Path, step: int) -> str | None:
     launch that stopped before saving again) are dropped, as the resumed run logs those steps anew."""
     run_dir = Path(run_dir)
     if step:
-        moved = [c for c in run_dir.glob("checkpoints/step-*") if c.is_dir() and int(c.name[5:13]) > step]
+        moved = [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
     elif (run_dir / CONFIG_FILE).exists() or (run_dir / METRICS_FILE).exists() or (run_dir / "checkpoints").exists():
         moved = [p for p in run_dir.iterdir() if p.name not in _LOCKS and not p.name.startswith(PREVIOUS)]
     else:
