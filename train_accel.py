@@ -39,7 +39,7 @@ def fit(run: Run, launched: float) -> bool:
     trainer = trainer_for(run, stop)
     metrics = TrainMetrics(run, launched)
     batches = iter(run.train_loader)
-    saves = 0
+    save_timed = False  # the first save of this launch is timed: what a stop costs
     # a with block: an error or a stop closes the bar before its line is printed, so that line stays the last on screen
     with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
         while progress.step < run.total_steps:
@@ -77,9 +77,9 @@ def fit(run: Run, launched: float) -> bool:
                 saved = save_checkpoint(
                     accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes
                 )
-                if not saves:  # what a stop costs, measured once per launch
+                if not save_timed:
                     accelerator.print(grace_period_line(time.perf_counter() - save_started, metrics.last_step_s))
-                saves += 1
+                    save_timed = True
             if trainer.stopping and not last:
                 break
         else:
