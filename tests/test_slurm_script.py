@@ -3,6 +3,7 @@ run with SIGTERM, waits for it to save, then requeues the job; the job asks SLUR
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -41,13 +42,17 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
              "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"}  # fmt: skip
     env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log)}
     cmd = ["bash", str(SCRIPT), "--out-dir", "/shared/runs/x"]
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (log.exists() and "srun " in log.read_text()):
-        assert job.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
-        time.sleep(0.05)
-    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends the batch script
-    out, _ = job.communicate(timeout=30)
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "srun " in log.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends the batch script
+        out, _ = job.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # the stand-in srun too, should the script have left it running
     assert job.returncode == 0
     assert "nears its time limit" in out
     assert log.read_text().splitlines()[-3:] == ["srun got TERM", "srun saved and ended", "scontrol requeue 4242"]
