@@ -25,11 +25,11 @@ from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
     clear_partial,
-    compare_resume_config,
     ensure_writable,
     list_checkpoints,
-    resolve_resume,
+    plan_resume,
     room_warning,
+    set_aside,
 )
 from training.config import DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model
@@ -137,8 +137,7 @@ def setup(cfg: TrainConfig) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
-    resume_from = resolve_resume(cfg.resume, run_dir)
-    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None
+    resume_from, resume_notes = plan_resume(cfg)  # before any work: a refused resume stops every rank alike
     if cfg.push_to_hub:
         require_token()  # fail now, not after days of training
     model_config = cfg.model_config()
@@ -189,16 +188,20 @@ def setup(cfg: TrainConfig) -> Run:
     accelerator.register_for_checkpointing(progress, train_loader)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
+    for note in resume_notes:
+        accelerator.print(note)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
     if accelerator.is_main_process:
+        moved = set_aside(run_dir, progress.step)  # the first write of this launch: one run per folder from here
+        if moved:
+            print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
         warning = room_warning(run_dir, one_checkpoint)
         if warning:
             print(warning, flush=True)
-    if config_changes:
-        accelerator.print(config_changes)
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+    accelerator.wait_for_everyone()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
     if device.type == "cuda" and accelerator.is_main_process:
@@ -334,6 +337,7 @@ class TrainMetrics:
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
+        self.last_step_s = 0.0  # the latest step's time, its verdict read (what a stop waits for before saving)
         self.step_seconds: list[float] = []  # under a time budget: the steps' times since its last decision
         self.untimed = 1  # steps a time budget counts at the median rate: this process's first, which compiles
 
@@ -342,6 +346,7 @@ class TrainMetrics:
 
     def step_finished(self, step: int) -> None:
         now = time.perf_counter()
+        self.last_step_s = now - self._started
         if self.first:
             self.first = False
             self.run.accelerator.log({"time_to_first_step_s": now - self.launched}, step=step)
