@@ -39,6 +39,11 @@ class TrainProgress:
     tokens_seen: int = 0  # training tokens consumed over all ranks
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
     train_seconds: float = 0.0  # a time budget's train-step time spent, as of its last decision
+    # The batch shape of the launch that took the steps: processes, micro-batch size, accumulation (0: not known,
+    # a checkpoint written before resumes could change it). A resume may change it (see `reshape`).
+    world_size: int = 0
+    micro_batch_size: int = 0
+    grad_accum: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +52,20 @@ class TrainProgress:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.total_steps = state.get("total_steps", 0)  # absent from checkpoints written before time budgets
         self.train_seconds = state.get("train_seconds", 0.0)  # absent from those written before re-timing
+        self.world_size = state.get("world_size", 0)  # absent from those written before elastic resumes
+        self.micro_batch_size = state.get("micro_batch_size", 0)
+        self.grad_accum = state.get("grad_accum", 0)
+
+    def reshape(self, world_size: int, micro_batch_size: int, grad_accum: int) -> str | None:
+        """Take this launch's batch shape; after a resume, what changed from the checkpoint's (None: nothing, or
+        the checkpoint does not say)."""
+        saved = (self.world_size, self.micro_batch_size, self.grad_accum)
+        now = (world_size, micro_batch_size, grad_accum)
+        self.world_size, self.micro_batch_size, self.grad_accum = now
+        if 0 in saved or saved == now:
+            return None
+        names = ("world size", "micro-batch", "accumulation")
+        return ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(names, saved, now))
 
 
 def ensure_writable(run_dir: str | Path) -> None:

@@ -186,6 +186,7 @@ def setup(cfg: TrainConfig) -> Run:
     one_checkpoint = checkpoint_bytes(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainProgress()
+    progress.reshape(world_size, cfg.micro_batch_size, grad_accum)
     accelerator.register_for_checkpointing(progress, train_loader)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
@@ -198,7 +199,12 @@ def setup(cfg: TrainConfig) -> Run:
         accelerator.print(config_changes)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
+        accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        reshaped = progress.reshape(world_size, cfg.micro_batch_size, grad_accum)
+        if reshaped:
+            epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
+            accelerator.print(f"resume: {reshaped}; data position {train_loader.tokens:,} tokens{epoch} kept")
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
     if device.type == "cuda" and accelerator.is_main_process:

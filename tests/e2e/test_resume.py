@@ -109,6 +109,41 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
+    """Run `cmd` until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
+    proc = start_and_wait(cmd, run_dir, until_step=step)
+    kill_tree(proc.pid)
+    proc.wait()
+    time.sleep(1)  # let the killed ranks' pipes close
+    return list_checkpoints(run_dir)[-1]
+
+
+def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path):
+    """Killed on 1 process (micro-batch 4, accumulation 2), resumed on 2 (DDP over gloo: 4, 1), killed, resumed on 1 at
+    micro-batch 2 (accumulation 4): one line names each change, the optimizer, schedule and token count go on, and
+    every step's loss is the uninterrupted 1-process run's (the same windows in each step: a window seen twice or
+    skipped would change it; only the order of the sums differs)."""
+    args = ["--max-steps", "12", "--checkpoint-interval", "2"]
+    straight, elastic = tmp_path / "straight", tmp_path / "elastic"
+    run(tiny_cmd(None, straight, prepared_books, *args))
+
+    first = kill_after(tiny_cmd(None, elastic, prepared_books, *args), elastic, step=3)
+    ddp = tiny_cmd("cpu_ddp2.yaml", elastic, prepared_books, *args, "--resume", "auto")
+    second = kill_after(ddp, elastic, step=int(first.name.split("-")[1]) + 3)
+    resumed = run(tiny_cmd(None, elastic, prepared_books, *args, "--micro-batch-size", "2", "--resume", "auto"))
+    done = int(second.name.split("-")[1])
+    assert (
+        f"resume: world size 2 -> 1, micro-batch 4 -> 2, accumulation 1 -> 4; data position {done * 512:,} tokens kept"
+        in resumed.stdout
+    ), resumed.stdout
+    meta = json.loads((elastic / "checkpoints/step-00000012/meta.json").read_text())
+    assert meta["tokens_seen"] == 12 * 512
+    reference, losses = losses_by_step(straight), losses_by_step(elastic)
+    assert losses.keys() == reference.keys()
+    assert all(losses[s] == reference[s] for s in reference if s <= int(first.name.split("-")[1]))  # before any reshape
+    assert all(abs(losses[s] - reference[s]) < 1e-5 * reference[s] for s in reference), (losses, reference)
+
+
 def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps_them(prepared_books, tmp_path):
     """--time-budget-minutes under make train's recipe (Muon, wsd): the steps timed in the warmup decide how many fit
     (at most max_steps), re-timed at log steps while the lr is still constant; the run ends on the schedule a run of
