@@ -15,8 +15,9 @@ from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
+from modeling.disk import DiskFull
 from modeling.runtime import finish
-from training.checkpoint import CheckpointError, save_checkpoint
+from training.checkpoint import save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
@@ -94,7 +95,7 @@ def main() -> None:
 
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
 USER_ERRORS = (
-    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, CheckpointError,
+    ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, DiskFull,
     FileNotFoundError, NotADirectoryError,
 )  # fmt: skip
 

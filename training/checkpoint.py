@@ -16,8 +16,18 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.checkpointing import load_custom_state
+from accelerate.utils import DistributedType
 
-from modeling.runs import checkpoint_dir, is_checkpoint_dir, list_checkpoints
+from modeling.disk import RERUN, DiskFull, disk_full_line, is_disk_full
+from modeling.runs import (
+    checkpoint_dir,
+    checkpoint_engine,
+    checkpoint_weights,
+    is_checkpoint_dir,
+    list_checkpoints,
+    merge_shards,
+)
 from training.config import ConfigError, TrainConfig
 
 
@@ -130,8 +140,12 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path) -> str | None:
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the folder left behind was removed)."""
+# What a run stopped by a full disk is told to do (`{mount}`: see modeling.disk.disk_full_line).
+RERUN_RESUMING = f"{RERUN} with --resume auto"
+
+
+class CheckpointError(DiskFull):
+    """A checkpoint could not be written for want of space (the folder left behind was removed)."""
 
 
 def checkpoint_bytes(model: torch.nn.Module) -> int:
@@ -191,15 +205,16 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         shutil.rmtree(tmp, ignore_errors=True)
         complete = list_checkpoints(run_dir)
         need = _size(complete[-1]) if complete else need
-        free = shutil.disk_usage(Path(run_dir)).free
-        if free >= need:
+        if not is_disk_full(err, run_dir, need):
             raise
-        untouched = ", ".join(p.name for p in complete) or "none"
-        raise CheckpointError(
-            f"saving checkpoint {final.name} failed: the disk is full ({_mb(need)} needed, {_mb(free)} free in "
-            f"{run_dir}; complete checkpoints untouched: {untouched}); free space, lower --keep-checkpoints (a save "
-            "needs room for one more than it keeps) or choose another --out-dir, then run again with --resume auto"
-        ) from err
+        free = shutil.disk_usage(Path(run_dir)).free
+        todo = (
+            f"free space on {{mount}} ({_mb(need)} needed, {_mb(free)} free), lower --keep-checkpoints (a save needs "
+            "room for one more than it keeps) or choose another --out-dir, then run the same command again with "
+            "--resume auto"
+        )
+        kept = f"complete checkpoints untouched: {', '.join(p.name for p in complete) or 'none'}"
+        raise CheckpointError(disk_full_line(final, kept, todo)) from err
     if accelerator.is_main_process:
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
@@ -231,3 +246,51 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         if old not in kept and old != best:
             shutil.rmtree(old)
     return [p for p in found if p in kept or p == best]
+
+
+def _engine(accelerator: Accelerator) -> str:
+    """This launch's engine, named as checkpoint_engine names the one that wrote a checkpoint."""
+    return {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
+        accelerator.distributed_type, "DDP"
+    )
+
+
+def load_resume_state(
+    accelerator: Accelerator,
+    checkpoint: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    registered: list,
+) -> str | None:
+    """accelerator.load_state(checkpoint), on any number of processes. An FSDP2 checkpoint also resumes on one
+    process or DDP: its model and optimizer shards (torch.distributed.checkpoint) are merged whole on each process
+    and set with torch's state-dict API, which maps the saved parameter names onto this model (DDP and compile
+    wrappers included); the schedule and the `registered` objects (accelerator.register_for_checkpointing's, in
+    order) load as accelerate saved them. Other crossings of engines stop with one line. Returns what crossed
+    (None: the engine that saved it loads it)."""
+    saved, now = checkpoint_engine(checkpoint), _engine(accelerator)
+    if saved == now or saved is None:  # None: accelerate names the missing file
+        accelerator.load_state(str(checkpoint))
+        return None
+    if (saved, now) != ("FSDP", "DDP"):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint was written by {saved} and this launch runs "
+            f"{'one process or DDP' if now == 'DDP' else now}; resume it with an accelerate config of the "
+            f"{'same engine' if saved == 'DeepSpeed' else 'FSDP2 or DDP kind'} (FSDP2 checkpoints also resume on DDP "
+            "and one process), or start a new run from its export with --init-from"
+        )
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, checkpoint_weights(checkpoint)[0], options=whole)
+    optimizer_state = merge_shards(checkpoint / "optimizer_0")["optimizer"]
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optimizer_state, options=whole)
+    scheduler.load_state_dict(torch.load(checkpoint / "scheduler.bin", weights_only=False))
+    for index, obj in enumerate(registered):
+        load_custom_state(obj, str(checkpoint), index)
+    return "FSDP2 shards -> one whole model per process"
