@@ -255,6 +255,14 @@ def _engine(accelerator: Accelerator) -> str:
     )
 
 
+_ENGINE_NAMES = {"DDP": "one process or DDP", "FSDP": "FSDP2", "DeepSpeed": "DeepSpeed"}
+_RESUMES_ON = {
+    "DDP": "on one process or with a DDP accelerate config",
+    "FSDP": "with an FSDP2 or DDP accelerate config or on one process",
+    "DeepSpeed": "with a DeepSpeed accelerate config",
+}
+
+
 def load_resume_state(
     accelerator: Accelerator,
     checkpoint: Path,
@@ -275,10 +283,9 @@ def load_resume_state(
         return None
     if (saved, now) != ("FSDP", "DDP"):
         raise ConfigError(
-            f"--resume {checkpoint}: the checkpoint was written by {saved} and this launch runs "
-            f"{'one process or DDP' if now == 'DDP' else now}; resume it with an accelerate config of the "
-            f"{'same engine' if saved == 'DeepSpeed' else 'FSDP2 or DDP kind'} (FSDP2 checkpoints also resume on DDP "
-            "and one process), or start a new run from its export with --init-from"
+            f"--resume {checkpoint}: the checkpoint was written by {_ENGINE_NAMES[saved]} and this launch runs "
+            f"{_ENGINE_NAMES[now]}; resume it {_RESUMES_ON[saved]}, or start a new run with --init-from on its export "
+            "(python -m training.export)"
         )
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -211,6 +211,6 @@ def test_a_checkpoint_another_engine_cannot_load_stops_with_one_line(tmp_path, f
         load_resume_state(Accelerator(cpu=True), zero, None, None, None, [])
     assert str(err.value) == (
         f"--resume {zero}: the checkpoint was written by DeepSpeed and this launch runs one process or DDP; resume "
-        "it with an accelerate config of the same engine (FSDP2 checkpoints also resume on DDP and one process), or "
-        "start a new run from its export with --init-from"
+        "it with a DeepSpeed accelerate config, or start a new run with --init-from on its export (python -m "
+        "training.export)"
     )
