@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.assets import atomic_write_bytes
+from modeling.disk import DiskFull, disk_full_reported
 from modeling.runs import read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")
@@ -64,7 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     metrics = Path(args.run) / "metrics.jsonl"
     if not metrics.is_file():
         sys.exit(f"error: {metrics} does not exist; pass a run folder that training has logged to")
-    print(plot_evals(metrics, Path(args.run) / "evals.png"))
+    png = Path(args.run) / "evals.png"
+    try:
+        with disk_full_reported(png, f"{png.name} is as it was"):
+            print(plot_evals(metrics, png))
+    except DiskFull as err:
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType, set_seed
 from filelock import FileLock
 
 from data_prep import ensure_default_corpus
+from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
@@ -283,7 +284,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
     }
     accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
     if accelerator.is_main_process:
-        (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        config = run.run_dir / "config.yaml"
+        with disk_full_reported(config, "the checkpoints are untouched", RERUN_RESUMING):
+            atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
         f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
