@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
+from modeling.disk import DiskFull
 from modeling.runtime import finish
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
@@ -105,7 +106,7 @@ def main() -> None:
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
 USER_ERRORS = (
     ConfigError, DataPrepError, EvalError, HubError, TrainingAborted, RunFolderInUse, CheckpointError,
-    FileNotFoundError, NotADirectoryError,
+    DiskFull, FileNotFoundError, NotADirectoryError,
 )  # fmt: skip
 
 

@@ -22,9 +22,21 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.checkpointing import load_custom_state
+from accelerate.utils import DistributedType
 from safetensors import safe_open
 
-from modeling.runs import CONFIG_FILE, METRICS_FILE, checkpoint_dir, is_checkpoint_dir, list_checkpoints
+from modeling.disk import DiskFull, disk_full_line, is_disk_full
+from modeling.runs import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    checkpoint_dir,
+    checkpoint_engine,
+    checkpoint_weights,
+    is_checkpoint_dir,
+    list_checkpoints,
+    merge_shards,
+)
 from training.config import ConfigError, TrainConfig
 
 
@@ -46,6 +58,11 @@ class TrainProgress:
     tokens_seen: int = 0  # training tokens consumed over all ranks
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
     train_seconds: float = 0.0  # a time budget's train-step time spent, as of its last decision
+    # The batch shape of the launch that took the steps: processes, micro-batch size, accumulation (0: not known,
+    # a checkpoint written before resumes could change it). A resume may change it (see `reshape`).
+    world_size: int = 0
+    micro_batch_size: int = 0
+    grad_accum: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +71,20 @@ class TrainProgress:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.total_steps = state.get("total_steps", 0)  # absent from checkpoints written before time budgets
         self.train_seconds = state.get("train_seconds", 0.0)  # absent from those written before re-timing
+        self.world_size = state.get("world_size", 0)  # absent from those written before elastic resumes
+        self.micro_batch_size = state.get("micro_batch_size", 0)
+        self.grad_accum = state.get("grad_accum", 0)
+
+    def reshape(self, world_size: int, micro_batch_size: int, grad_accum: int) -> str | None:
+        """Take this launch's batch shape; after a resume, what changed from the checkpoint's (None: nothing, or
+        the checkpoint does not say)."""
+        saved = (self.world_size, self.micro_batch_size, self.grad_accum)
+        now = (world_size, micro_batch_size, grad_accum)
+        self.world_size, self.micro_batch_size, self.grad_accum = now
+        if 0 in saved or saved == now:
+            return None
+        names = ("world size", "micro-batch", "accumulation")
+        return ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(names, saved, now))
 
 
 def ensure_writable(run_dir: str | Path) -> None:
@@ -177,7 +208,8 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
             f"--optimizer {cfg.optimizer}; resume with --optimizer {theirs.optimizer}, {afresh}, or choose another "
             "--out-dir (--init-from its export keeps the weights)"
         )
-    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k]]
+    # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape)
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k != "micro_batch_size"]
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 
@@ -274,7 +306,8 @@ def set_aside(run_dir: Path, step: int) -> str | None:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the folder left behind was removed), or none can be resumed."""
+    """No checkpoint can be resumed: the one asked for, or every one of out_dir, is damaged. (A save that fails for
+    want of space raises DiskFull.)"""
 
 
 def checkpoint_bytes(model: torch.nn.Module) -> int:
@@ -318,7 +351,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     meta.json (step, tokens seen, val loss when evaluated at this step), the run's config.yaml (this launch's,
     which a resume compares with) and manifest.json (every file's size and sha256, which a resume checks). A failed
     save leaves no folder behind; when the disk is what failed (less free than `need`, one checkpoint's bytes, or
-    the last one's size) it raises CheckpointError saying so.
+    the last one's size) it raises DiskFull saying so.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -336,15 +369,15 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         shutil.rmtree(tmp, ignore_errors=True)
         complete = list_checkpoints(run_dir)
         need = _size(complete[-1]) if complete else need
-        free = shutil.disk_usage(Path(run_dir)).free
-        if free >= need:
+        if not is_disk_full(err, run_dir, need):
             raise
-        untouched = ", ".join(p.name for p in complete) or "none"
-        raise CheckpointError(
-            f"saving checkpoint {final.name} failed: the disk is full ({_mb(need)} needed, {_mb(free)} free in "
-            f"{run_dir}; complete checkpoints untouched: {untouched}); free space, lower --keep-checkpoints (a save "
-            "needs room for one more than it keeps) or choose another --out-dir, then run again with --resume auto"
-        ) from err
+        free = shutil.disk_usage(Path(run_dir)).free
+        todo = (
+            f"free space on {{mount}} ({_mb(need)} needed, {_mb(free)} free), lower --keep-checkpoints (a save needs "
+            "room for one more than it keeps) or choose another --out-dir, then run the same command again"
+        )
+        kept = f"complete checkpoints untouched: {', '.join(p.name for p in complete) or 'none'}"
+        raise DiskFull(disk_full_line(final, kept, todo)) from err
     if accelerator.is_main_process:
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
@@ -376,3 +409,58 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         if old not in kept and old != best:
             shutil.rmtree(old)
     return [p for p in found if p in kept or p == best]
+
+
+def _engine(accelerator: Accelerator) -> str:
+    """This launch's engine, named as checkpoint_engine names the one that wrote a checkpoint."""
+    return {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
+        accelerator.distributed_type, "DDP"
+    )
+
+
+_ENGINE_NAMES = {"DDP": "one process or DDP", "FSDP": "FSDP2", "DeepSpeed": "DeepSpeed"}
+_RESUMES_ON = {
+    "DDP": "on one process or with a DDP accelerate config",
+    "FSDP": "with an FSDP2 or DDP accelerate config or on one process",
+    "DeepSpeed": "with a DeepSpeed accelerate config",
+}
+
+
+def load_resume_state(
+    accelerator: Accelerator,
+    checkpoint: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    registered: list,
+) -> str | None:
+    """accelerator.load_state(checkpoint), on any number of processes. An FSDP2 checkpoint also resumes on one
+    process or DDP: its model and optimizer shards (torch.distributed.checkpoint) are merged whole on each process
+    and set with torch's state-dict API, which maps the saved parameter names onto this model (DDP and compile
+    wrappers included); the schedule and the `registered` objects (accelerator.register_for_checkpointing's, in
+    order) load as accelerate saved them. Other crossings of engines stop with one line. Returns what crossed
+    (None: the engine that saved it loads it)."""
+    saved, now = checkpoint_engine(checkpoint), _engine(accelerator)
+    if saved == now or saved is None:  # None: accelerate names the missing file
+        accelerator.load_state(str(checkpoint))
+        return None
+    if (saved, now) != ("FSDP", "DDP"):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint was written by {_ENGINE_NAMES[saved]} and this launch runs "
+            f"{_ENGINE_NAMES[now]}; resume it {_RESUMES_ON[saved]}, or start a new run with --init-from on its export "
+            "(python -m training.export)"
+        )
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, checkpoint_weights(checkpoint)[0], options=whole)
+    optimizer_state = merge_shards(checkpoint / "optimizer_0")["optimizer"]
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optimizer_state, options=whole)
+    scheduler.load_state_dict(torch.load(checkpoint / "scheduler.bin", weights_only=False))
+    for index, obj in enumerate(registered):
+        load_custom_state(obj, str(checkpoint), index)
+    return "FSDP2 shards -> one whole model per process"

@@ -14,12 +14,14 @@ from accelerate.utils import DistributedType, set_seed
 from filelock import FileLock
 
 from data_prep import ensure_default_corpus
+from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling.config import GPTConfig
+from modeling.disk import append_bytes, disk_full_reported
 from modeling.gpt import GPT
 from training.checkpoint import (
     TrainProgress,
@@ -27,6 +29,7 @@ from training.checkpoint import (
     clear_partial,
     ensure_writable,
     list_checkpoints,
+    load_resume_state,
     plan_resume,
     room_warning,
     set_aside,
@@ -185,14 +188,21 @@ def setup(cfg: TrainConfig) -> Run:
     one_checkpoint = checkpoint_bytes(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainProgress()
-    accelerator.register_for_checkpointing(progress, train_loader)
+    progress.reshape(world_size, cfg.micro_batch_size, grad_accum)
+    registered = [progress, train_loader]
+    accelerator.register_for_checkpointing(*registered)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
     for note in resume_notes:
         accelerator.print(note)
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        crossed = load_resume_state(accelerator, resume_from, model, optimizer, scheduler, registered)
+        accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        changes = [c for c in (crossed, progress.reshape(world_size, cfg.micro_batch_size, grad_accum)) if c]
+        if changes:
+            epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
+            accelerator.print(f"resume: {', '.join(changes)}; data position {train_loader.tokens:,} tokens{epoch} kept")
     if accelerator.is_main_process:
         moved = set_aside(run_dir, progress.step)  # the first write of this launch: one run per folder from here
         if moved:
@@ -276,7 +286,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
     }
     accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
     if accelerator.is_main_process:
-        (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        config = run.run_dir / "config.yaml"
+        with disk_full_reported(config, "the checkpoints are untouched"):
+            atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
         f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
@@ -455,8 +467,10 @@ def write_sample(run: Run, step: int) -> None:
     model.train()
     text = encoding.decode(out[0].tolist())
     if accelerator.is_main_process:
-        with (run.run_dir / "samples.txt").open("a") as f:
-            f.write(f"--- step {step} ---\n{text}\n")
+        samples = run.run_dir / "samples.txt"
+        kept = "it keeps every complete sample, the checkpoints are untouched"
+        with disk_full_reported(samples, kept):
+            append_bytes(samples, f"--- step {step} ---\n{text}\n".encode())
     accelerator.print(f"sample @ step {step}: {text!r}")
 
 
@@ -464,10 +478,12 @@ def write_outputs(run: Run) -> None:
     """The run folder's deliverables: the loss curve, a transformers-loadable export with its model card, and
     the Hub push when asked for."""
     cfg, accelerator, run_dir = run.cfg, run.accelerator, run.run_dir
+    # The final checkpoint is complete by now: after a full disk, a resumed run is at its last step and writes these.
+    kept = f"the final checkpoint {list_checkpoints(run_dir)[-1].name} and metrics.jsonl are complete"
     if accelerator.is_main_process:
-        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        if cfg.eval_tasks:
-            plot_evals(run_dir / "metrics.jsonl", run_dir / "evals.png")
+        for plot, png in [(plot_losses, "loss.png")] + ([(plot_evals, "evals.png")] if cfg.eval_tasks else []):
+            with disk_full_reported(run_dir / png, kept):
+                plot(run_dir / "metrics.jsonl", run_dir / png)
     if cfg.export_hf:
         state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
@@ -475,8 +491,10 @@ def write_outputs(run: Run) -> None:
 
             export_model = GPT(run.model_config)
             export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
-            export_hf(export_model, run_dir / "export", get_encoding())
-            write_model_card(run_dir, cfg.push_to_hub or None)
+            export = run_dir / "export"
+            with disk_full_reported(export, kept):
+                export_hf(export_model, export, get_encoding())
+                write_model_card(run_dir, cfg.push_to_hub or None)
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")

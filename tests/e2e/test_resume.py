@@ -111,6 +111,42 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
+    """Run `cmd` until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
+    proc = start_and_wait(cmd, run_dir, until_step=step)
+    kill_tree(proc.pid)
+    proc.wait()
+    time.sleep(1)  # let the killed ranks' pipes close
+    return list_checkpoints(run_dir)[-1]
+
+
+def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path):
+    """Killed on 1 process (micro-batch 4, accumulation 2), resumed on 2 (DDP over gloo: 4, 1), killed, resumed on 1 at
+    micro-batch 2 (accumulation 4): one line names each change, the optimizer, schedule and token count go on, and
+    every step's loss is the uninterrupted 1-process run's (the same windows in each step: a window seen twice or
+    skipped would change it; only the order of the sums differs)."""
+    args = ["--max-steps", "12", "--checkpoint-interval", "2"]
+    straight, elastic = tmp_path / "straight", tmp_path / "elastic"
+    run(tiny_cmd(None, straight, prepared_books, *args))
+
+    first = kill_after(tiny_cmd(None, elastic, prepared_books, *args), elastic, step=3)
+    ddp = tiny_cmd("cpu_ddp2.yaml", elastic, prepared_books, *args, "--resume", "auto")
+    second = kill_after(ddp, elastic, step=int(first.name.split("-")[1]) + 3)
+    resumed = run(tiny_cmd(None, elastic, prepared_books, *args, "--micro-batch-size", "2", "--resume", "auto"))
+    done = int(second.name.split("-")[1])
+    assert (
+        f"resume: world size 2 -> 1, micro-batch 4 -> 2, accumulation 1 -> 4; data position {done * 512:,} tokens kept"
+        in resumed.stdout
+    ), resumed.stdout
+    assert "resuming with a changed config" not in resumed.stdout  # the shape is said once, by the line above
+    meta = json.loads((elastic / "checkpoints/step-00000012/meta.json").read_text())
+    assert meta["tokens_seen"] == 12 * 512
+    reference, losses = losses_by_step(straight), losses_by_step(elastic)
+    assert losses.keys() == reference.keys()
+    assert all(losses[s] == reference[s] for s in reference if s <= int(first.name.split("-")[1]))  # before any reshape
+    assert all(abs(losses[s] - reference[s]) < 1e-5 * reference[s] for s in reference), (losses, reference)
+
+
 def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps_them(prepared_books, tmp_path):
     """--time-budget-minutes under make train's recipe (Muon, wsd): the steps timed in the warmup decide how many fit
     (at most max_steps), re-timed at log steps while the lr is still constant; the run ends on the schedule a run of
@@ -268,14 +304,8 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A size-limited filesystem (a tmpfs; skipped where this process may not mount one)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+def small_disk(tmpfs):
+    return tmpfs("70m")
 
 
 def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(prepared_books, small_disk):
@@ -287,10 +317,12 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     assert re.search(rf"warning: out_dir {run_dir} has \d+ MB free, less than two checkpoints need \(76 MB\)",
                      result.stdout), result.stdout  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(
-        rf"error: saving checkpoint step-00000004 failed: the disk is full \(38 MB needed, \d+ MB free in {run_dir}; "
-        r"complete checkpoints untouched: step-00000002\); free space, lower --keep-checkpoints .* --resume auto",
-        result.stderr,
+    line = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"error: disk full while writing {run_dir}/checkpoints/step-00000004: free space on {small_disk} "
+        r"\(38 MB needed, \d+ MB free\), lower --keep-checkpoints .*, then run the same command again; "
+        r"complete checkpoints untouched: step-00000002",
+        line,
     ), result.stderr[-3000:]
     [kept] = list_checkpoints(run_dir)
     assert kept.name == "step-00000002" and not list(run_dir.rglob("*.tmp"))

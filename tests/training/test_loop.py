@@ -14,7 +14,8 @@ from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows
-from training.config import TrainConfig
+from training.checkpoint import load_resume_state
+from training.config import ConfigError, TrainConfig
 from training.loop import TrainMetrics, due, setup, trainer_for, window_loss_sum
 from training.metrics import read_metrics
 from training.optim import build_optimizer, build_scheduler
@@ -199,3 +200,17 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
     assert len(first) == 1 and first[0]["step"] == 1 and first[0]["time_to_first_step_s"] >= 0.5
     # a log whose window is empty (the first step is also a log step) has no throughput to report
     assert "tokens_per_sec" not in metrics.log(run.progress.step, out)
+
+
+def test_a_checkpoint_another_engine_cannot_load_stops_with_one_line(tmp_path, fresh_accelerate_state):
+    """A DeepSpeed ZeRO checkpoint (its partitions in pytorch_model/) on one process: stopped before anything loads,
+    saying which engines can resume it."""
+    zero = tmp_path / "step-00000002"
+    (zero / "pytorch_model").mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        load_resume_state(Accelerator(cpu=True), zero, None, None, None, [])
+    assert str(err.value) == (
+        f"--resume {zero}: the checkpoint was written by DeepSpeed and this launch runs one process or DDP; resume "
+        "it with a DeepSpeed accelerate config, or start a new run with --init-from on its export (python -m "
+        "training.export)"
+    )

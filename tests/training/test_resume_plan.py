@@ -107,6 +107,17 @@ def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(t
         plan_resume(config(run_dir, block_size=32))
 
 
+def test_the_config_line_leaves_the_micro_batch_to_the_resume_line(tmp_path):
+    """A changed micro-batch is said once, after the load, with the world size and accumulation it changes with."""
+    run_dir = tmp_path / "run"
+    newest = fake_checkpoint(run_dir, 2)
+    assert plan_resume(config(run_dir, micro_batch_size=8)) == (newest, [])
+    assert plan_resume(config(run_dir, micro_batch_size=8, max_steps=9)) == (
+        newest,
+        [f"resuming with a changed config (checkpoint -> now): max_steps {TrainConfig().max_steps} -> 9"],
+    )
+
+
 def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
     run_dir = tmp_path / "run"
     fake_checkpoint(run_dir, 2)
