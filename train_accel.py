@@ -9,20 +9,24 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 from __future__ import annotations
 
 import sys
+import time
 
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.auto import tqdm
 
 from data_prep import DataPrepError
 from evals import EvalError
+from modeling.disk import DiskFull
 from modeling.runtime import finish
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
 from training.hub import HubError
+from training.launch import report_error
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.metrics import StartupClock
 from training.runlock import RunFolderInUse
-from training.signals import StopRequest, stop_with_the_launcher
+from training.signals import StopRequest, grace_period_line, stop_with_the_launcher
 from training.step import TrainingAborted, is_out_of_memory
 
 
@@ -30,6 +34,9 @@ def fit(run: Run) -> bool:
     """Train to run.total_steps; False when a signal stopped the run (after saving a checkpoint)."""
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     run.startup.mark()
+    if progress.step >= run.total_steps:  # a finished run launched again
+        accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, raise "
+                          "--max-steps or --max-tokens; to start afresh, --resume never)")  # fmt: skip
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log(evaluate(run), step=0)
         run.startup.lap("step0_eval")
@@ -37,7 +44,8 @@ def fit(run: Run) -> bool:
     trainer = trainer_for(run, stop)
     metrics = TrainMetrics(run)
     batches = iter(run.train_loader)
-    # a with block: an error closes the bar before its line is printed, so that line stays the last on screen
+    save_timed = False  # the first save of this launch is timed: what a stop costs
+    # a with block: an error or a stop closes the bar before its line is printed, so that line stays the last on screen
     with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
         while progress.step < run.total_steps:
             metrics.step_started()
@@ -70,16 +78,20 @@ def fit(run: Run) -> bool:
                 write_sample(run, step)
             if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
                 meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
+                save_started = time.perf_counter()
                 saved = save_checkpoint(
                     accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes
                 )
+                if not save_timed:
+                    accelerator.print(grace_period_line(time.perf_counter() - save_started, metrics.last_step_s))
+                    save_timed = True
             if trainer.stopping and not last:
-                accelerator.print(
-                    f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command with "
-                    "--resume auto"
-                )
-                return False
-    return True
+                break
+        else:
+            return True
+    # after the bar's last refresh, so this line stays the last on screen
+    accelerator.print(f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command")
+    return False
 
 
 def main() -> None:
@@ -98,21 +110,26 @@ def main() -> None:
 # Bad input and aborted runs end with one line on stderr (what was wrong, what to do), not a traceback.
 USER_ERRORS = (
     ConfigError, DataPrepError, EvalError, HubError, ExportError, TrainingAborted, RunFolderInUse, CheckpointError,
-    FileNotFoundError, NotADirectoryError,
+    DiskFull, FileNotFoundError, NotADirectoryError,
 )  # fmt: skip
 
-if __name__ == "__main__":
+
+@record  # an unexpected exception's traceback goes to torchelastic's error file, which the launcher's summary shows
+def run_main() -> None:
     try:
         main()
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(f"error: {err}")
         sys.exit(1)
     except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
         if not is_out_of_memory(err):
             raise
-        print(
+        report_error(
             f"error: out of memory ({str(err).splitlines()[0]}); lower --micro-batch-size (total_batch_tokens stays, "
-            "accumulation grows) or find the largest that fits with `python -m bench.ladder`",
-            file=sys.stderr,
+            "accumulation grows) or find the largest that fits with `python -m bench.ladder`"
         )
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_main()

@@ -48,10 +48,11 @@ TODAY = (
 BUILTIN = {"today": TODAY, "default": ""}
 PEER = "build-nanogpt"
 # What the benchmark's runs leave out: it keeps its own curves, so no checkpoints, samples or exports; and no time
-# budget: recipes compare at the tokens their max_steps give, on any machine.
+# budget: recipes compare at the tokens their max_steps give, on any machine. Each starts afresh (an earlier
+# benchmark's run folder of the same name is moved into its previous-<time>/).
 QUIET = (
     "--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false --eval-tasks '' "
-    "--time-budget-minutes 0"
+    "--time-budget-minutes 0 --resume never"
 )
 
 

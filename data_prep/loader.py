@@ -259,7 +259,12 @@ def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, t
 
 
 class _RankBatches:
-    """Batch sampler: one rank's window indices from (epoch, start) onwards.
+    """Batch sampler: one rank's window indices from (epoch, offset) onwards.
+
+    Each epoch has one order of all windows (a permutation by seed and epoch). A step takes the next world_size *
+    micro_batch_size windows of it, rank r the r-th micro_batch_size of them, so the windows any sequence of steps
+    consumed is a prefix of the order, whatever the number of processes and micro-batch size of each step: `offset`
+    (windows of the order consumed) is the whole position. An epoch ends where a step no longer fits.
 
     It must not refer back to the TokenLoader: DataLoader workers caught in such a reference
     cycle only shut down after a 5 s timeout each.
@@ -276,40 +281,45 @@ class _RankBatches:
         infinite: bool,
     ) -> None:
         self.num_windows, self.micro_batch_size, self.seed = num_windows, micro_batch_size, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.per_step = rank, world_size * micro_batch_size
         self.shuffle, self.infinite = shuffle, infinite
-        self.batches_per_epoch = num_windows // (world_size * micro_batch_size)
-        self.epoch = self.start = 0  # where the next iteration begins; set by the TokenLoader
+        self.epoch = self.offset = 0  # where the next iteration begins; set by the TokenLoader
 
-    def epoch_batches(self, epoch: int) -> torch.Tensor:
-        """(batches_per_epoch, micro_batch_size) window indices of this rank for `epoch`."""
-        if self.shuffle:
-            key = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
-            generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
-            order = torch.randperm(self.num_windows, generator=generator)
-        else:
-            order = torch.arange(self.num_windows)
-        steps = order[: self.batches_per_epoch * self.world_size * self.micro_batch_size]
-        return steps.view(self.batches_per_epoch, self.world_size, self.micro_batch_size)[:, self.rank]
+    def order(self, epoch: int) -> np.ndarray:
+        """All window indices in `epoch`'s order."""
+        if not self.shuffle:
+            return np.arange(self.num_windows)
+        key = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        return torch.randperm(self.num_windows, generator=generator).numpy()
+
+    def fits(self, offset: int) -> bool:
+        """Whether one more step fits in the epoch after `offset` windows of it."""
+        return offset + self.per_step <= self.num_windows
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch, start = self.epoch, self.start
+        epoch, offset = self.epoch, self.offset
+        mine = self.rank * self.micro_batch_size
         while True:
-            # Row by row through numpy: one list per micro-batch, never a list (or tensor view) per batch up front.
-            batches = self.epoch_batches(epoch).numpy()
-            for step in range(start, len(batches)):
-                yield batches[step].tolist()
+            order = self.order(epoch)
+            while self.fits(offset):  # one list per micro-batch, never a list per batch up front
+                yield order[offset + mine : offset + mine + self.micro_batch_size].tolist()
+                offset += self.per_step
             if not self.infinite:
                 return
-            epoch, start = epoch + 1, 0
+            epoch, offset = epoch + 1, 0
 
 
 class TokenLoader:
-    """Micro-batches of (x, y) int64 windows for one rank, resumable at the exact batch.
+    """Micro-batches of (x, y) int64 windows for one rank, resumable at the exact window, also with another number
+    of processes or micro-batch size.
 
     Each epoch one global permutation (by seed and epoch) of all windows is cut into steps of
     world_size * micro_batch_size windows; rank r takes the r-th micro-batch of every step and
     the incomplete last step is dropped, so all ranks get the same number of batches.
+    The position is global: the tokens of the epoch's order that all ranks together consumed. Resumed with
+    another world size or micro-batch size, the ranks go on from there, so no window is seen twice or skipped
+    (only the epoch's dropped tail, less than one step, depends on the step's size).
     An infinite loader is one endless stream; a finite one starts a new pass (epoch) at every
     `iter()`, except right after `load_state_dict`, which resumes the saved pass.
     Only one iterator may be in use at a time. Do not pass it through `accelerator.prepare`:
@@ -358,7 +368,7 @@ class TokenLoader:
             )
         self._sampler = _RankBatches(len(self.dataset), micro_batch_size, rank, world_size, seed, shuffle, infinite)
         self.epoch = 0
-        self._delivered = 0  # batches handed to the caller in this epoch (not merely prefetched)
+        self._offset = 0  # windows of the epoch's order consumed by all ranks' delivered (not prefetched) batches
         self._resume_pending = False
         self._loader = DataLoader(
             self.dataset,
@@ -370,42 +380,63 @@ class TokenLoader:
         )
 
     def __len__(self) -> int:
-        return self._sampler.batches_per_epoch
+        """Micro-batches per epoch and rank (from the epoch's start)."""
+        return len(self.dataset) // self._sampler.per_step
+
+    @property
+    def tokens(self) -> int:
+        """The position: tokens of this epoch's order consumed by all ranks together."""
+        return self._offset * self.block_size
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.infinite and not self._resume_pending and self._delivered > 0:
-            self.epoch, self._delivered = self.epoch + 1, 0
+        if not self.infinite and not self._resume_pending and self._offset > 0:
+            self.epoch, self._offset = self.epoch + 1, 0
         self._resume_pending = False
-        self._sampler.epoch, self._sampler.start = self.epoch, self._delivered
+        self._next_epoch_if_done()
+        self._sampler.epoch, self._sampler.offset = self.epoch, self._offset
         for batch in self._loader:
-            self._delivered += 1
-            if self.infinite and self._delivered == len(self):
-                self.epoch, self._delivered = self.epoch + 1, 0
+            self._offset += self._sampler.per_step
+            self._next_epoch_if_done()
             yield batch
 
+    def _next_epoch_if_done(self) -> None:
+        """An infinite loader's position moves to the next epoch as soon as no step fits in this one."""
+        if self.infinite and not self._sampler.fits(self._offset):
+            self.epoch, self._offset = self.epoch + 1, 0
+
     def state_dict(self) -> dict[str, Any]:
+        """The global position and what it is a position in; world_size and micro_batch_size only say who
+        consumed it."""
         return {
             "epoch": self.epoch,
-            "batches_delivered": self._delivered,
+            "tokens": self.tokens,
             "seed": self.seed,
-            "world_size": self.world_size,
             "block_size": self.block_size,
-            "micro_batch_size": self.micro_batch_size,
             "shuffle": self.shuffle,
             "num_windows": len(self.dataset),
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume right after the last batch delivered when `state` was taken."""
+        """Resume right after the last windows delivered on all ranks when `state` was taken, in the same epoch
+        order; the number of processes and the micro-batch size may differ."""
+        if "tokens" not in state:  # written before positions were global: per-rank batches of a fixed shape
+            windows = state["batches_delivered"] * state["world_size"] * state["micro_batch_size"]
+            state = {**state, "tokens": windows * state["block_size"]}
         mine = self.state_dict()
-        keys = ("seed", "world_size", "block_size", "micro_batch_size", "shuffle", "num_windows")
+        keys = ("seed", "block_size", "shuffle", "num_windows")
         diffs = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
         if diffs:
             raise DataPrepError(
                 f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; resume with "
-                f"the same data, seed, world size and batch shape, or start a fresh run"
+                f"the same data, seed and block size, or start a fresh run"
             )
-        if not 0 <= state["batches_delivered"] <= len(self):
-            raise DataPrepError(f"checkpoint position {state['batches_delivered']} is outside 0..{len(self)}")
-        self.epoch, self._delivered = int(state["epoch"]), int(state["batches_delivered"])
+        windows, rest = divmod(int(state["tokens"]), self.block_size)
+        if rest or not 0 <= windows <= len(self.dataset):
+            raise DataPrepError(
+                f"checkpoint position {state['tokens']} tokens is not a whole number of windows of "
+                f"{self.block_size} tokens in 0..{len(self.dataset)}"
+            )
+        self.epoch, self._offset = int(state["epoch"]), windows
         self._resume_pending = True

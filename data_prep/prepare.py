@@ -42,6 +42,7 @@ from data_prep.assets import atomic_write_bytes
 from data_prep.loader import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
 from data_prep.sources import DEFAULT_MIRROR, SPEC_HELP, Plan, Record, parse_spec, plan, source_licenses
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
+from modeling.disk import DiskFull, disk_full_reported
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +106,21 @@ def prepare(
             build.mkdir()
         else:
             log.info("Resuming the killed preparation in %s after %d books", build, progress["records_done"])
-        try:
-            manifest = _build(build, books, _splitter(books, val_fraction, seed), setup, key, num_proc, progress)
-        except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
-            shutil.rmtree(build)
-            raise
-        if _same_output(out, manifest):  # e.g. files touched but not changed: keep the dataset as it is
-            _write_json(out / MANIFEST_NAME, {**json.loads((out / MANIFEST_NAME).read_text()), "source_key": key})
-            shutil.rmtree(build)
-            log.info("%s is up to date (inputs read again, same content); nothing to do", out)
-            return out / MANIFEST_NAME
-        (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
-        _write_json(build / MANIFEST_NAME, manifest)
-        _swap_in(build, out)
+        with disk_full_reported(out, lambda: _kept_on_a_full_disk(out, build, key)):
+            try:
+                splits = _splitter(books, val_fraction, seed)
+                manifest = _build(build, books, splits, setup, key, num_proc, progress)
+            except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
+                shutil.rmtree(build)
+                raise
+            if _same_output(out, manifest):  # e.g. files touched but not changed: keep the dataset as it is
+                _write_json(out / MANIFEST_NAME, {**json.loads((out / MANIFEST_NAME).read_text()), "source_key": key})
+                shutil.rmtree(build)
+                log.info("%s is up to date (inputs read again, same content); nothing to do", out)
+                return out / MANIFEST_NAME
+            (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
+            _write_json(build / MANIFEST_NAME, manifest)
+            _swap_in(build, out)
     totals = manifest["splits"]
     log.info(
         "Wrote %s: train %d tokens (%d docs), val %d tokens (%d docs)",
@@ -149,6 +152,18 @@ def _amount(value: float, giga: str, mega: str, kilo: str) -> str:
         if value >= scale:
             return f"{value / scale:.3g}{unit}"
     return f"{value / 1e3:.2g}{kilo}"
+
+
+def _kept_on_a_full_disk(out: Path, build: Path, key: str | None) -> str:
+    """What a preparation stopped by a full disk leaves: the books recorded in the build's progress (the rerun
+    continues after them; a streamed source cannot be listed again, so its build is removed to give the space
+    back), and any previous dataset in `out` as it was."""
+    previous = f"; {out} is untouched" if (out / MANIFEST_NAME).is_file() else ""
+    if key is None:
+        shutil.rmtree(build, ignore_errors=True)
+        return f"a streamed source cannot be continued, so its partial build was removed{previous}"
+    done = (_progress(build, key) or {"records_done": 0})["records_done"]
+    return f"the {done} books prepared so far are kept in {build} and the rerun continues after them{previous}"
 
 
 def assign_splits(ids: list[str], val_fraction: float, seed: int = 0) -> dict[str, str]:
@@ -439,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             mirror=args.mirror,
             streaming=args.streaming,
         )
-    except DataPrepError as e:
+    except (DataPrepError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -6,9 +6,13 @@ python -m evals.plot runs/x        # writes runs/x/evals.png
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
+from typing import Any
 
+from data_prep.assets import atomic_write_bytes
+from modeling.disk import DiskFull, disk_full_reported
 from modeling.runs import read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")
@@ -40,9 +44,18 @@ def plot_evals(metrics_path: str | Path, out_png: str | Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    save_png(fig, out_png)
     return Path(out_png)
+
+
+def save_png(fig: Any, out_png: str | Path) -> None:
+    """A matplotlib figure to `out_png`, closed; written whole or not at all (a full disk keeps the last plot)."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(Path(out_png), png.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,7 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     metrics = Path(args.run) / "metrics.jsonl"
     if not metrics.is_file():
         sys.exit(f"error: {metrics} does not exist; pass a run folder that training has logged to")
-    print(plot_evals(metrics, Path(args.run) / "evals.png"))
+    png = Path(args.run) / "evals.png"
+    try:
+        with disk_full_reported(png, f"{png.name} is as it was"):
+            print(plot_evals(metrics, png))
+    except DiskFull as err:
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -112,13 +113,26 @@ def from_hf_state_dict(state_dict: dict[str, Tensor], config: GPTConfig) -> dict
 
 def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> Path:
     """Write a transformers folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
-    tokenizer_config.json) for model and its GPT-2 tiktoken encoding (data_prep.tokenizer's); returns out_dir."""
+    tokenizer_config.json) for model and its GPT-2 tiktoken encoding (data_prep.tokenizer's); returns out_dir.
+
+    It is written as OUT.tmp and swapped in whole: a failed export (a full disk) leaves no partial folder and
+    the previous export, if any, as it was."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_model = GPT2LMHeadModel(hf_config(model.config))
-    hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
-    hf_model.save_pretrained(out_dir)  # safetensors
-    export_tokenizer(encoding, out_dir, model.config.block_size)
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by an interrupted export
+    try:
+        hf_model = GPT2LMHeadModel(hf_config(model.config))
+        hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
+        hf_model.save_pretrained(tmp_dir)  # safetensors
+        export_tokenizer(encoding, tmp_dir, model.config.block_size)
+        old = out_dir.with_name(out_dir.name + ".old")
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

@@ -106,6 +106,28 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
         raise RunError(f"{path}: {err}") from None
 
 
+def checkpoint_engine(checkpoint: str | Path) -> str | None:
+    """Which kind of engine wrote an accelerator.save_state folder: "DDP" (one process or DDP: the whole model),
+    "FSDP" (sharded state dicts) or "DeepSpeed" (ZeRO partitions); None when it holds no model."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "model.safetensors").is_file():
+        return "DDP"
+    if (checkpoint / _FSDP_SHARDS).is_dir():
+        return "FSDP"
+    return "DeepSpeed" if (checkpoint / _ZERO_TAG).is_dir() else None
+
+
+def merge_shards(folder: str | Path) -> dict:
+    """A torch.distributed.checkpoint folder (every rank's shards) as one state dict of whole tensors on the CPU, as
+    saved (accelerate's FSDP2 saves: {"model": ...} in pytorch_model_fsdp_0/, {"optimizer": ...} in optimizer_0/).
+    Works on one process, without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, Path(tmp) / "merged.pt")
+        return torch.load(Path(tmp) / "merged.pt", map_location="cpu", weights_only=True)
+
+
 def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     """(the full model state dict of an accelerator.save_state folder from any engine, on the CPU; how it was read).
     Keys keep what the saving wrapper added (see load_checkpoint)."""
@@ -113,12 +135,7 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     if (checkpoint / "model.safetensors").is_file():
         return load_file(str(checkpoint / "model.safetensors")), "model.safetensors"
     if (checkpoint / _FSDP_SHARDS).is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:  # one process, no process group: reads every rank's shard
-            dcp_to_torch_save(checkpoint / _FSDP_SHARDS, Path(tmp) / "model.pt")
-            state = torch.load(Path(tmp) / "model.pt", map_location="cpu", weights_only=True)["model"]  # as saved
-        return state, "FSDP shards merged with torch's dcp_to_torch_save"
+        return merge_shards(checkpoint / _FSDP_SHARDS)["model"], "FSDP shards merged with torch's dcp_to_torch_save"
     if (checkpoint / _ZERO_TAG).is_dir():
         try:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -10,6 +10,16 @@
 # the scheduler's values replace them: num_processes = nodes × GPUS_PER_NODE (the total), machine_rank = the
 # node's index in the job, main_process_ip = the job's first node. --out-dir (checkpoints are written by
 # every rank) and --data-dir must be on storage all nodes share.
+#
+# Never lose the job: a run continues from its newest intact checkpoint in --out-dir when launched again (--resume
+# auto is the default), so a requeued job, which runs this script again with the same arguments, continues it.
+# - Preempted (or a node failed): --requeue puts the job back in the queue. SLURM sends SIGTERM to every process,
+#   the runs finish their step and save, and after the partition's GraceTime SIGKILL: that grace must exceed the
+#   one the run prints at its first checkpoint ("set your grace period above N s"); see `scontrol show partition`.
+# - The time limit: 5 minutes before it SLURM sends USR1 to this script, which stops the run the same way and
+#   requeues the job (for more lead, when a step plus a save takes longer: sbatch --signal=B:USR1@600 ...).
+# torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a SIGTERM before it kills them: set here
+# to 270 s, under the 300 s warning.
 #SBATCH --job-name=bookgpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -18,10 +28,14 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
 
 set -euo pipefail
 
 cd "${SLURM_SUBMIT_DIR:-.}"
+# shellcheck source=/dev/null
 source .venv/bin/activate
 
 export CONFIG=${CONFIG:-accelerate_configs/2x8xh100.yaml}
@@ -30,11 +44,27 @@ mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MAIN_PROCESS_IP=${NODES[0]}
 export MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
 export NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
 
-# One task per node; SLURM_NODEID differs per task, so it is read inside the task (single quotes).
+# The time-limit warning (USR1): SIGTERM to srun, which passes it to each node's launcher and so to every run
+# process; once the checkpoint is saved and srun has ended, requeue this job.
+requeue() {
+  echo "job $SLURM_JOB_ID nears its time limit: stopping the run (it saves a checkpoint), then requeueing"
+  kill -TERM "$SRUN_PID" 2>/dev/null || true
+  wait "$SRUN_PID" || true
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+trap requeue USR1
+
+# One task per node; SLURM_NODEID differs per task, so it is read inside the task (single quotes). training.launch
+# is `accelerate launch` whose log ends with the run's own error line, not torchrun's traceback.
+# shellcheck disable=SC2016
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
-  accelerate launch -q --config_file "$CONFIG" \
+  python -m training.launch -q --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes "$NUM_PROCESSES" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
     train_accel.py "$@"
-' bash "$@"
+' bash "$@" &
+SRUN_PID=$!
+wait "$SRUN_PID"  # in the background and waited for, so the USR1 trap runs at once, not after srun ends

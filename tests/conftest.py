@@ -1,7 +1,8 @@
 """Shared fixtures: prepared books, a tiny GPT, an eval run folder (the embedded corpus and the eval data are
 downloaded once into the user cache, then offline)."""
 
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,23 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """mount(size) -> an empty filesystem of that size ("2m"): a tmpfs, a real disk that fills up. Skipped where this
+    process may not mount one (not root); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]
+        if subprocess.run(command, capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (mounting needs root)")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

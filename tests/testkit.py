@@ -6,6 +6,9 @@ Importable from any test folder (`pythonpath = ["tests"]` in pyproject); fixture
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -110,3 +113,20 @@ def write_pg19_copy(root: Path) -> Path:
         }
         pq.write_table(pa.table(columns, schema=schema), root / "data" / name, row_group_size=2)
     return root
+
+
+def fill_disk(disk: Path, leave: int = 0) -> Path:
+    """Fill the filesystem of `disk` with one file until about `leave` bytes are free (it counts whole pages), or
+    until it is full; returns the file (unlink it to make room again)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        left = shutil.disk_usage(disk).free - leave
+        while left > 0:
+            left -= os.write(fd, b"\0" * min(left, 1 << 20))
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return filler

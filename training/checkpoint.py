@@ -1,23 +1,42 @@
 """Checkpoint folders: `checkpoints/step-00001000/`, written under a temporary name and renamed into place.
 
-A folder without the `.tmp` suffix is complete by construction, so `--resume auto` can trust the newest one.
+A folder without the `.tmp` suffix was complete when it was renamed; its manifest.json (every file's size and
+sha256) tells whether it still is, so `--resume auto` skips one damaged since (a truncated copy, a lost file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.checkpointing import load_custom_state
+from accelerate.utils import DistributedType
+from safetensors import safe_open
 
-from modeling.runs import checkpoint_dir, is_checkpoint_dir, list_checkpoints
+from modeling.disk import DiskFull, disk_full_line, is_disk_full
+from modeling.runs import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    checkpoint_dir,
+    checkpoint_engine,
+    checkpoint_weights,
+    is_checkpoint_dir,
+    list_checkpoints,
+    merge_shards,
+)
 from training.config import ConfigError, TrainConfig
 
 
@@ -39,6 +58,11 @@ class TrainProgress:
     tokens_seen: int = 0  # training tokens consumed over all ranks
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
     train_seconds: float = 0.0  # a time budget's train-step time spent, as of its last decision
+    # The batch shape of the launch that took the steps: processes, micro-batch size, accumulation (0: not known,
+    # a checkpoint written before resumes could change it). A resume may change it (see `reshape`).
+    world_size: int = 0
+    micro_batch_size: int = 0
+    grad_accum: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +71,20 @@ class TrainProgress:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.total_steps = state.get("total_steps", 0)  # absent from checkpoints written before time budgets
         self.train_seconds = state.get("train_seconds", 0.0)  # absent from those written before re-timing
+        self.world_size = state.get("world_size", 0)  # absent from those written before elastic resumes
+        self.micro_batch_size = state.get("micro_batch_size", 0)
+        self.grad_accum = state.get("grad_accum", 0)
+
+    def reshape(self, world_size: int, micro_batch_size: int, grad_accum: int) -> str | None:
+        """Take this launch's batch shape; after a resume, what changed from the checkpoint's (None: nothing, or
+        the checkpoint does not say)."""
+        saved = (self.world_size, self.micro_batch_size, self.grad_accum)
+        now = (world_size, micro_batch_size, grad_accum)
+        self.world_size, self.micro_batch_size, self.grad_accum = now
+        if 0 in saved or saved == now:
+            return None
+        names = ("world size", "micro-batch", "accumulation")
+        return ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(names, saved, now))
 
 
 def ensure_writable(run_dir: str | Path) -> None:
@@ -62,20 +100,84 @@ def ensure_writable(run_dir: str | Path) -> None:
         ) from None
 
 
-def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
-    """'' -> None; 'auto' -> newest complete checkpoint of this run (None if there is none); else that path."""
-    if not resume:
+MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
+PREVIOUS = "previous-"  # run folders' subfolders holding what a fresh start or a resume set aside
+_LOCKS = (".run.lock", ".run.lock.json")  # training.runlock's: the live run's, never set aside
+_CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
+_READ = 4 * 2**20  # each thread reads its chunk in pieces: memory stays a few MB however many threads run
+_THREADS = min(8, os.cpu_count() or 1)  # every rank of a node checks the checkpoint it resumes at once
+
+
+def _sha256(path: Path) -> str:
+    """sha256 over the sha256 of each 64 MiB chunk: a multi-GB file hashes on several cores."""
+    size = path.stat().st_size
+
+    def chunk(offset: int) -> bytes:
+        digest, left = hashlib.sha256(), min(_CHUNK, size - offset)
+        with path.open("rb") as f:
+            f.seek(offset)
+            while left > 0 and (piece := f.read(min(left, _READ))):
+                digest.update(piece)
+                left -= len(piece)
+        return digest.digest()
+
+    with ThreadPoolExecutor(_THREADS) as pool:
+        return hashlib.sha256(b"".join(pool.map(chunk, range(0, max(size, 1), _CHUNK)))).hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """Every file's size and hash, written last into a checkpoint (all ranks' files are complete by then)."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder (None: intact): a file missing, of another size or hash than its
+    manifest says. Folders saved before manifests existed get a load test of the files a resume reads: each JSON
+    parses, safetensors' header and tensors fit the file, each torch.save zip (.bin, .pkl, .pt) has its directory."""
+    if not folder.is_dir():
+        return "it does not exist"
+    if (folder / MANIFEST).is_file():
+        try:
+            listed = json.loads((folder / MANIFEST).read_text())["files"]
+            files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in listed.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"its {MANIFEST} is unreadable"
+        for name, (size, _) in files.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} is {path.stat().st_size:,} bytes, {size:,} when saved"
+        for name, (_, digest) in files.items():
+            if _sha256(folder / name) != digest:
+                return f"{name} does not match its sha256 when saved"
         return None
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path.is_dir() and is_checkpoint_dir(path)):
-        raise FileNotFoundError(
-            f"--resume {resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN); "
-            f"complete ones in {run_dir}: {[str(p) for p in list_checkpoints(run_dir)] or 'none'}"
-        )
-    return path
+    for path in _files(folder):
+        name = str(path.relative_to(folder))
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                safe_open(str(path), "pt")  # checks that the header's tensors cover the file exactly
+            elif path.suffix in (".bin", ".pkl", ".pt"):
+                zipfile.ZipFile(path).close()
+        except Exception as err:  # OSError, ValueError, zipfile's BadZipFile, safetensors' SafetensorError
+            return f"{name} does not load ({type(err).__name__}: {str(err).partition(chr(10))[0]})"
+    return None
+
+
+def _saved_config(folder: Path) -> dict | None:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        return None
+    now = {f.name for f in dataclasses.fields(TrainConfig)}
+    # resume is this launch's choice, not the run's (and older runs wrote '' there)
+    return {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k in now and k != "resume"}
 
 
 def _shape(cfg: TrainConfig) -> str:
@@ -84,35 +186,128 @@ def _shape(cfg: TrainConfig) -> str:
             f"block_size {m.block_size}, vocab_size {m.vocab_size}, bias {m.bias})")  # fmt: skip
 
 
-def compare_resume_config(cfg: TrainConfig, checkpoint: Path) -> str | None:
-    """Before anything is loaded: stop (ConfigError) when the checkpoint holds another model shape or another
-    optimizer's state; else one line listing how this launch's config differs from the checkpoint's (None when it
-    doesn't, or nothing says).
+def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> str | None:
+    """Before anything is loaded: stop (ConfigError, its message starting with `source`, how the user named the
+    checkpoint) when the checkpoint holds another model shape or another optimizer's state; else one line listing how
+    this launch's config differs from the checkpoint's (None when it doesn't, or nothing says).
 
     The checkpoint's config.yaml is the launch that wrote it; older checkpoints have only their run folder's."""
-    saved_yaml = next((p for p in (checkpoint, checkpoint.parent.parent) if (p / "config.yaml").is_file()), None)
-    if saved_yaml is None:
+    saved = next((c for c in map(_saved_config, (checkpoint, checkpoint.parent.parent)) if c is not None), None)
+    if saved is None:
         return None
-    now = dataclasses.asdict(cfg)
-    saved = {k: v for k, v in yaml.safe_load((saved_yaml / "config.yaml").read_text()).items() if k in now}
-    theirs = TrainConfig(**saved)
+    theirs, now = TrainConfig(**saved), dataclasses.asdict(cfg)
+    afresh = f"start afresh there with --resume never (the run is moved into {PREVIOUS}<time>/ first)"
     if _shape(theirs) != _shape(cfg):
         raise ConfigError(
-            f"--resume {checkpoint}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
-            "with the checkpoint's --preset/--block-size/--init-from, or start a new run with another --out-dir"
+            f"{source}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
+            f"with the checkpoint's --preset/--block-size/--init-from, {afresh}, or choose another --out-dir"
         )
     if theirs.optimizer != cfg.optimizer:  # the saved optimizer state is the other optimizer's
         raise ConfigError(
-            f"--resume {checkpoint}: the checkpoint holds {theirs.optimizer} state, this run asks for "
-            f"--optimizer {cfg.optimizer}; resume with --optimizer {theirs.optimizer}, or start a new run with another "
+            f"{source}: the checkpoint holds {theirs.optimizer} state, this run asks for "
+            f"--optimizer {cfg.optimizer}; resume with --optimizer {theirs.optimizer}, {afresh}, or choose another "
             "--out-dir (--init-from its export keeps the weights)"
         )
-    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if k != "resume" and v != now[k]]
+    # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape)
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k != "micro_batch_size"]
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 
+def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
+    """The checkpoint this launch continues from (None: it starts afresh) and the lines that say so, decided before
+    anything is built, loaded or written; every rank reads the same files, so every rank decides the same.
+
+    never: afresh. auto: the newest intact checkpoint of out_dir, each damaged newer one named in a warning line;
+    none at all: afresh, unless out_dir's config.yaml is another model's; all damaged: stop. PATH: that checkpoint,
+    which must be intact. A checkpoint of another model shape or optimizer stops (compare_resume_config)."""
+    run_dir = Path(cfg.out_dir)
+    if cfg.resume == "never":
+        return None, []
+    if cfg.resume != "auto":
+        path = Path(cfg.resume)
+        if not (path.is_dir() and is_checkpoint_dir(path)):
+            raise FileNotFoundError(
+                f"--resume {cfg.resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN); "
+                f"complete ones in {run_dir}: {[str(p) for p in list_checkpoints(run_dir)] or 'none'}"
+            )
+        damage = checkpoint_damage(path)
+        if damage:
+            others = [p.name for p in list_checkpoints(path.parent.parent) if p != path]
+            raise CheckpointError(
+                f"--resume {cfg.resume}: the checkpoint is damaged ({damage}); resume from another one of "
+                f"{path.parent} ({', '.join(others) or 'none'}), or --resume auto for its newest intact one"
+            )
+        change = compare_resume_config(cfg, path, f"--resume {cfg.resume}")
+        return path, [change] if change else []
+    damaged = []
+    for checkpoint in reversed(list_checkpoints(run_dir)):
+        damage = checkpoint_damage(checkpoint)
+        if damage is None:
+            notes = [f"warning: checkpoint {c} is damaged ({d}); skipping it" for c, d in damaged]
+            change = compare_resume_config(cfg, checkpoint, f"out_dir {run_dir} holds a run ({checkpoint.name})")
+            return checkpoint, [*notes, change] if change else notes
+        damaged.append((checkpoint, damage))
+    if damaged:
+        listing = "; ".join(f"{c} is damaged ({d})" for c, d in damaged)
+        raise CheckpointError(
+            f"out_dir {run_dir} has no intact checkpoint ({listing}); restore one, or start afresh with --resume "
+            f"never (the run is moved into {run_dir}/{PREVIOUS}<time>/ first)"
+        )
+    saved = _saved_config(run_dir)
+    if saved is not None and _shape(theirs := TrainConfig(**saved)) != _shape(cfg):
+        raise ConfigError(
+            f"out_dir {run_dir} holds a run of a {_shape(theirs)} model, this run's is {_shape(cfg)}; continue it with "
+            "its --preset/--block-size/--init-from, start afresh there with --resume never (the run is moved into "
+            f"{run_dir}/{PREVIOUS}<time>/ first), or choose another --out-dir"
+        )
+    return None, []
+
+
+def set_aside(run_dir: Path, step: int) -> str | None:
+    """Keep the run folder to one run before this launch writes to it, continuing after optimizer step `step` (0:
+    afresh); the main process calls it once the launch can no longer fail on its input. One line saying what it did
+    (None: nothing to do).
+
+    Afresh in a folder holding a run: all of that run (config, metrics, samples, checkpoints, export) moves into
+    previous-<time>/. Resuming: checkpoints after `step` (a run resumed from an older checkpoint, damaged ones)
+    move there, so neither auto-resume nor pruning ever prefers them; metrics rows logged after `step` (by a
+    launch that stopped before saving again) are dropped, as the resumed run logs those steps anew."""
+    run_dir = Path(run_dir)
+    if step:
+        moved = [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
+    elif (run_dir / CONFIG_FILE).exists() or (run_dir / METRICS_FILE).exists() or (run_dir / "checkpoints").exists():
+        moved = [p for p in run_dir.iterdir() if p.name not in _LOCKS and not p.name.startswith(PREVIOUS)]
+    else:
+        moved = []
+    lines = []
+    if moved:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        previous, n = run_dir / f"{PREVIOUS}{stamp}", 1
+        while previous.exists():  # two set-asides in one second
+            n += 1
+            previous = run_dir / f"{PREVIOUS}{stamp}-{n}"
+        for path in sorted(moved):
+            target = previous / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
+        what = ", ".join(sorted(str(p.relative_to(run_dir)) for p in moved))
+        why = f"saved after step {step}, where this run continues" if step else "the run this one replaces"
+        lines.append(f"moved {what} into {previous} ({why})")
+    metrics = run_dir / METRICS_FILE
+    if step and metrics.is_file():
+        rows = metrics.read_text().splitlines(keepends=True)
+        kept = [r for r in rows if r.endswith("}\n") and (json.loads(r).get("step") or 0) <= step]  # a cut row too
+        if len(kept) < len(rows):
+            tmp = metrics.with_name(metrics.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, metrics)  # a kill here leaves the old file or the new, never half of one
+            lines.append(f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now)")
+    return "; ".join(lines) or None
+
+
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the folder left behind was removed)."""
+    """No checkpoint can be resumed: the one asked for, or every one of out_dir, is damaged. (A save that fails for
+    want of space raises DiskFull.)"""
 
 
 def checkpoint_bytes(model: torch.nn.Module) -> int:
@@ -153,9 +348,10 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
     custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
-    meta.json (step, tokens seen, val loss when evaluated at this step) and the run's config.yaml (this launch's,
-    which a resume compares with). A failed save leaves no folder behind; when the disk is what failed (less free
-    than `need`, one checkpoint's bytes, or the last one's size) it raises CheckpointError saying so.
+    meta.json (step, tokens seen, val loss when evaluated at this step), the run's config.yaml (this launch's,
+    which a resume compares with) and manifest.json (every file's size and sha256, which a resume checks). A failed
+    save leaves no folder behind; when the disk is what failed (less free than `need`, one checkpoint's bytes, or
+    the last one's size) it raises DiskFull saying so.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -168,19 +364,20 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         if accelerator.is_main_process:
             (tmp / "meta.json").write_text(json.dumps(meta))
             shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+            write_manifest(tmp)  # last: it covers every rank's files and ours
     except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError
         shutil.rmtree(tmp, ignore_errors=True)
         complete = list_checkpoints(run_dir)
         need = _size(complete[-1]) if complete else need
-        free = shutil.disk_usage(Path(run_dir)).free
-        if free >= need:
+        if not is_disk_full(err, run_dir, need):
             raise
-        untouched = ", ".join(p.name for p in complete) or "none"
-        raise CheckpointError(
-            f"saving checkpoint {final.name} failed: the disk is full ({_mb(need)} needed, {_mb(free)} free in "
-            f"{run_dir}; complete checkpoints untouched: {untouched}); free space, lower --keep-checkpoints (a save "
-            "needs room for one more than it keeps) or choose another --out-dir, then run again with --resume auto"
-        ) from err
+        free = shutil.disk_usage(Path(run_dir)).free
+        todo = (
+            f"free space on {{mount}} ({_mb(need)} needed, {_mb(free)} free), lower --keep-checkpoints (a save needs "
+            "room for one more than it keeps) or choose another --out-dir, then run the same command again"
+        )
+        kept = f"complete checkpoints untouched: {', '.join(p.name for p in complete) or 'none'}"
+        raise DiskFull(disk_full_line(final, kept, todo)) from err
     if accelerator.is_main_process:
         if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
             stale = final.with_name(final.name + ".old")
@@ -212,3 +409,58 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         if old not in kept and old != best:
             shutil.rmtree(old)
     return [p for p in found if p in kept or p == best]
+
+
+def _engine(accelerator: Accelerator) -> str:
+    """This launch's engine, named as checkpoint_engine names the one that wrote a checkpoint."""
+    return {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
+        accelerator.distributed_type, "DDP"
+    )
+
+
+_ENGINE_NAMES = {"DDP": "one process or DDP", "FSDP": "FSDP2", "DeepSpeed": "DeepSpeed"}
+_RESUMES_ON = {
+    "DDP": "on one process or with a DDP accelerate config",
+    "FSDP": "with an FSDP2 or DDP accelerate config or on one process",
+    "DeepSpeed": "with a DeepSpeed accelerate config",
+}
+
+
+def load_resume_state(
+    accelerator: Accelerator,
+    checkpoint: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    registered: list,
+) -> str | None:
+    """accelerator.load_state(checkpoint), on any number of processes. An FSDP2 checkpoint also resumes on one
+    process or DDP: its model and optimizer shards (torch.distributed.checkpoint) are merged whole on each process
+    and set with torch's state-dict API, which maps the saved parameter names onto this model (DDP and compile
+    wrappers included); the schedule and the `registered` objects (accelerator.register_for_checkpointing's, in
+    order) load as accelerate saved them. Other crossings of engines stop with one line. Returns what crossed
+    (None: the engine that saved it loads it)."""
+    saved, now = checkpoint_engine(checkpoint), _engine(accelerator)
+    if saved == now or saved is None:  # None: accelerate names the missing file
+        accelerator.load_state(str(checkpoint))
+        return None
+    if (saved, now) != ("FSDP", "DDP"):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint was written by {_ENGINE_NAMES[saved]} and this launch runs "
+            f"{_ENGINE_NAMES[now]}; resume it {_RESUMES_ON[saved]}, or start a new run with --init-from on its export "
+            "(python -m training.export)"
+        )
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, checkpoint_weights(checkpoint)[0], options=whole)
+    optimizer_state = merge_shards(checkpoint / "optimizer_0")["optimizer"]
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optimizer_state, options=whole)
+    scheduler.load_state_dict(torch.load(checkpoint / "scheduler.bin", weights_only=False))
+    for index, obj in enumerate(registered):
+        load_custom_state(obj, str(checkpoint), index)
+    return "FSDP2 shards -> one whole model per process"

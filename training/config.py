@@ -177,7 +177,14 @@ class TrainConfig:
             "best-val one; to save less often raise --checkpoint-interval"
         },
     )
-    resume: str = field(default="", metadata={"help": "'auto' (newest complete checkpoint) or a checkpoint path"})
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: continue the run in out_dir from its newest intact checkpoint (an empty out_dir starts "
+            "afresh), so the same command run again continues; never: start afresh, first moving a run that "
+            "out_dir holds into out_dir/previous-<time>/; or a checkpoint folder (.../step-NNNNNNNN) to continue from"
+        },
+    )
     trackers: str = field(default="", metadata={"help": "comma list of extra accelerate trackers, e.g. tensorboard"})
     peak_tflops: float | None = field(
         default=None, metadata={"help": "per-device peak TFLOP/s for MFU; default: table or measured"}
@@ -234,6 +241,8 @@ class TrainConfig:
         for name, valid in choices:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
+        if not self.resume:  # '' meant 'do not resume' before auto became the default
+            raise ConfigError(f"resume must be auto, never or a checkpoint folder, got {self.resume!r}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         floats = (  # name, whether its value is valid, the rule; every float must also be finite

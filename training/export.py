@@ -10,11 +10,11 @@ is never overwritten, and a folder that exists is refused rather than replaced.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 from data_prep.tokenizer import get_encoding
+from modeling.disk import DiskFull, disk_full_reported
 from modeling.runs import RunError, list_checkpoints, load_checkpoint
 
 
@@ -24,7 +24,7 @@ class ExportError(RuntimeError):
 
 def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: str | Path | None = None) -> Path:
     """Export `checkpoint` (a step-NNNNNNNN name in the run's checkpoints/ or a path; default the newest) to `out`
-    (default RUN/export-<checkpoint name>), written under a temporary name and renamed into place."""
+    (default RUN/export-<checkpoint name>), written whole or not at all (modeling.hf_export.export_hf)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunError(f"run folder {run_dir} does not exist")
@@ -40,10 +40,8 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     model, source = load_checkpoint(run_dir, path)
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
-    export_hf(model, tmp, get_encoding())
-    tmp.rename(out)
+    with disk_full_reported(out, f"{path} is untouched and nothing of the export is left"):
+        export_hf(model, out, get_encoding())
     print(f"{source} -> {out}")
     return out
 
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         export_checkpoint(args.run, args.checkpoint, args.out)
-    except RunError as err:
+    except (RunError, DiskFull) as err:
         sys.exit(f"error: {err}")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from accelerate.utils import DistributedType, set_seed
 from filelock import FileLock
 
 from data_prep import ensure_default_corpus
+from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest, prepare_command
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
@@ -22,16 +22,18 @@ from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling import fp8_head
 from modeling.config import GPTConfig
+from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
 from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
     clear_partial,
-    compare_resume_config,
     ensure_writable,
     list_checkpoints,
-    resolve_resume,
+    load_resume_state,
+    plan_resume,
     room_warning,
+    set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
 from training.distributed import build_accelerator, generation_model, set_deepspeed_micro_batch
@@ -192,7 +194,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
-    resume_from = resolve_resume(cfg.resume, run_dir)
+    resume_from, resume_notes = plan_resume(cfg)  # before any work: a refused resume stops every rank alike
     if cfg.push_to_hub:
         if not cfg.export_hf:
             raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
@@ -210,7 +212,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         project_dir=str(run_dir),
     )
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
-    config_changes = compare_resume_config(cfg, resume_from) if resume_from is not None else None  # the optimizer run
     if engine_note:
         accelerator.print(engine_note)
     world_size = accelerator.num_processes
@@ -264,19 +265,31 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     startup.lap("prepare")
     progress = TrainProgress()
-    accelerator.register_for_checkpointing(progress, train_loader)
+    progress.reshape(world_size, cfg.micro_batch_size, grad_accum)
+    registered = [progress, train_loader]
+    accelerator.register_for_checkpointing(*registered)
 
     # Resume: model, optimizer, schedule, RNG, counters and the exact data position, as one unit.
+    for note in resume_notes:
+        accelerator.print(note)
+    if resume_from is not None:
+        crossed = load_resume_state(accelerator, resume_from, model, optimizer, scheduler, registered)
+        accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
+        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        changes = [c for c in (crossed, progress.reshape(world_size, cfg.micro_batch_size, grad_accum)) if c]
+        if changes:
+            epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
+            accelerator.print(f"resume: {', '.join(changes)}; data position {train_loader.tokens:,} tokens{epoch} kept")
     if accelerator.is_main_process:
+        moved = set_aside(run_dir, progress.step)  # the first write of this launch: one run per folder from here
+        if moved:
+            print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
         warning = room_warning(run_dir, one_checkpoint)
         if warning:
             print(warning, flush=True)
-    if config_changes:
-        accelerator.print(config_changes)
+    accelerator.wait_for_everyone()
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
         startup.lap("resume")
     startup.mark()
 
@@ -369,7 +382,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
     }
     accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
     if accelerator.is_main_process:
-        (run.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        config = run.run_dir / "config.yaml"
+        with disk_full_reported(config, "the checkpoints are untouched"):
+            atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
         f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
@@ -431,6 +446,7 @@ class TrainMetrics:
         self.first = True
         self.window_s, self.window_steps = 0.0, 0
         self._started = 0.0
+        self.last_step_s = 0.0  # the latest step's time, its verdict read (what a stop waits for before saving)
         self.step_seconds: list[float] = []  # under a time budget: the steps' times since its last decision
         self.untimed = 1  # steps a time budget counts at the median rate: this process's first, which compiles
 
@@ -439,6 +455,7 @@ class TrainMetrics:
 
     def step_finished(self, step: int) -> None:
         now = time.perf_counter()
+        self.last_step_s = now - self._started
         if self.first:
             self.first = False
             startup = self.run.startup
@@ -557,8 +574,10 @@ def write_sample(run: Run, step: int) -> None:
     model.train()
     text = encoding.decode(out[0].tolist())
     if accelerator.is_main_process:
-        with (run.run_dir / "samples.txt").open("a") as f:
-            f.write(f"--- step {step} ---\n{text}\n")
+        samples = run.run_dir / "samples.txt"
+        kept = "it keeps every complete sample, the checkpoints are untouched"
+        with disk_full_reported(samples, kept):
+            append_bytes(samples, f"--- step {step} ---\n{text}\n".encode())
     accelerator.print(f"sample @ step {step}: {text!r}")
 
 
@@ -566,17 +585,20 @@ def write_outputs(run: Run) -> None:
     """The run folder's deliverables: the loss curve, a transformers-loadable export with its model card, and
     the Hub push when asked for."""
     cfg, accelerator, run_dir = run.cfg, run.accelerator, run.run_dir
+    # The final checkpoint is complete by now: after a full disk, a resumed run is at its last step and writes these.
+    kept = f"the final checkpoint {list_checkpoints(run_dir)[-1].name} and metrics.jsonl are complete"
     if accelerator.is_main_process:
-        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        if cfg.eval_tasks:
-            plot_evals(run_dir / "metrics.jsonl", run_dir / "evals.png")
+        for plot, png in [(plot_losses, "loss.png")] + ([(plot_evals, "evals.png")] if cfg.eval_tasks else []):
+            with disk_full_reported(run_dir / png, kept):
+                plot(run_dir / "metrics.jsonl", run_dir / png)
     if cfg.export_hf:
         state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
             export_model = GPT(run.model_config)
             export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
-            export_final(run_dir, export_model)
-            write_model_card(run_dir, cfg.push_to_hub or None)
+            with disk_full_reported(run_dir / "export", kept):
+                export_final(run_dir, export_model)
+                write_model_card(run_dir, cfg.push_to_hub or None)
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
@@ -586,17 +608,14 @@ def export_final(run_dir: Path, model: GPT) -> None:
     """The run's export/ (a transformers folder), written under a temporary name and renamed into place (replacing
     the export of an earlier end of this run, resumed since). A failure leaves the checkpoints, and says how to
     export the newest of them, which holds these same weights."""
-    export, tmp = run_dir / "export", run_dir / "export.tmp"
+    export = run_dir / "export"
     try:
         from modeling.hf_export import export_hf  # imports transformers (~3 s), here at the end only
 
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
-        export_hf(model, tmp, get_encoding())
-        if export.exists():
-            shutil.rmtree(export)
-        tmp.rename(export)
+        export_hf(model, export, get_encoding())  # written whole or not at all
     except Exception as err:  # after all the training, whatever it is: one line that says how to finish the job
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(err, export):
+            raise
         raise ExportError(
             f"the export to {export} failed after training ({type(err).__name__}: {err}); the run's checkpoints are "
             f"kept: export the newest (the final weights) with `python -m training.export {run_dir}`"

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 
+from evals.plot import save_png
 from modeling.cpu_linear import matmul
+from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import read_metrics
 from modeling.runtime import dtype_name
 
@@ -341,8 +343,9 @@ class JSONLTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+        kept = f"{self.path.name} keeps every complete row, the checkpoints are untouched"
+        with disk_full_reported(self.path, kept):
+            append_bytes(self.path, (json.dumps({"step": step, **values}) + "\n").encode())
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:
@@ -363,6 +366,5 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    save_png(fig, out_png)
     return Path(out_png)

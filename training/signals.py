@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -38,4 +39,20 @@ class StopRequest:
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        print(f"\n{self.signal_name} received: finishing this step, then saving a checkpoint", flush=True)
+        if os.environ.get("RANK", "0") == "0":  # every rank gets it; one says so
+            print(f"\n{self.signal_name} received: finishing this step, then saving a checkpoint", flush=True)
+
+
+def grace_period_line(save_s: float, step_s: float) -> str:
+    """What an orchestrator must wait between SIGTERM and SIGKILL, from this launch's first checkpoint save: the
+    step in flight, then a save, twice over for slower disks and a busier machine."""
+    grace = math.ceil(2 * (save_s + step_s)) + 5
+    line = (
+        f"checkpoint saved in {save_s:.1f} s (a step takes {step_s:.1f} s): a stop (SIGTERM) finishes the step and "
+        f"saves, so set your grace period above {grace} s before SIGKILL (docker stop -t, Kubernetes "
+        "terminationGracePeriodSeconds, SLURM --signal)"
+    )
+    shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    if "TORCHELASTIC_RUN_ID" in os.environ and grace > shutdown:  # torchrun SIGKILLs its workers after that
+        line += f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above {grace} (now {shutdown})"
+    return line

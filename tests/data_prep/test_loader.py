@@ -157,7 +157,8 @@ def test_resume_yields_exactly_the_remaining_batches(prepared_books, num_workers
         it = iter(loader)
         _ = [next(it) for _ in range(stop)]  # workers have prefetched past this point
         state = json.loads(json.dumps(loader.state_dict()))
-        assert (state["epoch"], state["batches_delivered"]) == divmod(stop, n)
+        epoch, batches = divmod(stop, n)
+        assert (state["epoch"], state["tokens"]) == (epoch, batches * 2 * 8 * BLOCK)  # all ranks' windows
         resumed = make()
         resumed.load_state_dict(state)
         assert _same(list(islice(iter(resumed), n + 5 - stop)), expected[stop:])
@@ -174,11 +175,75 @@ def test_finite_loader_resumes_mid_pass_then_starts_a_new_one(prepared_books):
     assert _same(list(resumed), full)
 
 
-def test_resume_with_different_shape_is_refused(prepared_books):
-    state = TokenLoader(prepared_books, "train", BLOCK, 8, world_size=2).state_dict()
+def _windows(loader: TokenLoader, steps: int, ranks: list[TokenLoader] | None = None) -> list[tuple[int, ...]]:
+    """The windows (as token tuples) that `steps` steps of `ranks` (default: just `loader`) consume, in global order:
+    each step's micro-batches by rank."""
+    iterators = [iter(r) for r in ranks or [loader]]
+    return [tuple(row) for _ in range(steps) for it in iterators for row in next(it)[0].tolist()]
+
+
+def _reshaped(prepared: Path, state: dict, micro_batch_size: int, world_size: int) -> list[TokenLoader]:
+    ranks = [
+        TokenLoader(prepared, "train", BLOCK, micro_batch_size, rank=r, world_size=world_size, seed=3)
+        for r in range(world_size)
+    ]
+    for loader in ranks:
+        loader.load_state_dict(json.loads(json.dumps(state)))
+    return ranks
+
+
+def test_a_resume_at_another_world_size_and_micro_batch_continues_the_same_windows(prepared_books):
+    """1 process × micro-batch 4 for 5 steps, then 2 processes × 4 for 6, then 1 × 2 for 12: the windows consumed are
+    exactly those of an uninterrupted 1 × 4 run, in its order (none twice, none skipped), and the position is kept in
+    tokens of all ranks together."""
+    reference = _windows(TokenLoader(prepared_books, "train", BLOCK, 4, seed=3), 5 + 12 + 6)
+    first = TokenLoader(prepared_books, "train", BLOCK, 4, seed=3)
+    seen = _windows(first, 5)
+    assert first.state_dict()["tokens"] == 5 * 4 * BLOCK
+    two = _reshaped(prepared_books, first.state_dict(), 4, 2)
+    seen += _windows(two[0], 6, two)
+    assert [r.state_dict()["tokens"] for r in two] == [(5 + 6 * 2) * 4 * BLOCK] * 2
+    half = _reshaped(prepared_books, two[1].state_dict(), 2, 1)[0]
+    seen += _windows(half, 12)
+    assert seen == reference
+    assert len(set(seen)) == len(seen)
+
+
+def test_a_reshaped_resume_ends_the_epoch_where_its_steps_stop_fitting_then_follows_the_next_order(prepared_books):
+    """Resumed at 2 × 4 from a 1 × 4 position 12 to 15 windows before the epoch's end, where 1 × 4 would take three
+    more micro-batches: the epoch ends after the one whole 8-window step (the rest, less than a step, is dropped),
+    and the next epoch is the same order any shape sees."""
+    loader = TokenLoader(prepared_books, "train", BLOCK, 4, seed=3)
+    n = len(loader)
+    skip = (len(loader.dataset) - 12) // 4
+    _windows(loader, skip)
+    two = _reshaped(prepared_books, loader.state_dict(), 4, 2)
+    tail = _windows(two[0], 1, two)
+    assert two[0].epoch == two[1].epoch == 1 and two[0].tokens == 0
+    assert tail == _windows(TokenLoader(prepared_books, "train", BLOCK, 4, seed=3), n)[skip * 4 : skip * 4 + 8]
+    next_epoch = _windows(two[0], 3, two)
+    fresh = TokenLoader(prepared_books, "train", BLOCK, 8, seed=3)
+    fresh.load_state_dict({**fresh.state_dict(), "epoch": 1})
+    assert next_epoch == _windows(fresh, 3)
+
+
+def test_a_position_from_before_global_positions_resumes(prepared_books):
+    """A checkpoint of the per-rank format (batches delivered at a fixed shape) resumes at the same windows."""
+    ranks = [TokenLoader(prepared_books, "train", BLOCK, 4, rank=r, world_size=2, seed=3) for r in (0, 1)]
+    _windows(ranks[0], 3, ranks)
+    expected = _windows(ranks[0], 2, ranks)
+    old = {"epoch": 0, "batches_delivered": 3, "seed": 3, "world_size": 2, "block_size": BLOCK,
+           "micro_batch_size": 4, "shuffle": True, "num_windows": len(ranks[0].dataset)}  # fmt: skip
+    assert _windows(None, 2, _reshaped(prepared_books, old, 4, 2)) == expected
+    assert _windows(_reshaped(prepared_books, old, 8, 1)[0], 2) == expected
+
+
+def test_resume_with_other_data_or_seed_is_refused(prepared_books):
+    state = TokenLoader(prepared_books, "train", BLOCK, 8, world_size=2, seed=1).state_dict()
     other = TokenLoader(prepared_books, "train", BLOCK, 4, world_size=1)
     with pytest.raises(
-        DataPrepError, match=r"cannot resume the train loader: the checkpoint has world_size=2 \(now 1\)"
+        DataPrepError,
+        match=r"cannot resume the train loader: the checkpoint has seed=1 \(now 0\); resume with the same data, seed",
     ):
         other.load_state_dict(state)
 

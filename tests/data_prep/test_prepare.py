@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +14,12 @@ import numpy as np
 import pytest
 
 from data_prep import DataPrepError
+from data_prep import prepare as prepare_module
 from data_prep.loader import load_manifest
 from data_prep.prepare import _exclusive, assign_splits, main, prepare
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import EOT_ID, get_encoding
-from testkit import REPO
+from testkit import REPO, fill_disk
 
 
 def _split_tokens(data_dir: Path, split: str) -> np.ndarray:
@@ -228,3 +230,33 @@ def test_exclusive_holds_other_processes_off_and_frees_on_exit(tmp_path):
     with _exclusive(out):
         assert other_process_sees() == "held"
     assert other_process_sees() == "free"
+
+
+def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_bytes(
+    prepared_books, tmpfs, monkeypatch, capsys, caplog
+):
+    """The disk fills up mid-way (room for about half the shards): one line says so and what was kept; after space
+    is freed the same command continues after the books done and writes exactly what an uninterrupted run wrote."""
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
+    disk = tmpfs("2m")
+    shards = sum(p.stat().st_size for p in prepared_books.glob("*.bin"))
+    filler = fill_disk(disk, leave=shards // 2)
+    out = disk / "books"
+    command = ["--source", "default:hamlet,macbeth,tempest,twelfth_night", "--out", str(out),
+               "--shard-tokens", "40000", "--val-fraction", "0.1"]  # fmt: skip  # the prepared_books fixture's
+    assert main(command) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"error: disk full while writing {out}: free space on {disk} and run the same command again; the ([123]) "
+        rf"books prepared so far are kept in {disk}/\.books\.build and the rerun continues after them",
+        line,
+    ), line
+    done = re.search(r"the (\d) books", line)[1]
+    assert not out.exists()
+
+    filler.unlink()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        assert main(command) == 0
+    assert f"Resuming the killed preparation in {disk}/.books.build after {done} books" in caplog.text
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())

@@ -7,9 +7,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from testkit import REPO, run, train_cmd
-from training.checkpoint import list_checkpoints
+from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -111,6 +113,42 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
+    """Run `cmd` until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
+    proc = start_and_wait(cmd, run_dir, until_step=step)
+    kill_tree(proc.pid)
+    proc.wait()
+    time.sleep(1)  # let the killed ranks' pipes close
+    return list_checkpoints(run_dir)[-1]
+
+
+def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path):
+    """Killed on 1 process (micro-batch 4, accumulation 2), resumed on 2 (DDP over gloo: 4, 1), killed, resumed on 1 at
+    micro-batch 2 (accumulation 4): one line names each change, the optimizer, schedule and token count go on, and
+    every step's loss is the uninterrupted 1-process run's (the same windows in each step: a window seen twice or
+    skipped would change it; only the order of the sums differs)."""
+    args = ["--max-steps", "12", "--checkpoint-interval", "2"]
+    straight, elastic = tmp_path / "straight", tmp_path / "elastic"
+    run(tiny_cmd(None, straight, prepared_books, *args))
+
+    first = kill_after(tiny_cmd(None, elastic, prepared_books, *args), elastic, step=3)
+    ddp = tiny_cmd("cpu_ddp2.yaml", elastic, prepared_books, *args, "--resume", "auto")
+    second = kill_after(ddp, elastic, step=int(first.name.split("-")[1]) + 3)
+    resumed = run(tiny_cmd(None, elastic, prepared_books, *args, "--micro-batch-size", "2", "--resume", "auto"))
+    done = int(second.name.split("-")[1])
+    assert (
+        f"resume: world size 2 -> 1, micro-batch 4 -> 2, accumulation 1 -> 4; data position {done * 512:,} tokens kept"
+        in resumed.stdout
+    ), resumed.stdout
+    assert "resuming with a changed config" not in resumed.stdout  # the shape is said once, by the line above
+    meta = json.loads((elastic / "checkpoints/step-00000012/meta.json").read_text())
+    assert meta["tokens_seen"] == 12 * 512
+    reference, losses = losses_by_step(straight), losses_by_step(elastic)
+    assert losses.keys() == reference.keys()
+    assert all(losses[s] == reference[s] for s in reference if s <= int(first.name.split("-")[1]))  # before any reshape
+    assert all(abs(losses[s] - reference[s]) < 1e-5 * reference[s] for s in reference), (losses, reference)
+
+
 def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps_them(prepared_books, tmp_path):
     """--time-budget-minutes under make train's recipe (Muon, wsd): the steps timed in the warmup decide how many fit
     (at most max_steps), re-timed at log steps while the lr is still constant; the run ends on the schedule a run of
@@ -162,7 +200,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path
     step = logged_steps(run_dir)
     assert 3 <= step < 500
     assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"]
-    assert f"stopped at step {step} by a signal" in out and "--resume auto" in out
+    assert f"stopped at step {step} by a signal" in out and "run the same command" in out
     meta = json.loads((list_checkpoints(run_dir)[0] / "meta.json").read_text())
     assert meta["step"] == step and meta["tokens_seen"] == step * 512
 
@@ -194,19 +232,21 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         if p.is_file() and p.name not in ("metrics.jsonl", ".run.lock.json")
     }
     for other in (["--preset", "small-cpu"], ["--block-size", "32"]):
-        result = run(tiny_cmd(None, run_dir, prepared_books, *other, "--resume", "auto"), expect_rc=1)
+        result = run(tiny_cmd(None, run_dir, prepared_books, *other), expect_rc=1)  # the same command, resumes
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
         [line] = result.stderr.strip().splitlines()
         assert re.fullmatch(
-            r"error: --resume .*step-00000002: the checkpoint is a tiny-cpu \(n_layer 2, .*block_size 64, .*\) model, "
-            r"this run's is .*; resume with the checkpoint's --preset/--block-size/--init-from, .*",
+            rf"error: out_dir {run_dir} holds a run \(step-00000002\): the checkpoint is a tiny-cpu \(n_layer 2, "
+            r".*block_size 64, .*\) model, this run's is .*; resume with the checkpoint's --preset/--block-size/"
+            r"--init-from, start afresh there with --resume never .*",
             line,
         ), line
         assert "this run's is " + ("small-cpu (n_layer 4" if "small-cpu" in other else "tiny-cpu") in line
         assert {p: p.read_bytes() for p in saved} == saved
-    adamw = run(tiny_cmd(None, run_dir, prepared_books, "--optimizer", "adamw", "--resume", "auto"), expect_rc=1)
+    adamw = run(tiny_cmd(None, run_dir, prepared_books, "--optimizer", "adamw"), expect_rc=1)
     [line] = adamw.stderr.strip().splitlines()
-    assert line.startswith("error: --resume ") and "holds muon state, this run asks for --optimizer adamw" in line
+    assert line.startswith(f"error: out_dir {run_dir} holds a run (step-00000002): the checkpoint holds muon state, "
+                           "this run asks for --optimizer adamw")  # fmt: skip
     assert {p: p.read_bytes() for p in saved} == saved
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "3", "--checkpoint-interval", "2",
                            "--total-batch-tokens", "1024", "--resume", "auto"))  # fmt: skip
@@ -266,14 +306,8 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A size-limited filesystem (a tmpfs; skipped where this process may not mount one)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+def small_disk(tmpfs):
+    return tmpfs("70m")
 
 
 def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(prepared_books, small_disk):
@@ -285,10 +319,12 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     assert re.search(rf"warning: out_dir {run_dir} has \d+ MB free, less than two checkpoints need \(76 MB\)",
                      result.stdout), result.stdout  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(
-        rf"error: saving checkpoint step-00000004 failed: the disk is full \(38 MB needed, \d+ MB free in {run_dir}; "
-        r"complete checkpoints untouched: step-00000002\); free space, lower --keep-checkpoints .* --resume auto",
-        result.stderr,
+    line = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"error: disk full while writing {run_dir}/checkpoints/step-00000004: free space on {small_disk} "
+        r"\(38 MB needed, \d+ MB free\), lower --keep-checkpoints .*, then run the same command again; "
+        r"complete checkpoints untouched: step-00000002",
+        line,
     ), result.stderr[-3000:]
     [kept] = list_checkpoints(run_dir)
     assert kept.name == "step-00000002" and not list(run_dir.rglob("*.tmp"))
@@ -303,3 +339,93 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002", "step-00000004"]
     assert not stale.exists()
     assert all(torch.equal(weights[k], t) for k, t in load_file(kept / "model.safetensors").items())
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    """The steps of metrics.jsonl's train rows, as written (read_metrics would hide a step logged twice)."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r["step"] for r in rows if "train_loss" in r]
+
+
+def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mixes_two_runs(prepared_books, tmp_path):
+    """Relaunched as it was (resume auto is the default), a run whose newest checkpoint was truncated names it in one
+    warning, resumes the one before (saved without a manifest, as before manifests existed: load-tested instead)
+    and logs each step once; that damaged checkpoint given by path stops with one line; --resume never moves the
+    whole run into previous-<time>/ and starts afresh."""
+    run_dir = tmp_path / "run"
+    args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3"]
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "6", *args))
+    step4, step6 = list_checkpoints(run_dir)[-2:]
+    (step4 / "manifest.json").unlink()
+    weights = step6 / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
+
+    again = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "8", *args))
+    damage = f"model.safetensors is {size // 2:,} bytes, {size:,} when saved"
+    assert f"warning: checkpoint {step6} is damaged ({damage}); skipping it\n" in again.stdout, again.stdout
+    assert f"resumed from {step4} at step 4\n" in again.stdout
+    assert train_steps(run_dir) == list(range(1, 9))  # steps 5 and 6 of the first launch were dropped, not repeated
+    [previous] = run_dir.glob("previous-*")
+    damaged = previous / "checkpoints" / step6.name  # out of the way of --resume auto and of pruning
+    assert checkpoint_damage(damaged) == damage
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000006", "step-00000008"]
+
+    refused = run(tiny_cmd(None, run_dir, prepared_books, "--resume", str(damaged)), expect_rc=1)
+    [line] = refused.stderr.strip().splitlines()
+    assert line == (
+        f"error: --resume {damaged}: the checkpoint is damaged ({damage}); resume from another one of "
+        f"{previous / 'checkpoints'} (none), or --resume auto for its newest intact one"
+    )
+
+    fresh = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "2", *args, "--resume", "never"))
+    [second] = set(run_dir.glob("previous-*")) - {previous}
+    assert f"moved checkpoints, config.yaml, loss.png, metrics.jsonl into {second} (the run this one replaces)\n" in (
+        fresh.stdout
+    )
+    assert train_steps(run_dir) == [1, 2] and train_steps(second) == list(range(1, 9))
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002"]
+    assert [p.name for p in list_checkpoints(second)] == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+def last_line(output: str) -> str:
+    """The last non-empty line a terminal shows (a progress bar redraws its line with carriage returns)."""
+    return [line for line in output.replace("\r", "\n").splitlines() if line.strip()][-1]
+
+
+def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
+    """Through `python -m training.launch` (accelerate launch without the launcher's tracebacks) on the 2-process gloo
+    twin of the GPU YAMLs: bad input found on every rank after the process group started (data of another vocabulary)
+    ends with our error line, printed once and last, not torchrun's ChildFailedError traceback; a SIGTERM to the
+    launcher saves a checkpoint and ends with the run's own line, not SignalException's traceback."""
+    run_dir = tmp_path / "run"
+
+    def launch(*args: str) -> list[str]:
+        cmd = tiny_cmd("cpu_ddp2.yaml", run_dir, prepared_books, *args, launch_args=["-q"])
+        return [sys.executable, "-m", "training.launch", *cmd[2:]]  # in place of `accelerate launch`
+
+    data = tmp_path / "data"
+    shutil.copytree(prepared_books, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] = 100_277  # cl100k's: more ids than the model has embeddings
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    bad = run(launch("--data-dir", str(data)), expect_rc=1)
+    assert "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert last_line(bad.stderr).startswith(f"error: {data} was tokenized with a 100277-id vocabulary"), bad.stderr
+    assert bad.stderr.count("error: ") == 1, bad.stderr[-3000:]
+
+    launcher = start_and_wait(launch("--max-steps", "500", "--checkpoint-interval", "0"), run_dir, until_step=3)
+    try:
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as docker stop / Kubernetes / SLURM do
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        kill_tree(launcher.pid)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in out, out[-3000:]
+    [saved] = list_checkpoints(run_dir)
+    step = int(saved.name.split("-")[1])
+    stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
+    assert last_line(out) == stopped
+    assert out.count("SIGTERM received") == 1  # rank 0 says it for both
+    grace = r"checkpoint saved in \d+\.\d s \(a step takes \d+\.\d s\): .* set your grace period above \d+ s"
+    assert re.search(grace, out), out[-3000:]

@@ -152,6 +152,24 @@ def test_resume_continues_with_identical_losses(sharded):
     assert_losses_close(losses(resumed), second_half, **RESUME_TOL)
 
 
+def test_an_fsdp2_checkpoint_resumes_on_ddp_and_on_one_process(sharded, prepared_books, tmp_path):
+    """FSDP2's step-HALF shards (model and optimizer) merged by torch.distributed.checkpoint into DDP's whole model
+    on 2 processes, and into one process's at accumulation 4: the FSDP2 run's second half, step by step (as close
+    as DDP is to FSDP2); a lost moment or a wrong window would show from the first step. ZeRO checkpoints resume
+    under DeepSpeed only (tests/training/test_checkpoint.py)."""
+    config, straight, _ = sharded
+    if config != "cpu_fsdp2.yaml":
+        pytest.skip("ZeRO partitions resume under DeepSpeed only")
+    second_half = {s: v for s, v in losses(straight).items() if s > HALF}
+    half = checkpoint_dir(straight, HALF)
+    for accelerate_config, shape in (("cpu_ddp2.yaml", ""), (None, ", world size 2 -> 1, micro-batch 4 -> 4, "
+                                                                "accumulation 2 -> 4")):  # fmt: skip
+        run_dir = tmp_path / str(accelerate_config)
+        out = run(train_cmd(accelerate_config, run_dir, prepared_books, *COMMON, "--resume", str(half))).stdout
+        assert f"resume: FSDP2 shards -> one whole model per process{shape}; data position 3,072 tokens kept" in out
+        assert_losses_close(losses(run_dir), second_half, **FSDP2_TOL)
+
+
 def test_export_gathers_full_weights_loadable_in_transformers(sharded, ddp_run):
     """The resumed run's export (every rank gathers, the main process writes) == the DDP run's export."""
     _, _, resumed = sharded

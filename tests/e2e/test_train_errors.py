@@ -41,7 +41,9 @@ def workspace(prepared_books, tmp_path):
 
 
 def fails(run_dir: Path, data_dir: Path, *args: str) -> str:
-    result = run(train_cmd(None, run_dir, data_dir, *args), expect_rc=1, timeout=300)
+    """A launch that must stop before touching anything; --resume never (a case's own --resume comes later and
+    wins) would set the earlier run aside, so the snapshot proves the checks come first."""
+    result = run(train_cmd(None, run_dir, data_dir, "--resume", "never", *args), expect_rc=1, timeout=300)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     return result.stderr
 
@@ -78,6 +80,13 @@ CASES = {
     "zero_peak_tflops": (None, ["--peak-tflops", "0"], r"peak_tflops must be > 0"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
     "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
+    "only_damaged_checkpoints": (
+        None,
+        ["--resume", "auto"],
+        r"out_dir .* has no intact checkpoint \(.*step-00000002 is damaged "
+        r"\(model.safetensors does not load \(SafetensorError: .*\)\); restore one, or start afresh with --resume",
+    ),
+    "resume_empty": (None, ["--resume", ""], r"resume must be auto, never or a checkpoint folder, got ''"),
 }
 
 
@@ -112,6 +121,8 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
                  timeout=300)  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == "error: lr must be > 0, got -1.0"
+    launches = r"^\s*(?:accelerate launch|python -m training.launch) [^\n]*"  # the latter: multi-node SLURM
     for script in (REPO / "scripts").glob("*.sh"):
-        for launch in re.findall(r"^\s*accelerate launch[^\n]*", script.read_text(), re.M):
-            assert launch.split()[:3] == ["accelerate", "launch", "-q"], f"{script.name}: {launch}"
+        for launch in re.findall(launches, script.read_text(), re.M):
+            words = launch.split()
+            assert words[2 if words[0] == "accelerate" else 3] == "-q", f"{script.name}: {launch}"

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows, load_manifest
+from training.checkpoint import load_resume_state
 from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import (
     TrainMetrics,
@@ -259,3 +260,17 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
     assert sum(phases.values()) == pytest.approx(first[0]["time_to_first_step_s"])
     # a log whose window is empty (the first step is also a log step) has no throughput to report
     assert "tokens_per_sec" not in metrics.log(run.progress.step, out)
+
+
+def test_a_checkpoint_another_engine_cannot_load_stops_with_one_line(tmp_path, fresh_accelerate_state):
+    """A DeepSpeed ZeRO checkpoint (its partitions in pytorch_model/) on one process: stopped before anything loads,
+    saying which engines can resume it."""
+    zero = tmp_path / "step-00000002"
+    (zero / "pytorch_model").mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        load_resume_state(Accelerator(cpu=True), zero, None, None, None, [])
+    assert str(err.value) == (
+        f"--resume {zero}: the checkpoint was written by DeepSpeed and this launch runs one process or DDP; resume "
+        "it with a DeepSpeed accelerate config, or start a new run with --init-from on its export (python -m "
+        "training.export)"
+    )

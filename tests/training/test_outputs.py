@@ -46,7 +46,7 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
 ):
     monkeypatch.setitem(sys.modules, "blobfile", None)  # as an image without blobfile: checked, then exported
     run = setup(tiny_config(prepared_books, tmp_path / "run"))
-    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run, 0.0)
+    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
     while run.progress.step < run.total_steps:
         metrics.step_started()
         out = trainer.train_step(batches)
@@ -56,11 +56,14 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
     save_checkpoint(run.accelerator, run.run_dir, 2, 2, {"step": 2}, run.checkpoint_bytes)
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
 
-    (run.run_dir / "export").write_text("a file where the export folder goes")  # a fault the start could not see
+    # a fault the start could not see: a file where the export goes, and a folder where it would be moved aside
+    (run.run_dir / "export").write_text("a file where the export folder goes")
+    (run.run_dir / "export.old").mkdir()
+    (run.run_dir / "export.old" / "kept").write_text("not ours to delete")
     run_dir = re.escape(str(run.run_dir))
     with pytest.raises(
         ExportError,
-        match=f"^the export to {run_dir}/export failed after training \\(NotADirectoryError: .*\\); the run's "
+        match=f"^the export to {run_dir}/export failed after training \\((IsADirectoryError|NotADirectoryError|OSError): .*\\); the run's "
         f"checkpoints are kept: export the newest \\(the final weights\\) with `python -m training.export {run_dir}`$",
     ):
         write_outputs(run)

@@ -1,0 +1,93 @@
+"""Writes that may meet a full disk: prepared shards, checkpoints, exports, metrics, samples and plots all stop
+with one error, DiskFull, whose text is the one line to show:
+
+    disk full while writing <path>: free space on <mount> and run the same command again; <what was kept>
+
+It lives in modeling, the lowest layer, because data preparation, training and exports all write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How the libraries that do not raise OSError word it: Python's and the C library's text, and safetensors' Rust
+# error kind. torch's own writer says only "file write failed": is_disk_full's `need` covers it.
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull")
+
+
+class DiskFull(RuntimeError):
+    """A write failed because its filesystem is full; what is already written is complete and kept."""
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def mount_of(path: str | Path) -> Path:
+    """The mount point of the filesystem `path` is (or would be) on."""
+    path = _existing(path)
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def is_disk_full(err: BaseException, path: str | Path, need: int = 0) -> bool:
+    """Whether `err`, raised while writing `path`, is a full disk: ENOSPC (or a full quota) in it or in what caused
+    it, as an OSError or in the text of another library's error, or fewer than `need` bytes now free there."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS or any(t in str(seen) for t in _FULL_TEXTS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return need > 0 and shutil.disk_usage(_existing(path)).free < need
+
+
+RERUN = "free space on {mount} and run the same command again"
+
+
+def disk_full_line(path: str | Path, kept: str, todo: str = RERUN) -> str:
+    """The one line (without `error: `): what could not be written, what to do (`{mount}` in it: the mount point of
+    `path`) and what was kept."""
+    return f"disk full while writing {path}: {todo.format(mount=mount_of(path))}; {kept}"
+
+
+@contextmanager
+def disk_full_reported(
+    path: str | Path, kept: str | Callable[[], str], todo: str = RERUN, need: int = 0
+) -> Iterator[None]:
+    """Turn a full disk met inside the block while writing `path` into DiskFull (see disk_full_line); `kept` may be
+    a function, called only then (what was kept is often known only after the failure)."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as err:
+        if not is_disk_full(err, path, need):
+            raise
+        raise DiskFull(disk_full_line(path, kept() if callable(kept) else kept, todo)) from err
+
+
+def append_bytes(path: str | Path, data: bytes) -> None:
+    """Append `data` to `path` whole or not at all: a write the disk cannot take is cut off again, so the file only
+    ever holds complete records (JSON rows, samples). Raises the OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,65 @@
+"""A full disk while training writes metrics, plots and exports: one line, nothing partial, and the same command
+goes on once there is room. Real full disks (a small tmpfs); checkpoints are in tests/e2e/test_resume.py and
+prepared shards in tests/data_prep/test_prepare.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from modeling.disk import DiskFull
+from modeling.gpt import GPT
+from modeling.runs import read_metrics
+from testkit import TINY_MODEL, fill_disk, new_run, write_checkpoint
+from training.checkpoint import checkpoint_dir
+from training.export import main as export_main
+from training.metrics import JSONLTracker, plot_losses
+
+
+def test_metrics_rows_stay_whole_on_a_full_disk_and_go_on_after_room_is_made(tmpfs):
+    disk = tmpfs("1m")
+    tracker = JSONLTracker(disk)
+    tracker.log({"train_loss": 5.0}, step=1)
+    plot_losses(disk / "metrics.jsonl", disk / "loss.png")
+    plot = (disk / "loss.png").read_bytes()
+    filler = fill_disk(disk)
+    with pytest.raises(DiskFull) as err:
+        tracker.log({"train_loss": 4.0, "note": "x" * 20_000}, step=2)  # more than the page the file has left
+    assert re.fullmatch(
+        rf"disk full while writing {disk}/metrics.jsonl: free space on {disk} and run the same command again; "
+        r"metrics.jsonl keeps every complete row, the checkpoints are untouched",
+        str(err.value),
+    )
+    assert (disk / "metrics.jsonl").read_text() == '{"step": 1, "train_loss": 5.0}\n'
+    tracker.log({"train_loss": 4.5}, step=2)
+    with pytest.raises(OSError, match="No space left on device"):
+        plot_losses(disk / "metrics.jsonl", disk / "loss.png")
+    assert (disk / "loss.png").read_bytes() == plot  # the last whole plot, and no partial file beside it
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "loss.png", "metrics.jsonl"]
+
+    filler.unlink()
+    tracker.log({"train_loss": 4.0}, step=2)
+    assert [r["train_loss"] for r in read_metrics(disk / "metrics.jsonl")] == [5.0, 4.0]
+
+
+def test_an_export_on_a_full_disk_says_so_leaves_nothing_and_completes_after_room_is_made(tmp_path, tmpfs):
+    run = new_run(tmp_path)
+    torch.manual_seed(0)
+    write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(run, 1))
+    disk = tmpfs("2m")  # the export is ~13 MB
+    out = disk / "export"
+    with pytest.raises(SystemExit) as err:
+        export_main([str(run), "--out", str(out)])
+    assert str(err.value) == (
+        f"error: disk full while writing {out}: free space on {disk} and run the same command again; "
+        f"{checkpoint_dir(run, 1)} is untouched and nothing of the export is left"
+    )
+    assert list(disk.iterdir()) == []
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    export_main([str(run), "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip

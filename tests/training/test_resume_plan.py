@@ -1,0 +1,180 @@
+"""Which checkpoint a launch continues from, and keeping a run folder to one run: a damaged checkpoint is named and
+skipped (auto) or refused (a given path), one written before manifests still resumes, another model's folder stops,
+and what a fresh start or a resume leaves behind is set aside, never mixed. Then the launcher's last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_damage,
+    plan_resume,
+    set_aside,
+    write_manifest,
+)
+from training.config import ConfigError, TrainConfig, config_to_yaml
+from training.launch import _root_cause_line, report_error
+
+
+def config(run_dir: Path, **overrides) -> TrainConfig:
+    return TrainConfig(preset="tiny-cpu", out_dir=str(run_dir), **overrides)
+
+
+def fake_checkpoint(run_dir: Path, step: int, manifest: bool = True) -> Path:
+    """A checkpoint folder with the kinds of file save_state writes (safetensors, a torch.save zip, JSON)."""
+    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+    (folder / "sub").mkdir(parents=True)
+    save_file({"w": torch.full((64, 64), float(step))}, str(folder / "model.safetensors"))
+    torch.save({"state": torch.arange(100)}, folder / "optimizer.bin")
+    (folder / "meta.json").write_text(json.dumps({"step": step}))
+    (folder / "sub" / "shard.distcp").write_bytes(os.urandom(1000))
+    (folder / "config.yaml").write_text(config_to_yaml(config(run_dir)))
+    if manifest:
+        write_manifest(folder)
+    return folder
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+DAMAGES = {
+    "truncated": (lambda f: truncate(f / "model.safetensors"), r"model.safetensors is 16,\d+ bytes, 16,\d+ when saved"),
+    "missing": (lambda f: (f / "sub" / "shard.distcp").unlink(), r"sub/shard.distcp is missing"),
+    "altered": (lambda f: (f / "meta.json").write_text('{"step": 9}'), r"meta.json does not match its sha256"),
+    "bad_manifest": (lambda f: (f / MANIFEST).write_text("{"), r"its manifest.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_auto_names_a_damaged_newest_checkpoint_and_resumes_the_newest_intact_one(tmp_path, damage):
+    run_dir = tmp_path / "run"
+    older, newest = fake_checkpoint(run_dir, 2), fake_checkpoint(run_dir, 4)
+    assert checkpoint_damage(newest) is None
+    harm, why = DAMAGES[damage]
+    harm(newest)
+    chosen, notes = plan_resume(config(run_dir))
+    assert chosen == older
+    [warning] = notes
+    assert warning.startswith(f"warning: checkpoint {newest} is damaged (") and warning.endswith("); skipping it")
+    assert re.search(why, warning), warning
+    with pytest.raises(CheckpointError, match=rf"--resume {newest}: the checkpoint is damaged \(.*\); resume from "
+                                              rf"another one of .*checkpoints \(step-00000002\)"):  # fmt: skip
+        plan_resume(config(run_dir, resume=str(newest)))
+
+
+def test_checkpoints_without_a_manifest_resume_unless_a_file_does_not_load(tmp_path):
+    """Folders saved before manifests: a load test of safetensors, torch.save zips and JSON instead."""
+    run_dir = tmp_path / "run"
+    older, newest = fake_checkpoint(run_dir, 2, manifest=False), fake_checkpoint(run_dir, 4, manifest=False)
+    assert plan_resume(config(run_dir)) == (newest, [])
+    truncate(newest / "optimizer.bin")
+    assert "optimizer.bin does not load (BadZipFile" in checkpoint_damage(newest)
+    truncate(older / "model.safetensors")
+    assert "model.safetensors does not load (SafetensorError" in checkpoint_damage(older)
+    newest_first = (
+        rf"out_dir {run_dir} has no intact checkpoint \(\S+step-00000004 is damaged \(optimizer.bin does not load "
+        r"\(BadZipFile: .*\)\); \S+step-00000002 is damaged \(model.safetensors does not load .*\); restore one, or "
+        r"start afresh with --resume never"
+    )
+    with pytest.raises(CheckpointError, match=newest_first):
+        plan_resume(config(run_dir))
+    assert plan_resume(config(run_dir, resume="never")) == (None, [])
+
+
+def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(config_to_yaml(config(run_dir, block_size=32)))  # killed before any save
+    other = rf"out_dir {run_dir} holds a run of a tiny-cpu \(.*block_size 32.*\) model, this run's is tiny-cpu"
+    with pytest.raises(ConfigError, match=other + r" \(.*block_size 64.*\); .* --resume never"):
+        plan_resume(config(run_dir))
+    assert plan_resume(config(run_dir, block_size=32)) == (None, [])  # the same model: starts (nothing to resume)
+    assert plan_resume(config(run_dir, resume="never")) == (None, [])
+    fake_checkpoint(run_dir, 2)
+    other = rf"out_dir {run_dir} holds a run \(step-00000002\): the checkpoint is a tiny-cpu \(.*\) model, this run's"
+    with pytest.raises(ConfigError, match=other + r" is tiny-cpu \(.*block_size 32"):
+        plan_resume(config(run_dir, block_size=32))
+
+
+def test_the_config_line_leaves_the_micro_batch_to_the_resume_line(tmp_path):
+    """A changed micro-batch is said once, after the load, with the world size and accumulation it changes with."""
+    run_dir = tmp_path / "run"
+    newest = fake_checkpoint(run_dir, 2)
+    assert plan_resume(config(run_dir, micro_batch_size=8)) == (newest, [])
+    assert plan_resume(config(run_dir, micro_batch_size=8, max_steps=9)) == (
+        newest,
+        [f"resuming with a changed config (checkpoint -> now): max_steps {TrainConfig().max_steps} -> 9"],
+    )
+
+
+def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 2)
+    for name in ("config.yaml", "metrics.jsonl", "samples.txt", ".run.lock", ".run.lock.json"):
+        (run_dir / name).write_text(name)
+    (run_dir / "previous-20200101-000000").mkdir()
+    line = set_aside(run_dir, 0)
+    [previous] = set(run_dir.glob("previous-*")) - {run_dir / "previous-20200101-000000"}
+    moved = "checkpoints, config.yaml, metrics.jsonl, samples.txt"
+    assert line == f"moved {moved} into {previous} (the run this one replaces)"
+    left = {".run.lock", ".run.lock.json", previous.name, "previous-20200101-000000"}
+    assert {p.name for p in run_dir.iterdir()} == left
+    assert (previous / "checkpoints/step-00000002/manifest.json").is_file()
+    assert (previous / "metrics.jsonl").read_text() == "metrics.jsonl"
+    assert set_aside(run_dir, 0) is None  # nothing of a run left: an empty folder starts as it is
+
+
+def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_path):
+    """Resumed from step 4 while steps up to 8 were logged (and a row cut by a kill): rows 5.. go, step 6's
+    checkpoint (resumed past, or damaged) moves aside, so neither auto-resume nor pruning can prefer it."""
+    run_dir = tmp_path / "run"
+    for step in (2, 4, 6):
+        fake_checkpoint(run_dir, step)
+    rows = [{"step": s, "train_loss": 10.0 - s} for s in range(1, 9)] + [{"step": 4, "val_loss": 5.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
+    line = set_aside(run_dir, 4)
+    [previous] = run_dir.glob("previous-*")
+    assert line == (
+        f"moved checkpoints/step-00000006 into {previous} (saved after step 4, where this run continues); dropped "
+        f"the 5 rows of {run_dir / 'metrics.jsonl'} after step 4 (logged again now)"
+    )
+    kept = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert kept == rows[:4] + rows[-1:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert checkpoint_damage(previous / "checkpoints" / "step-00000006") is None  # moved whole
+
+
+def launched_rank(folder: Path, rank: int, line: str | None, monkeypatch, capsys) -> ProcessFailure:
+    """What torchrun's agent reads back from one failed rank whose run reported `line` (None: it crashed)."""
+    folder.mkdir(exist_ok=True)
+    error_file = folder / f"error_{rank}.json"
+    if line:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        report_error(line)
+    printed = capsys.readouterr().err
+    assert printed == (f"{line}\n" if line and rank == 0 else "")  # rank 0 alone prints
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(error_file))
+
+
+def test_the_launcher_prints_the_root_cause_only_when_rank_0_did_not(tmp_path, monkeypatch, capsys):
+    both = {r: launched_rank(tmp_path / "both", r, "error: lr must be > 0", monkeypatch, capsys) for r in (1, 0)}
+    assert _root_cause_line(ChildFailedError("train_accel.py", both)) is None  # printed by rank 0 already
+    other = {1: launched_rank(tmp_path / "other", 1, "error: disk full on rank 1", monkeypatch, capsys)}
+    assert _root_cause_line(ChildFailedError("train_accel.py", other)) == "error: disk full on rank 1"
+    crashed = {0: launched_rank(tmp_path / "crashed", 0, None, monkeypatch, capsys)}
+    assert _root_cause_line(ChildFailedError("train_accel.py", crashed)) == (
+        "error: rank 0 ended with exit status 1 (To enable traceback see: "
+        "https://pytorch.org/docs/stable/elastic/errors.html); its output above says why"
+    )

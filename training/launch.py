@@ -1,0 +1,83 @@
+"""The last word of a launch: one `error:` line that says what was wrong and what to do, printed once.
+
+A run reports its error through `report_error`: global rank 0 prints it (every rank of a launch gets the same bad
+input, so one copy is enough), and every rank writes it into torchelastic's error file, which torchrun (accelerate's
+multi-process launcher) reads back: its failure summary then quotes our line instead of a link to its docs.
+
+`accelerate launch` still ends a failed multi-process run with torchrun's ChildFailedError traceback (and a
+SIGTERM'd one with SignalException's): it raises them in the launcher process, where the run cannot reach. This
+module is `accelerate launch` with the same arguments, in process, minus those tracebacks:
+
+    python -m training.launch --config_file accelerate_configs/4xa100.yaml train_accel.py --out-dir runs/x
+
+It exits with the run's status, prints the root cause's `error:` line when rank 0 did not print it already (a
+failure on another rank first, a crash), and after a SIGTERM lets the run's own last line (the checkpoint it saved)
+stand. `-q` also silences torchrun's per-process log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+PRINTED = "printed"  # an extraInfo key: rank 0 printed this error on the console already
+
+
+def report_error(line: str) -> None:
+    """Print `line` once per launch (global rank 0, or a launch without torchrun) and leave it in this process's
+    torchelastic error file (set by torchrun for each rank) for the launcher's summary."""
+    printed = os.environ.get("RANK", "0") == "0"
+    if printed:
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # the format of torch.distributed.elastic's ErrorHandler.record_exception
+        info = {"py_callstack": line, "timestamp": str(int(time.time())), PRINTED: str(printed)}
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+
+
+def _root_cause_line(err: Exception) -> str | None:
+    """The line to print for torchrun's ChildFailedError: None when rank 0 printed its error already, else the first
+    failure's `error:` line (from its error file), or one that names the rank and how it ended."""
+    failures = err.failures.values()
+    if any(isinstance(f.message, dict) and f.message.get("extraInfo", {}).get(PRINTED) == "True" for f in failures):
+        return None
+    rank, failure = err.get_first_failure()
+    if isinstance(failure.message, dict):  # ours, or an uncaught exception's (torchelastic's record decorator)
+        message = str(failure.message.get("message"))
+        return message if message.startswith("error: ") else f"error: rank {rank} failed: {message}"
+    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
+    return f"error: rank {rank} ended with {how} ({failure.message}); its output above says why"
+
+
+def main() -> None:
+    import torch.distributed.run  # noqa: F401  (creates torchelastic's loggers, which -q quiets)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args()
+    if args.quiet:  # each torchelastic module's logger has its own level (LOGLEVEL's), so each is set
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        launch_command(args)
+    except ChildFailedError as err:
+        line = _root_cause_line(err)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        _, first = err.get_first_failure()
+        sys.exit(first.exitcode if first.exitcode > 0 else 1)
+    except SignalException as err:  # the run's processes got it too, saved a checkpoint and said so
+        sys.exit(128 + err.sigval)
+    except subprocess.CalledProcessError as err:  # the one-process launcher without -q: the run printed its error
+        sys.exit(err.returncode if err.returncode > 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
