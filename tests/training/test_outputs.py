@@ -63,7 +63,8 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
     run_dir = re.escape(str(run.run_dir))
     with pytest.raises(
         ExportError,
-        match=f"^the export to {run_dir}/export failed after training \\((IsADirectoryError|NotADirectoryError|OSError): .*\\); the run's "
+        match=f"^the export to {run_dir}/export failed after training \\((IsADirectory|NotADirectory|OS)Error: .*\\); "
+        "the run's "
         f"checkpoints are kept: export the newest \\(the final weights\\) with `python -m training.export {run_dir}`$",
     ):
         write_outputs(run)
