@@ -194,13 +194,12 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
-    resume_from, resume_notes = plan_resume(cfg)  # before any work: a refused resume stops every rank alike
     if cfg.push_to_hub:
         if not cfg.export_hf:
             raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
         check_push(cfg.push_to_hub)  # fail now, not after days of training
     model_config = cfg.model_config()
-    startup.lap("config")  # the config read, the run folder locked, the checkpoint to resume found
+    startup.lap("config")  # the config read, the run folder locked
 
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     auto = cfg.micro_batch_size == AUTO
@@ -212,6 +211,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         project_dir=str(run_dir),
     )
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
+    # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
+    resume_from, resume_notes = plan_resume(cfg)
     if engine_note:
         accelerator.print(engine_note)
     world_size = accelerator.num_processes
