@@ -138,13 +138,14 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
 
 def check_export(config: GPTConfig, encoding: tiktoken.Encoding) -> None:
     """Raise now what export_hf would raise after training: the shape is GPT-2's, and a one-layer model of it
-    with its tokenizer writes into a temporary folder and loads back with transformers."""
+    with its tokenizer writes into a temporary folder and loads back with transformers. It leaves the RNG as it
+    found it: the run's init must not depend on whether its export is checked."""
     _check_exportable(config)
     small = dataclasses.replace(config, n_layer=1, n_head=1, n_embd=8)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a check, not an export: no "Writing model shards" bar at start-up
     try:
-        with tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
+        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
             export_hf(GPT(small), tmp, encoding)
             GPT2TokenizerFast.from_pretrained(tmp)
     finally:

@@ -76,7 +76,9 @@ def test_auto_tokenizer_encodes_a_whole_book_like_tiktoken(export: Path):
 
 def test_check_export_refuses_what_the_export_would_refuse_and_passes_without_blobfile(monkeypatch):
     monkeypatch.setitem(sys.modules, "blobfile", None)
+    rng = torch.get_rng_state()
     check_export(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304), get_encoding())
+    assert torch.equal(torch.get_rng_state(), rng)  # the run's init is the same with or without the check
     with pytest.raises(ValueError, match="only bias=True models can be exported"):
         check_export(
             GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False), get_encoding()
