@@ -21,11 +21,13 @@ train: install
 	yaml=$$($(PY) -m training.pick_cpu_config) && \
 	$(VENV)/bin/accelerate launch -q --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
 
+# One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once;
+# tests/conftest.py gives each worker its share of the cores' threads.
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,12 +1,21 @@
 """Shared fixtures: prepared books, a tiny GPT, an eval run folder (the embedded corpus and the eval data are
 downloaded once into the user cache, then offline)."""
 
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
-import torch
+# Under pytest-xdist, each worker and every process it launches computes on its share of the cores (set before torch
+# starts its thread pool; accelerate launch passes it on): workers of all-core thread pools on the same cores spin on
+# each other's OpenMP barriers, and a tiny step then takes seconds instead of milliseconds.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from accelerate.state import AcceleratorState
 
 from data_prep.prepare import prepare
@@ -102,3 +111,11 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for disk in mounted:
         subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files that launch processes first, each file's tests in their order: `make test`'s workers take whole
+    files in this order, so the long ones start early and the quick ones fill in, rather than one long file running
+    alone at the end."""
+    launches = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in launches)
