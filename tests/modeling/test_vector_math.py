@@ -24,8 +24,8 @@ PROBE = textwrap.dedent("""
 """)
 PROCESSES = 24  # without the warm-up 1 to 3 in 12 processes differed on a Xeon with AMX (BENCHMARKS.md)
 # Started together, so that each wave's processes read torch's libraries from the disk and set VML up side by side:
-# other work on the cores makes a wrong first call more likely, not less (BENCHMARKS.md), and 4 at once take
-# a quarter of the time.
+# other work on the cores makes a wrong first call more likely, not less (BENCHMARKS.md), and 4 at once take half
+# the time (150 s -> 72 s on a 2-core Zen 3).
 WAVE = 4
 
 
