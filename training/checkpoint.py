@@ -26,6 +26,7 @@ from accelerate.checkpointing import load_custom_state
 from accelerate.utils import DistributedType
 from safetensors import safe_open
 
+from data_prep.assets import atomic_write_bytes
 from modeling.disk import DiskFull, disk_full_line, is_disk_full
 from modeling.runs import (
     CONFIG_FILE,
@@ -298,9 +299,7 @@ def set_aside(run_dir: Path, step: int) -> str | None:
         rows = metrics.read_text().splitlines(keepends=True)
         kept = [r for r in rows if r.endswith("}\n") and (json.loads(r).get("step") or 0) <= step]  # a cut row too
         if len(kept) < len(rows):
-            tmp = metrics.with_name(metrics.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, metrics)  # a kill here leaves the old file or the new, never half of one
+            atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now)")
     return "; ".join(lines) or None
 

@@ -465,10 +465,10 @@ class TrainMetrics:
             self.run.accelerator.log(row, step=step)
             self.run.accelerator.print(startup_line(row))
             return
-        self.window_s += now - self._started
+        self.window_s += self.last_step_s
         self.window_steps += 1
         if self.run.cfg.time_budget_minutes:
-            self.step_seconds.append(now - self._started)
+            self.step_seconds.append(self.last_step_s)
 
     def decide_budget(self) -> None:
         """Set the run's step count from the time budget: the train time spent and the median step since the last
@@ -587,7 +587,8 @@ def write_outputs(run: Run) -> None:
     the Hub push when asked for."""
     cfg, accelerator, run_dir = run.cfg, run.accelerator, run.run_dir
     # The final checkpoint is complete by now: after a full disk, a resumed run is at its last step and writes these.
-    kept = f"the final checkpoint {list_checkpoints(run_dir)[-1].name} and metrics.jsonl are complete"
+    checkpoints = list_checkpoints(run_dir)
+    kept = f"the final checkpoint {checkpoints[-1].name} and metrics.jsonl are complete"
     if accelerator.is_main_process:
         for plot, png in [(plot_losses, "loss.png")] + ([(plot_evals, "evals.png")] if cfg.eval_tasks else []):
             with disk_full_reported(run_dir / png, kept):
@@ -600,7 +601,7 @@ def write_outputs(run: Run) -> None:
             with disk_full_reported(run_dir / "export", kept):
                 export_final(run_dir, export_model)
                 write_model_card(run_dir, cfg.push_to_hub or None)
-    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(list_checkpoints(run_dir))}, loss.png, export/)")
+    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, loss.png, export/)")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
 
