@@ -132,11 +132,12 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     """(the full model state dict of an accelerator.save_state folder from any engine, on the CPU; how it was read).
     Keys keep what the saving wrapper added (see load_checkpoint)."""
     checkpoint = Path(checkpoint)
-    if (checkpoint / "model.safetensors").is_file():
+    engine = checkpoint_engine(checkpoint)
+    if engine == "DDP":
         return load_file(str(checkpoint / "model.safetensors")), "model.safetensors"
-    if (checkpoint / _FSDP_SHARDS).is_dir():
+    if engine == "FSDP":
         return merge_shards(checkpoint / _FSDP_SHARDS)["model"], "FSDP shards merged with torch's dcp_to_torch_save"
-    if (checkpoint / _ZERO_TAG).is_dir():
+    if engine == "DeepSpeed":
         try:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         except ImportError:
