@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from data_prep.sources import LICENSES
 from modeling.runs import read_metrics
 
 
@@ -48,7 +49,7 @@ EVAL_METRICS = {
     "lambada_acc": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "accuracy", "last-word accuracy"),
     "lambada_ppl": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "perplexity", "last-word perplexity"),
 }
-PUBLIC_DOMAIN = "public domain in the USA"  # data_prep.sources.LICENSES' word for it
+PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-domain books
 
 
 def _manifest(config: dict) -> dict | None:

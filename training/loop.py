@@ -612,7 +612,7 @@ def export_final(run_dir: Path, model: GPT) -> None:
     export the newest of them, which holds these same weights."""
     export = run_dir / "export"
     try:
-        from modeling.hf_export import export_hf  # imports transformers (~3 s), here at the end only
+        from modeling.hf_export import export_hf  # imports transformers (~3 s): only runs that export pay for it
 
         export_hf(model, export, get_encoding())  # written whole or not at all
     except Exception as err:  # after all the training, whatever it is: one line that says how to finish the job
