@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("--max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     device = torch.device(args.device)
-    isolate_inductor_cache()  # rungs 8-11 and the compiled peer compile
+    isolate_inductor_cache(device)  # rungs 8-11 and the compiled peer compile
     config = get_preset(args.preset)
     ensure_default_corpus(args.data_dir, log=partial(print, flush=True))
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)")
     args = parser.parse_args()
-    isolate_inductor_cache()
+    isolate_inductor_cache(torch.device(args.device))
     fns = {
         "F.cross_entropy": plain_cross_entropy,
         "fused": fused_linear_cross_entropy,

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
-    isolate_inductor_cache()
     config, device = get_preset(args.preset), torch.device(args.device)
+    isolate_inductor_cache(device)
     keep_freed_memory(device)  # as training does: no page faults on every big buffer
     n = args.micro_batch_size * config.block_size
     g = torch.Generator().manual_seed(0)

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    isolate_inductor_cache()
+    isolate_inductor_cache(torch.device("cpu"))
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
     require_layout_recording()
     ensure_default_corpus(args.data_dir, log=print)

@@ -2,9 +2,11 @@
 
     python -m bench.time_to_loss [--recipe today --recipe default --recipe build-nanogpt] [--seeds 3]
         [--config configs/cpu_small.yaml] [--set "--max-steps 30"] [--peer-dir /path/to/build-nanogpt]
-        [--accelerate-config accelerate_configs/cpu_bf16.yaml] [--eval-every 5] [--target 6.32] [--out runs/ttl]
+        [--accelerate-config accelerate_configs/cpu_bf16.yaml] [--eval-every 5] [--baseline today] [--target 6.32]
+        [--out runs/ttl]
 
-A recipe is TrainConfig flags on top of --config (then --set, which applies to every recipe): `today` is the AdamW
+A recipe is TrainConfig flags on top of --config (configs/cpu_small.yaml on the CPU; on CUDA TrainConfig's defaults,
+the GPT-2 124M recipe), then --set, which applies to every recipe: `today` is the AdamW
 recipe `make train` ran before Muon, `default` is --config as it stands, NAME="FLAGS" is any other (a sweep point), and
 `build-nanogpt` is the peer's GPT, configure_optimizers and get_lr (bench.peer) at --config's shape, steps and batch. A
 time budget (time_budget_minutes) is off here: every recipe runs its max_steps, so recipes compare at the same tokens on
@@ -12,7 +14,8 @@ any machine. Ours run through train_accel.py's own setup, Trainer.train_step and
 the accelerate YAML); the peer through its own step, on the same loader and val set. Seed s gives every recipe the same
 data order (and our recipes the same init). Seconds count train steps only, the first (compiling) step at the median
 step's time. Writes curves.json and curves.png to --out and prints the table last: tokens and seconds to --target
-(default: `today`'s mean final val loss) and the val loss at --budget-tokens (default: `today`'s tokens).
+(default: the --baseline recipe's mean final val loss) and the val loss at --budget-tokens (default: the baseline's
+tokens).
 """
 
 from __future__ import annotations
@@ -170,7 +173,8 @@ def peers(run: Run, module: object, backend: str | None) -> tuple[Callable[[], N
 
 def run_recipe(args: argparse.Namespace, name: str, flags: str | None, seed: int, module: object) -> Curve:
     out_dir = args.out / "runs" / f"{name}-seed{seed}"
-    argv = ["--config", str(args.config), *shlex.split(flags or ""), *shlex.split(args.set)]
+    base = ["--config", str(args.config)] if args.config else []
+    argv = [*base, *shlex.split(flags or ""), *shlex.split(args.set)]
     argv += [*shlex.split(QUIET), "--seed", str(seed), "--out-dir", str(out_dir)]
     cfg, _ = parse_config(argv)
     torch._dynamo.reset()  # each run compiles its own model (inductor's cache keeps that cheap)
@@ -285,7 +289,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--recipe", type=parse_recipe, action="append", help="today, default, build-nanogpt or NAME=FLAGS (repeat)"
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (0, 1, ...)")
-    p.add_argument("--config", type=Path, default=REPO / "configs" / "cpu_small.yaml", help="the recipes' base")
+    p.add_argument(
+        "--config", type=Path, default=None, help="the recipes' base (default: cpu_small.yaml; none on CUDA)"
+    )
     p.add_argument("--set", default="", help="TrainConfig flags applied to every recipe, e.g. '--max-steps 30'")
     p.add_argument(
         "--accelerate-config",
@@ -300,8 +306,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--until-tokens", type=int, default=None, help="stop every recipe here (its lr schedule still spans its steps)"
     )
-    p.add_argument("--target", type=float, default=None, help="val loss to reach (default: today's mean final)")
-    p.add_argument("--budget-tokens", type=int, default=None, help="token budget (default: today's tokens)")
+    p.add_argument("--baseline", default="today", help="the recipe --target and --budget-tokens default to")
+    p.add_argument("--target", type=float, default=None, help="val loss to reach (default: the baseline's final)")
+    p.add_argument("--budget-tokens", type=int, default=None, help="token budget (default: the baseline's tokens)")
     p.add_argument("--out", type=Path, default=Path("runs/time_to_loss"), help="results folder")
     return p
 
@@ -330,21 +337,26 @@ def main(argv: list[str] | None = None) -> None:
         recipes = [(name, flags) for name, flags in recipes if flags is not None]
     module = peer.load_peer(script) if script else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.config is None and device.type == "cpu":
+        args.config = REPO / "configs" / "cpu_small.yaml"
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
         "cpu_bf16.yaml" if device.type == "cpu" else "1xgpu.yaml"
     )
     os.environ.update(launch_env(launch_path))
-    isolate_inductor_cache()
+    isolate_inductor_cache(device)
     args.out.mkdir(parents=True, exist_ok=True)
 
     curves = []
     for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
         curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
-    today = [c for c in curves if c.recipe == "today"]
-    if args.target is None and not today:
-        raise SystemExit("error: no --target and no `today` recipe to take it from; pass --target VAL_LOSS")
-    targets = {key: args.target or statistics.mean(getattr(c, key)[-1] for c in today) for key in VAL_KEYS}
-    budget = args.budget_tokens or (today[0].tokens[-1] if today else min(c.tokens[-1] for c in curves))
+    baseline = [c for c in curves if c.recipe == args.baseline]
+    if args.target is None and not baseline:
+        raise SystemExit(
+            f"error: no --target and no `{args.baseline}` recipe to take it from; pass --target VAL_LOSS or name one"
+            " of the recipes with --baseline"
+        )
+    targets = {key: args.target or statistics.mean(getattr(c, key)[-1] for c in baseline) for key in VAL_KEYS}
+    budget = args.budget_tokens or (baseline[0].tokens[-1] if baseline else min(c.tokens[-1] for c in curves))
     tables = {key: summarize(curves, key, targets[key], budget) for key in VAL_KEYS}
     command = f"{prog} {shlex.join(raw)}".strip()
     where = f"{device_name(device)}, {torch.get_num_threads()} threads, {launch_path.name}"

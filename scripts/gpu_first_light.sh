@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
 # First light on one CUDA GPU (issue #25): every GPU check in one go of <= 9 minutes on an H100, each figure and log
-# written to OUT_DIR and packed at the end into OUT_DIR/first_light.tgz, without the run's weights. From a checkout with a prepared data/default, no network needed:
+# written to OUT_DIR and packed at the end into OUT_DIR/first_light.tgz, without the run's weights. From a checkout
+# with a prepared data/default, no network needed:
 #
 #   scripts/gpu_first_light.sh OUT_DIR [--dry-run] [--data-dir data/default] [--cache DIR] [--peer-dir DIR]
 #                              [--wheels DIR] [--time-limit SECONDS]
 #
-# In order, each step logged to OUT_DIR/NN-step.log and timed in OUT_DIR/summary.md, a failed step not stopping the
-# next ones (the exit status is 1 if any failed); a step still running at --time-limit (540 s; none with --dry-run)
-# is stopped, and the steps after it are skipped, so the pack is written inside a device call's limit:
-#   1 tests     the fused loss against fp64 (tests/modeling/test_fused_ce.py, on this machine's torch: torch 2.11 has
-#               wrong-gradient bugs for compiled autograd.Functions, pytorch#180642/#184113), the one-step-late
-#               verdict on CUDA, and `python -m bench.loss_numerics --device cuda`
-#   2 train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
-#               to TRAIN_STEPS (200) steps, with --micro-batch-size auto: metrics.jsonl, samples, loss.png, a
-#               checkpoint and the export; its "micro-batch: auto" and "start-up:" lines go into summary.md
-#   3 ladder    python -m bench.ladder at gpt2-124m, rungs LADDER_RUNGS (0,2,5,7,9,11), build-nanogpt beside it
-#               (--peer-dir: a folder holding its train_gpt2.py; skipped without one), --profile-steps 3
-#   4 loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory),
-#               eager and compiled, and which form the loss rule (modeling.fused_ce.takes_full_logits) picks
-#   5 nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
-#               group, which must be NCCL, then 20 training steps
-#   6 hellaswag python -m evals on step 2's export, HELLASWAG_LIMIT (2000) examples
+# The steps below, in order (or those FIRST_LIGHT_STEPS names, e.g. "environment train recipe", in its order), each
+# logged to OUT_DIR/NN-step.log and timed in OUT_DIR/summary.md, a failed step not stopping the next ones (the exit
+# status is 1 if any failed); a step still running at --time-limit (540 s; none with --dry-run) is stopped, and the
+# steps after it are skipped, so the pack is written inside a device call's limit:
+#   environment  the machine, torch and the packages; every module the steps import
+#   tests     the fused loss against fp64 (tests/modeling/test_fused_ce.py, on this machine's torch: torch 2.11 has
+#             wrong-gradient bugs for compiled autograd.Functions, pytorch#180642/#184113), the FP8 head against the
+#             bf16 head and fp64 (tests/modeling/test_fp8_head.py), the one-step-late verdict on CUDA, and
+#             `python -m bench.loss_numerics --device cuda`
+#   train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
+#             to TRAIN_STEPS (200) steps, with --micro-batch-size auto: metrics.jsonl, samples, loss.png, a
+#             checkpoint and the export; its "micro-batch: auto" and "start-up:" lines go into summary.md
+#   recipe    python -m bench.time_to_loss: the default recipe (Muon + wsd) against AdamW + cosine on the same tokens
+#             and seeds (RECIPE_SEEDS, 2): 100 steps of 64k tokens each (3.8 epochs of data/default), val loss
+#             against tokens and seconds, and the tokens and seconds each takes to AdamW's final val loss
+#   fp8       the train step's run for FP8_STEPS (30) steps with --fp8-head true (no checkpoint or export): its
+#             tok/s against the train step's
+#   ladder    python -m bench.ladder at gpt2-124m, rungs LADDER_RUNGS (0,2,5,7,9,11), build-nanogpt beside it
+#             (--peer-dir: a folder holding its train_gpt2.py; skipped without one), --profile-steps 3
+#   loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory),
+#             eager and compiled, and which form the loss rule (modeling.fused_ce.takes_full_logits) picks
+#   nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
+#             group, which must be NCCL, then 20 training steps
+#   hellaswag python -m evals on the train step's export, HELLASWAG_LIMIT (2000) examples
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
@@ -28,14 +37,12 @@
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes on one H100:
-#   TRAIN_STEPS=120 LADDER_RUNGS=0,11 HELLASWAG_LIMIT=1000 scripts/gpu_first_light.sh OUT --cache .gpu/cache \
-#       --peer-dir .gpu/build-nanogpt --time-limit 525
-# and reads from summary.md: the micro-batch auto picked and its accumulation, tok/s and peak memory at that size
-# (the 2026-11-26 H100 run: B16 449-454k tok/s at 10.4 GiB; the ladder's B32 476k at 18.15 GiB); the start-up line
-# (96.5 s to the first step on 2026-11-26, the step-0 eval then compiled a graph of its own; target <= 45 s) and
-# which phase holds the rest; the loss table: both forms' ms and GiB, eager and compiled, and the rule's pick (the
-# full logits compiled on CUDA while the fused form stays larger or slower there: 7.62 ms / 1.51 GiB against
-# 8.70 ms / 3.02 GiB on 2026-11-26). Record the figures in BENCHMARKS.md, "GPU", with the GPU, torch and command.
+#   FIRST_LIGHT_STEPS="environment train recipe ladder loss" TRAIN_STEPS=40 LADDER_RUNGS=11 \
+#       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
+# and reads from summary.md: the start-up line (74.9 s on 2026-11-26 evening, 42 s of it inductor's CPU ISA probe,
+# skipped on GPUs since; target <= 45 s); tok/s at the micro-batch auto picks (64: 459-465k, MFU 40%; target 560k);
+# the ladder's rung 11 against build-nanogpt at B16; the recipe table (Muon + wsd reached AdamW + cosine's final val
+# in 22% of its tokens, 2 seeds). BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
 usage() {
@@ -61,6 +68,12 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
+ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag"
+STEPS=${FIRST_LIGHT_STEPS:-$ALL_STEPS}
+for name in $STEPS; do
+    [[ " $ALL_STEPS " == *" $name "* ]] || die "unknown step $name in FIRST_LIGHT_STEPS (the steps: $ALL_STEPS)"
+done
+
 # Paths as given (from the caller's folder), then the commands run from the repository root.
 absolute() { [[ -z $1 || $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }
 OUT=$(absolute "$OUT") DATA=$(absolute "$DATA") PEER=$(absolute "$PEER") WHEELS=$(absolute "$WHEELS")
@@ -84,6 +97,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one
+ADAMW="adamw-cosine=--optimizer adamw --lr-schedule cosine"  # the recipe step's baseline: GPT-2's AdamW + cosine
 if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, about a minute of CPU time
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
@@ -91,6 +105,9 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
         --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 0 --sample-interval 0)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
+    RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --data-dir '$DATA'" --eval-every 2 --seeds 1
+        --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
+    FP8_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
     LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)
     HELLASWAG=${HELLASWAG_LIMIT:-4}
@@ -101,7 +118,12 @@ else
     TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
         --checkpoint-interval "${TRAIN_STEPS:-200}" --micro-batch-size auto)
     DDP_ARGS=(--max-steps 20 --log-interval 5 --eval-interval 0 --sample-interval 0)
-    TESTS=(tests/modeling/test_fused_ce.py "$VERDICT_TEST")
+    TESTS=(tests/modeling/test_fused_ce.py tests/modeling/test_fp8_head.py "$VERDICT_TEST")
+    # 64k-token steps: 100 of them are 3.8 epochs of data/default's 1.7M train tokens (the recipe's 524k-token step
+    # would repeat the corpus 4 times in 13 steps)
+    RECIPE_ARGS=(--set "--total-batch-tokens 65536 --max-steps 100 --warmup-steps 10 --data-dir '$DATA'"
+        --eval-every 10 --seeds "${RECIPE_SEEDS:-2}" --recipe default --recipe "$ADAMW")
+    FP8_ARGS=(--max-steps "${FP8_STEPS:-30}" --log-interval 10 --micro-batch-size auto)
     LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
     LOSS_ARGS=()
     HELLASWAG=${HELLASWAG_LIMIT:-2000}
@@ -196,34 +218,52 @@ EOF
         --out-dir "$OUT/nccl"
 }
 
-step environment environment
-step tests numerics
-step train "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" \
-    --out-dir "$OUT/train"
-step ladder $PY -m bench.ladder --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" --data-dir "$DATA" \
-    --out "$OUT/ladder" "${LADDER_ARGS[@]}" "${PEER_ARGS[@]}"
-step loss $PY -m bench.loss_speed --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" --out "$OUT/loss" \
-    "${LOSS_ARGS[@]}"
-step nccl nccl
-step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
-    --json "$OUT/hellaswag.json"
+QUIET=(--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false)
+for name in $STEPS; do
+    case $name in
+        environment) step environment environment ;;
+        tests) step tests numerics ;;
+        train) step train "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${TRAIN_ARGS[@]}" \
+            --data-dir "$DATA" --out-dir "$OUT/train" ;;
+        recipe) step recipe $PY -m bench.time_to_loss "${RECIPE_ARGS[@]}" --baseline adamw-cosine --out "$OUT/recipe" ;;
+        fp8) step fp8 "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${FP8_ARGS[@]}" "${QUIET[@]}" \
+            --fp8-head true --data-dir "$DATA" --out-dir "$OUT/fp8" ;;
+        ladder) step ladder $PY -m bench.ladder --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" \
+            --data-dir "$DATA" --out "$OUT/ladder" "${LADDER_ARGS[@]}" "${PEER_ARGS[@]}" ;;
+        loss) step loss $PY -m bench.loss_speed --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" \
+            --out "$OUT/loss" "${LOSS_ARGS[@]}" ;;
+        nccl) step nccl nccl ;;
+        hellaswag) step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
+            --json "$OUT/hellaswag.json" ;;
+    esac
+done
 
 {
     echo
-    if [[ -f $OUT/03-train.log ]]; then
-        echo "## train: the micro-batch and the start-up"
+    for log in "$OUT"/*-train.log "$OUT"/*-fp8.log; do
+        [[ -f $log ]] || continue
+        echo "## $(basename "$log"): the micro-batch, the start-up, the FP8 head"
         echo
-        grep -aoE "(micro-batch: auto|start-up:) .*" "$OUT/03-train.log"
+        grep -aoE "(micro-batch: auto|start-up:|note: fp8_head) .*" "$log"
         echo
-    fi
+    done
     for f in ladder/ladder.md loss/loss_speed.md; do
         [[ -f $OUT/$f ]] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
     done
-    if [[ -f $OUT/train/metrics.jsonl ]]; then
-        echo "## train/metrics.jsonl (last rows)"
+    recipe_log=$(compgen -G "$OUT/*-recipe.log")
+    if [[ -n $recipe_log ]]; then  # bench.time_to_loss prints its tables last, from its command line on
+        echo "## recipe: bench.time_to_loss"
+        sed -n '/^python -m bench.time_to_loss/,$p' "$recipe_log"
         echo
-        tail -n 3 "$OUT/train/metrics.jsonl"
     fi
+    for run in train fp8; do
+        if [[ -f $OUT/$run/metrics.jsonl ]]; then
+            echo "## $run/metrics.jsonl (last rows)"
+            echo
+            tail -n 3 "$OUT/$run/metrics.jsonl"
+            echo
+        fi
+    done
 } >>"$OUT/summary.md"
 echo "summary: $OUT/summary.md; logs and figures: $OUT/first_light.tgz"
 exit $FAILED

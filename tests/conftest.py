@@ -35,7 +35,7 @@ BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
 def cpu_process_set_up() -> None:
     """As train_accel.py sets up its processes, for the tests that compute in this one: a compile cache per ISA,
     and no first call of MKL's vector math inside a comparison."""
-    isolate_inductor_cache()
+    isolate_inductor_cache(torch.device("cpu"))
     warm_up_vector_math(torch.device("cpu"))
 
 

@@ -7,6 +7,10 @@ loops with 16-lane vectors, which write past their buffers: heap corruption, the
 (torch 2.13; BENCHMARKS.md, "Compile cache"). It happens on one machine (ATEN_CPU_CAPABILITY=avx2 is how AVX2-only
 CPUs are emulated) and across machines sharing a cache folder (a home directory on NFS). A subfolder per ISA makes
 every hit one this process may run.
+
+Only CPU compiles generate C++ kernels. On a GPU the cache stays where it is: picking the ISA builds and loads ten
+probe programs on a machine that has not done so before, 42 s of a fresh H100 machine's start-up (2026-11-26), for
+kernels that are Triton's.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ import os
 import re
 from pathlib import Path
 
+import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 PREFIX = "isa-"
 
 
-def isolate_inductor_cache() -> Path:
-    """Point TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for the ISA this process
-    compiles for, and return it. Call before the first compile. Idempotent; a child process that inherits the
-    variable but compiles for another ISA moves to the sibling subfolder."""
+def isolate_inductor_cache(device: torch.device) -> Path | None:
+    """For compiles on the CPU, point TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for
+    the ISA this process compiles for, and return it; elsewhere leave it as it is and return None. Call before the
+    first compile. Idempotent; a child process that inherits the variable but compiles for another ISA moves to the
+    sibling subfolder."""
+    if device.type != "cpu":
+        return None
     current = Path(cache_dir())
     base = current.parent if current.name.startswith(PREFIX) else current
     folder = base / (PREFIX + re.sub(r"\W+", "_", str(pick_vec_isa())).lower())

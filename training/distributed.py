@@ -58,7 +58,7 @@ def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwarg
         accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
-        isolate_inductor_cache()  # before prepare() compiles
+        isolate_inductor_cache(accelerator.device)  # before prepare() compiles
     warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
     keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
     if accelerator.distributed_type == DistributedType.DEEPSPEED:

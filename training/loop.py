@@ -601,7 +601,8 @@ def write_outputs(run: Run) -> None:
             with disk_full_reported(run_dir / "export", kept):
                 export_final(run_dir, export_model)
                 write_model_card(run_dir, cfg.push_to_hub or None)
-    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, loss.png, export/)")
+    written = ["loss.png", *(["evals.png"] if cfg.eval_tasks else []), *(["export/"] if cfg.export_hf else [])]
+    accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
 

@@ -15,7 +15,7 @@ from testkit import REPO, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
-STEPS = ["environment", "tests", "train", "ladder", "loss", "nccl", "hellaswag"]
+STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag"]
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
@@ -32,6 +32,18 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     assert "micro-batch: auto -> 8 (the CPU default on cpu, not probed; accumulation 2)" in summary, summary
     assert "start-up: " in summary and "first step + compile" in summary, summary
     assert "2 passed, 1 skipped" in (out / "02-tests.log").read_text()  # the verdict test's CUDA case skips here
+    # the recipe step: both recipes' curves, the table against AdamW + cosine's final val loss in summary.md
+    recipe = json.loads((out / "recipe" / "curves.json").read_text())
+    assert sorted(c["recipe"] for c in recipe["curves"]) == ["adamw-cosine", "default"]
+    assert (
+        recipe["targets"]["val_loss"]
+        == next(c for c in recipe["curves"] if c["recipe"] == "adamw-cosine")["val_loss"][-1]
+    )
+    assert "| adamw-cosine | 1 |" in summary, summary
+    # the fp8 step: the head stays off on the CPU, said in one line; no export, and the last line does not claim one
+    fp8_log = (out / "05-fp8.log").read_text()
+    assert "note: fp8_head is off on cpu" in summary, summary
+    assert fp8_log.rstrip().endswith("(checkpoints: 1, loss.png)") and not (out / "fp8" / "export").exists()
     assert (out / "nccl_backend.txt").read_text().startswith("distributed_type DistributedType.MULTI_CPU, backend gloo")
     for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl"):
         assert (out / f).is_file(), f
@@ -66,6 +78,15 @@ def test_bad_arguments_are_one_line(tmp_path, args, message):
     assert last.startswith("error: ") and message in last
     assert not (tmp_path / "out").exists()  # nothing written
     assert (tmp_path / "full" / "summary.md").read_text() == "an earlier run"  # nor replaced
+
+
+def test_an_unknown_step_is_one_line_before_anything_runs(tmp_path):
+    env = {**os.environ, "FIRST_LIGHT_STEPS": "train trian"}
+    result = subprocess.run(
+        [SCRIPT, str(tmp_path / "out"), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert result.stderr.splitlines()[-1].startswith("error: unknown step trian in FIRST_LIGHT_STEPS (the steps: ")
 
 
 def test_steps_past_the_time_limit_are_stopped_or_skipped_and_the_pack_still_written(prepared_books, tmp_path):

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from testkit import run
 from training.compile_cache import PREFIX, isolate_inductor_cache
@@ -16,21 +17,35 @@ from training.compile_cache import PREFIX, isolate_inductor_cache
 # ATEN_CPU_CAPABILITY=default: no vector ISA (scalar kernels) on every CPU, so another ISA than the native one even
 # on an AVX2-only machine.
 SCALAR = {"ATEN_CPU_CAPABILITY": "default"}
+CPU = torch.device("cpu")
 
 
 def test_one_subfolder_per_isa_under_the_users_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    native = isolate_inductor_cache()
+    native = isolate_inductor_cache(CPU)
     assert native.parent == tmp_path and native.name.startswith(PREFIX)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(native)
-    assert isolate_inductor_cache() == native  # idempotent: train_accel.py's processes inherit the variable
+    assert isolate_inductor_cache(CPU) == native  # idempotent: train_accel.py's processes inherit the variable
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", SCALAR["ATEN_CPU_CAPABILITY"])
-    scalar = isolate_inductor_cache()  # a child with another ISA moves to the sibling, not below
+    scalar = isolate_inductor_cache(CPU)  # a child with another ISA moves to the sibling, not below
     assert scalar.parent == tmp_path and scalar != native
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    assert isolate_inductor_cache() == native
+    assert isolate_inductor_cache(CPU) == native
+
+
+def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
+    """Picking the ISA builds probe programs (42 s on a fresh H100 machine) for C++ kernels a GPU run never makes."""
+    import training.compile_cache
+
+    def pick_vec_isa():
+        raise AssertionError("the ISA was picked for a GPU process")
+
+    monkeypatch.setattr(training.compile_cache, "pick_vec_isa", pick_vec_isa)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert isolate_inductor_cache(torch.device("cuda")) is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
 PROBE = textwrap.dedent("""
@@ -38,7 +53,7 @@ PROBE = textwrap.dedent("""
     from torch._dynamo.utils import counters
     if sys.argv[1] == "isolate":
         from training.compile_cache import isolate_inductor_cache
-        isolate_inductor_cache()
+        isolate_inductor_cache(torch.device('cpu'))
     f = lambda x: torch.nn.functional.gelu(x * 2 + 1).sum(-1)
     x = torch.randn(37, 40)  # ragged against every vector width
     torch.testing.assert_close(torch.compile(f)(x), f(x))
