@@ -165,10 +165,14 @@ def takes_full_logits(device_type: str, compiling: bool, logits_bytes: int, devi
     return device_bytes is not None and logits_bytes <= FULL_LOGITS_MAX_SHARE * device_bytes
 
 
-@torch.compiler.assume_constant_result
 def cuda_memory_bytes(device: torch.device) -> int:
     """The CUDA device's total memory; a constant to torch.compile (read once while tracing, no graph break)."""
     return torch.cuda.get_device_properties(device).total_memory
+
+
+# What @torch.compiler.assume_constant_result sets, without the import of torch._dynamo that decorator makes: 1.9 s
+# of every process's start-up, eager ones included (tests/modeling/test_fused_ce.py checks the mark is torch's).
+cuda_memory_bytes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def full_logits_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

@@ -20,8 +20,6 @@ import re
 from pathlib import Path
 
 import torch
-from torch._inductor.cpu_vec_isa import pick_vec_isa
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 PREFIX = "isa-"
 
@@ -33,6 +31,10 @@ def isolate_inductor_cache(device: torch.device) -> Path | None:
     sibling subfolder."""
     if device.type != "cpu":
         return None
+    # inductor is imported here, for a compile: an eager process is spared its import of torch._dynamo (1.9 s)
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     current = Path(cache_dir())
     base = current.parent if current.name.startswith(PREFIX) else current
     folder = base / (PREFIX + re.sub(r"\W+", "_", str(pick_vec_isa())).lower())

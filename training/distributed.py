@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
 from modeling.device import accelerator_needs_cpu
 from modeling.vector_math import warm_up_vector_math
@@ -85,6 +84,8 @@ def fsdp_plugin() -> FullyShardedDataParallelPlugin:
     dtype, gradients reduced in fp32, and outputs left as computed: the loss in fp32, a block's output in autocast's
     dtype (output_dtype fp32 would apply to every block too, handing the root's bf16 LayerNorm fp32 inputs, which
     CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP's imports here: 0.7 s of every other process
+
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if low is None:
         return FullyShardedDataParallelPlugin()
@@ -121,12 +122,19 @@ def _configure_deepspeed(ds_config: dict, **known: float) -> None:
             )
 
 
+def is_dtensor(x: object) -> bool:
+    """isinstance(x, DTensor), without importing torch.distributed.tensor (0.8 s of a process that has none): whatever
+    made a DTensor imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
 def clip_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients to max_norm (0: no clipping) and return their global norm before clipping, as a plain
     scalar tensor on the device whatever the engine: FSDP2 returns a replicated DTensor, and DeepSpeed, which
     clips inside its own step (at the gradient_clipping set by build_accelerator), a float."""
     norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         return norm.full_tensor()
     return torch.as_tensor(norm, dtype=torch.float32, device=accelerator.device)
 
@@ -142,6 +150,8 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
 
     Never unwrap with keep_torch_compile=True here: accelerate 1.15 then re-points the compile wrapper's _orig_mod
     at the bare GPT, and a compiled DDP model loses its no_sync (accumulate() all-reduced every micro-batch)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
     root = accelerator.unwrap_model(model, keep_torch_compile=False)
     if isinstance(root, FSDPModule):
         register_fsdp_forward_method(root, "generate")

@@ -10,10 +10,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from training.checkpoint import TrainProgress, list_checkpoints
-from training.distributed import clip_grad_norm
+from training.distributed import clip_grad_norm, is_dtensor
 
 Batches = Iterator[tuple[Tensor, Tensor]]
 
@@ -47,7 +46,7 @@ def masks_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) 
         getattr(inner, "_step_supports_amp_scaling", False)
         and accelerator.scaler is None
         and accelerator.distributed_type != DistributedType.DEEPSPEED
-        and not any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"])
+        and not any(is_dtensor(p) for group in inner.param_groups for p in group["params"])
     )
 
 

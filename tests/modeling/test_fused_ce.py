@@ -205,6 +205,18 @@ def test_the_two_forms_agree_compiled_where_the_rule_switches(precision):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def test_the_memory_lookup_is_marked_constant_as_torch_marks_it():
+    """cuda_memory_bytes carries the mark @torch.compiler.assume_constant_result sets (set by hand, sparing every
+    process the decorator's import of torch._dynamo): the day torch marks otherwise, this fails here, not on a GPU
+    as a graph break."""
+
+    def probe(device):
+        return 0
+
+    torch.compiler.assume_constant_result(probe)
+    assert vars(probe) and vars(fused_ce.cuda_memory_bytes) == vars(probe)
+
+
 @needs_cuda
 def test_on_cuda_the_rule_compiles_in_one_graph_and_takes_the_full_logits():
     """On a CUDA device, compiled: the rule reads the device's memory while tracing without a graph break, and at a

@@ -37,12 +37,12 @@ def test_one_subfolder_per_isa_under_the_users_folder(tmp_path, monkeypatch):
 
 def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
     """Picking the ISA builds probe programs (42 s on a fresh H100 machine) for C++ kernels a GPU run never makes."""
-    import training.compile_cache
+    import torch._inductor.cpu_vec_isa
 
     def pick_vec_isa():
         raise AssertionError("the ISA was picked for a GPU process")
 
-    monkeypatch.setattr(training.compile_cache, "pick_vec_isa", pick_vec_isa)
+    monkeypatch.setattr(torch._inductor.cpu_vec_isa, "pick_vec_isa", pick_vec_isa)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert isolate_inductor_cache(torch.device("cuda")) is None
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
