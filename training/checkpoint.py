@@ -216,7 +216,8 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
 
 def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     """The checkpoint this launch continues from (None: it starts afresh) and the lines that say so, decided before
-    anything is built, loaded or written; every rank reads the same files, so every rank decides the same.
+    anything is built, loaded or written. setup() runs it on the main process and hands the plan, or the error, to
+    every rank (training.distributed.decided_on_main): the checkpoint is read and hashed once, not once per rank.
 
     never: afresh. auto: the newest intact checkpoint of out_dir, each damaged newer one named in a warning line;
     none at all: afresh, unless out_dir's config.yaml is another model's; all damaged: stop. PATH: that checkpoint,

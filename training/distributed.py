@@ -5,16 +5,25 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DistributedType,
+    DynamoBackend,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+)
 
 from modeling.device import accelerator_needs_cpu
 from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
 from training.malloc import keep_freed_memory
+
+T = TypeVar("T")
 
 
 def _launched_with(engine: str) -> bool:
@@ -120,6 +129,24 @@ def _configure_deepspeed(ds_config: dict, **known: float) -> None:
                 f"the DeepSpeed config sets {key}={ds_config[key]} but the training config says {value}; "
                 "set it in the training config and leave it out (or 'auto') in the DeepSpeed config"
             )
+
+
+def decided_on_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """decide() run on the main process alone, its result, or the exception it raised, handed to every rank: one
+    reading of what all ranks would read alike (on several nodes, each would read it over the network), and every
+    rank returns or stops alike."""
+    outcome: list[tuple[bool, Any]] = [(True, None)]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(True, decide())]
+        except Exception as e:  # raised again on every rank, below
+            outcome = [(False, e)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def is_dtensor(x: object) -> bool:

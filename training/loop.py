@@ -38,7 +38,7 @@ from training.checkpoint import (
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, generation_model, set_deepspeed_micro_batch
+from training.distributed import build_accelerator, decided_on_main, generation_model, set_deepspeed_micro_batch
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
@@ -214,7 +214,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     )
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
     # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
-    resume_from, resume_notes = plan_resume(cfg)
+    resume_from, resume_notes = decided_on_main(accelerator, lambda: plan_resume(cfg))
     if engine_note:
         accelerator.print(engine_note)
     world_size = accelerator.num_processes

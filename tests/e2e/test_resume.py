@@ -429,3 +429,11 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
     assert out.count("SIGTERM received") == 1  # rank 0 says it for both
     grace = r"checkpoint saved in \d+\.\d s \(a step takes \d+\.\d s\): .* set your grace period above \d+ s"
     assert re.search(grace, out), out[-3000:]
+
+    # A refused resume (the checkpoint holds Muon's state): decided on rank 0 alone and handed to rank 1, which stops
+    # alike (it would hang in the process group if it went on); our line once and last, the checkpoint untouched.
+    refused = run(launch("--optimizer", "adamw"), expect_rc=1)
+    assert last_line(refused.stderr).startswith("error: out_dir "), refused.stderr[-3000:]
+    assert "the checkpoint holds muon state, this run asks for --optimizer adamw" in last_line(refused.stderr)
+    assert refused.stderr.count("error: ") == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert list_checkpoints(run_dir) == [saved]
