@@ -8,7 +8,6 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 
 from __future__ import annotations
 
-import sys
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 from data_prep import DataPrepError
 from evals import EvalError
 from modeling.disk import DiskFull
-from modeling.runtime import finish
+from modeling.runtime import exit_process, finish
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
@@ -120,7 +119,7 @@ def run_main() -> None:
         main()
     except USER_ERRORS as err:
         report_error(f"error: {err}")
-        sys.exit(1)
+        exit_process(1)
     except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
         if not is_out_of_memory(err):
             raise
@@ -128,7 +127,7 @@ def run_main() -> None:
             f"error: out of memory ({str(err).splitlines()[0]}); lower --micro-batch-size (total_batch_tokens stays, "
             "accumulation grows) or find the largest that fits with `python -m bench.ladder`"
         )
-        sys.exit(1)
+        exit_process(1)
 
 
 if __name__ == "__main__":

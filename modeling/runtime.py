@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -19,15 +19,24 @@ def dtype_name(mixed_precision: str) -> str:
 
 
 def finish(accelerator: Accelerator) -> None:
-    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last.
-
-    On gloo (CPU runs with 2+ processes) the process then exits at once with status 0: gloo's threads can abort
-    the interpreter's teardown after a complete run ("terminate called without an active exception", status 1;
-    seen in about 1 FSDP run in 5), which would fail a finished job. Everything is written by then; skipping
-    the teardown loses nothing."""
+    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last."""
     on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
     accelerator.end_training()
     if on_gloo:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_process(0, on_gloo=True)
+
+
+def exit_process(status: int, on_gloo: bool | None = None) -> NoReturn:
+    """Exit with `status`. On gloo (CPU runs with 2+ processes, once the process group has communicated) at once,
+    output flushed: gloo's threads can abort the interpreter's teardown ("terminate called without an active
+    exception", status 1, then a "Fatal Python error" block after the run's last line; seen in about 1 FSDP run in 5
+    after a complete run, and after a refused resume on 2 processes), which would fail a finished job or bury an
+    error line. Everything is written by then; skipping the teardown loses nothing. on_gloo None: ask the process
+    group."""
+    if on_gloo is None:
+        on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if on_gloo:
+        os._exit(status)
+    sys.exit(status)
