@@ -193,7 +193,9 @@ EOF
 }
 
 numerics() {
-    "${TO[@]}" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" || return
+    # -x: the first failure's traceback is printed at once, so a step stopped at --time-limit still shows it (on
+    # 2026-11-26 evening two such steps were stopped with an F among the dots and no traceback)
+    "${TO[@]}" $PY -m pytest -q -x --tb=short -p no:cacheprovider "${TESTS[@]}" || return
     [[ $DRY == 1 ]] && { echo "bench.loss_numerics: left out of --dry-run (it compiles with inductor)"; return; }
     "${TO[@]}" $PY -m bench.loss_numerics --device cuda
 }
