@@ -58,7 +58,8 @@ def test_the_models_loss_takes_fp8_only_with_the_full_logits():
 
 def test_compiled_in_one_graph_and_equal_to_eager():
     """Training compiles the FP8 head (it is taken with the full logits, under torch.compile on CUDA): no graph break,
-    and inductor's loss and grads are eager's."""
+    and inductor's loss and grads are eager's, to fp32 rounding: inductor sums the softmax in another order on some
+    CPUs (on a 16-core AMX Xeon the loss was 1 ulp apart, 9.5e-8 relative; the grads equal)."""
 
     def loss(h, weight, targets):
         return F.cross_entropy(fp8_logits(h, weight).float(), targets)
@@ -75,4 +76,5 @@ def test_compiled_in_one_graph_and_equal_to_eager():
         out.backward()
         return out, h_.grad, weight_.grad
 
-    assert all(torch.equal(a, b) for a, b in zip(run(torch.compile(loss)), run(loss), strict=True))
+    for got, want in zip(run(torch.compile(loss)), run(loss), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # ~10 ulps; the FP8 rounding is 3.7e-2
