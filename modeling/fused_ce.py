@@ -7,7 +7,7 @@ forward pass computes the logits, the log-sum-exp, the loss AND the gradients w.
 so the chunk's logits are dropped before the next one. Backward only scales the stored gradients.
 
 Which of the two forms the model's loss takes is one rule, takes_full_logits: the full logits on CUDA under
-torch.compile (inductor's code for this form is slower and larger there), this form elsewhere.
+torch.compile while they fit (inductor's code for this form is 5% slower there), this form elsewhere.
 """
 
 from __future__ import annotations
@@ -42,6 +42,26 @@ def put_targets_(grad: Tensor, target: Tensor, values: Tensor) -> None:
     torch.compile a scatter_ into the (N, V) gradient makes inductor write it out whole a second time. index_put_, as
     aten's bf16 scatter_ takes ~80 ms on a (1,024 x 50,304) chunk (fp32: microseconds; index_put_ either way)."""
     grad.index_put_((torch.arange(grad.shape[0], device=grad.device), target[:, 0]), values[:, 0])
+
+
+@torch.library.custom_op("bookgpt::accumulate_", mutates_args=("out",))
+def accumulate_(out: Tensor, x: Tensor) -> None:
+    """out += x in place, for each chunk's loss sum. An op of its own: under torch.compile inductor fuses the chain of
+    the chunks' sums into one kernel after the last chunk, which keeps every chunk's logits and logit gradients alive
+    until then (CUDA, B16 at gpt2-124m: 3.26 GiB against 0.85 with this op; BENCHMARKS.md, "The loss's form")."""
+    out.add_(x)
+
+
+@torch.library.custom_op("bookgpt::target_logits", mutates_args=())
+def target_logits(logits: Tensor, target: Tensor) -> Tensor:
+    """logits.gather(1, target). An op of its own: no later kernel reads the chunk's (chunk, V) logits to gather from
+    them, so they are freed after the chunk's softmax (CUDA, as above: 0.85 -> 0.60 GiB)."""
+    return logits.gather(1, target)
+
+
+@target_logits.register_fake
+def _(logits: Tensor, target: Tensor) -> Tensor:
+    return logits.new_empty(target.shape)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -83,8 +103,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             target = safe_targets[rows]
-            logits = linear(h_c[rows], w_c, None).to(acc_dtype)  # (chunk, V)
-            target_logit = logits.gather(1, target)  # (chunk, 1)
+            product = linear(h_c[rows], w_c, None)  # (chunk, V) in compute_dtype
+            # from the product as the matmul wrote it: an fp32 copy for the op would be a (chunk, V) buffer of its own
+            target_logit = target_logits(product, target).to(acc_dtype)  # (chunk, 1)
+            logits = product.to(acc_dtype)
             row_max = logits.amax(dim=-1, keepdim=True)
             shifted = logits.sub_(row_max)  # in place (eager CPU pays a page fault per touched page of a new tensor)
             # The other ids' mass, summed without the target's term: 1 - p_target = other / (other + exp_target)
@@ -110,7 +132,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             row_loss = torch.where(
                 exp_target > 0.5, torch.log1p(other / exp_target), row_max + sum_exp.log() - target_logit
             )
-            loss_sum += (row_loss * valid[rows, None]).sum()
+            accumulate_(loss_sum, (row_loss * valid[rows, None]).sum())
             if not (need_grad_h or need_grad_w):
                 continue
             # d(mean loss)/d(logits) = (softmax - onehot) * row_scale, whole in fp32 before the cast to
@@ -151,8 +173,9 @@ def takes_full_logits(device_type: str, compiling: bool, logits_bytes: int, devi
 
     Measured (BENCHMARKS.md, "GPU"), forward + backward of the loss alone at gpt2-124m, B16 x T1024 (16,384 rows x
     50,304 ids), bf16 autocast:
-    - H100, torch 2.11, compiled: F.cross_entropy 7.62 ms / 1.51 GiB, fused 8.70 ms / 3.02 GiB: inductor's CUDA code
-      for the fused form holds twice the memory and is 14% slower, so the full logits win under compile;
+    - H100, torch 2.11, compiled: F.cross_entropy 7.62 ms / 1.51 GiB, fused 8.70 ms / 3.02 GiB; on an H200, with
+      accumulate_ and target_logits, F.cross_entropy 7.55 ms / 1.54 GiB, fused 7.91 ms / 0.60 GiB: under compile
+      the full logits are faster while they fit, the fused form smaller past that;
     - H100, eager: fused 21.77 ms / 1.25 GiB, F.cross_entropy 14.05 ms / 7.83 GiB: eager F.cross_entropy keeps fp32
       copies of the logits (6x the fused form's memory), so eager takes the fused form (evals run eager);
     - CPU, 16,384 rows at n_embd 768, bf16, peak RSS over a 0.41 GiB baseline: fused compiled 1.58 GiB, fused eager

@@ -37,12 +37,13 @@
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes on one H100:
-#   FIRST_LIGHT_STEPS="environment train recipe ladder loss" TRAIN_STEPS=40 LADDER_RUNGS=11 \
+#   FIRST_LIGHT_STEPS="environment train loss tests ladder" TRAIN_STEPS=40 LADDER_RUNGS=11 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
-# and reads from summary.md: the start-up line (74.9 s on 2026-11-26 evening, 42 s of it inductor's CPU ISA probe,
-# skipped on GPUs since; target <= 45 s); tok/s at the micro-batch auto picks (64: 459-465k, MFU 40%; target 560k);
-# the ladder's rung 11 against build-nanogpt at B16; the recipe table (Muon + wsd reached AdamW + cosine's final val
-# in 22% of its tokens, 2 seeds). BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
+# and reads from summary.md: the start-up line (47.0 s on a fresh H200 on 2026-11-26 night, the compile 27.4 s of it;
+# target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 479-481k, MFU 41.5%; target 560k); the loss
+# table (the fused form compiled: 0.60 GiB in a probe since its two ops, 3.03 before); the tests (the FP8 test failed
+# on the H200 box's CPU by 1 ulp, since allowed); rung 11 against build-nanogpt at B16 (1.03x on the H200).
+# BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
 usage() {
