@@ -30,6 +30,10 @@
 #   nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
 #             group, which must be NCCL, then 20 training steps
 #   hellaswag python -m evals on the train step's export, HELLASWAG_LIMIT (2000) examples
+#   cpu       the unit tests that launch no process (tests/modeling, tests/training, -m "not slow") on this machine's
+#             CPU, CPU_TEST_WORKERS (8) pytest workers, each test's result on its own line: GPU machines have had
+#             Intel Xeons with AMX, which this project's CI VMs rarely are (issue #36); the failures go into
+#             summary.md with the CPU's name and ISA
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
@@ -37,12 +41,13 @@
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes on one H100:
-#   FIRST_LIGHT_STEPS="environment train loss tests ladder" TRAIN_STEPS=40 LADDER_RUNGS=11 \
+#   FIRST_LIGHT_STEPS="environment train loss tests ladder cpu" TRAIN_STEPS=40 LADDER_RUNGS=11 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
 # and reads from summary.md: the start-up line (47.0 s on a fresh H200 on 2026-11-26 night, the compile 27.4 s of it;
 # target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 479-481k, MFU 41.5%; target 560k); the loss
 # table (the fused form compiled: 0.60 GiB in a probe since its two ops, 3.03 before); the tests (the FP8 test failed
-# on the H200 box's CPU by 1 ulp, since allowed); rung 11 against build-nanogpt at B16 (1.03x on the H200).
+# on the H200 box's CPU by 1 ulp, since allowed); rung 11 against build-nanogpt at B16 (1.03x on the H200); the
+# unit tests on the box's AMX Xeon (4 failed and ~22 errored there on 2026-11-26 night, names lost to a time limit).
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
@@ -69,7 +74,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag"
+ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu"
 STEPS=${FIRST_LIGHT_STEPS:-$ALL_STEPS}
 for name in $STEPS; do
     [[ " $ALL_STEPS " == *" $name "* ]] || die "unknown step $name in FIRST_LIGHT_STEPS (the steps: $ALL_STEPS)"
@@ -112,6 +117,8 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
     LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)
     HELLASWAG=${HELLASWAG_LIMIT:-4}
+    CPU_TESTS=(tests/modeling/test_fused_ce.py::test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy)
+    CPU_WORKERS=0
     BACKEND=gloo
 else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
@@ -128,6 +135,7 @@ else
     LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
     LOSS_ARGS=()
     HELLASWAG=${HELLASWAG_LIMIT:-2000}
+    CPU_TESTS=(-m "not slow" tests/modeling tests/training) CPU_WORKERS=${CPU_TEST_WORKERS:-8}
     BACKEND=nccl
 fi
 LAUNCH=($PY -m accelerate.commands.launch -q)
@@ -193,6 +201,14 @@ EOF
     "${TO[@]}" $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"
 }
 
+cpu_tests() {  # -v: each result on its own line as it comes, so a step stopped at --time-limit still names them
+    lscpu | grep -E "^(Model name|CPU\(s\)):"
+    echo "ISA: $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    local workers=()
+    ((CPU_WORKERS > 0)) && $PY -c "import xdist" 2>/dev/null && workers=(-n "$CPU_WORKERS" --dist loadfile)
+    "${TO[@]}" $PY -m pytest -v -p no:cacheprovider --tb=short "${workers[@]}" "${CPU_TESTS[@]}"
+}
+
 numerics() {
     # -x: the first failure's traceback is printed at once, so a step stopped at --time-limit still shows it (on
     # 2026-11-26 evening two such steps were stopped with an F among the dots and no traceback)
@@ -236,6 +252,7 @@ for name in $STEPS; do
         loss) step loss $PY -m bench.loss_speed --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" \
             --out "$OUT/loss" "${LOSS_ARGS[@]}" ;;
         nccl) step nccl nccl ;;
+        cpu) step cpu cpu_tests ;;
         hellaswag) step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
             --json "$OUT/hellaswag.json" ;;
     esac
@@ -250,6 +267,14 @@ done
         grep -aoE "(micro-batch: auto|start-up:|note: fp8_head) .*" "$log"
         echo
     done
+    cpu_log=$(compgen -G "$OUT/*-cpu.log")
+    if [[ -n $cpu_log ]]; then
+        echo "## cpu: the unit tests on this machine's CPU"
+        echo
+        grep -aE "^(Model name|ISA):" "$cpu_log"
+        grep -aE "(FAILED|ERROR) tests/|tests/\S+ (FAILED|ERROR)|^=+ .*(passed|failed|error)" "$cpu_log" | sort -u
+        echo
+    fi
     for f in ladder/ladder.md loss/loss_speed.md; do
         [[ -f $OUT/$f ]] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
     done

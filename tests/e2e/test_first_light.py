@@ -4,6 +4,7 @@ figure and log, so the GPU's minutes go to measuring; bad input is one clear lin
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -15,7 +16,7 @@ from testkit import REPO, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
-STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag"]
+STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
@@ -53,6 +54,13 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     plain = loss["F.cross_entropy, full logits"]["loss"]
     assert len(loss) == 4 and all(math.isclose(r["loss"], plain, rel_tol=1e-3) for r in loss.values())
     assert json.loads((out / "hellaswag.json").read_text())["examples"] == {"hellaswag": 4}
+    # the cpu step: the CPU named, each test's result on its own line, the totals in summary.md
+    assert (
+        "\nISA: " in summary
+        and "test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy PASSED"
+        in (out / "10-cpu.log").read_text()
+    )
+    assert re.search(r"^=+ 1 passed", summary, re.MULTILINE), summary
     with tarfile.open(out / "first_light.tgz") as tar:
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
