@@ -91,3 +91,14 @@ def append_bytes(path: str | Path, data: bytes) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Rename the complete folder tmp to final (checkpoints, exports). A folder already at final (a step saved
+    again, a new export) is renamed to FINAL.old first and removed after, so a complete copy exists at every
+    instant. A FINAL.old already there with files in it is not ours to delete: the rename onto it fails."""
+    stale = final.with_name(final.name + ".old")
+    if final.exists():
+        final.rename(stale)
+    tmp.rename(final)
+    shutil.rmtree(stale, ignore_errors=True)

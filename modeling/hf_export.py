@@ -25,6 +25,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
+from modeling.disk import swap_in
 from modeling.gpt import GPT
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -125,14 +126,10 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
         hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
         hf_model.save_pretrained(tmp_dir)  # safetensors
         export_tokenizer(encoding, tmp_dir, model.config.block_size)
-        old = out_dir.with_name(out_dir.name + ".old")
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp_dir.rename(out_dir)
+        swap_in(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

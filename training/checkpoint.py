@@ -27,7 +27,7 @@ from accelerate.utils import DistributedType
 from safetensors import safe_open
 
 from data_prep.assets import atomic_write_bytes
-from modeling.disk import DiskFull, disk_full_line, is_disk_full
+from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in
 from modeling.runs import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -379,13 +379,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         kept = f"complete checkpoints untouched: {', '.join(p.name for p in complete) or 'none'}"
         raise DiskFull(disk_full_line(final, kept, todo)) from err
     if accelerator.is_main_process:
-        if final.exists():  # re-saving a step: swap so a complete copy exists at every instant
-            stale = final.with_name(final.name + ".old")
-            final.rename(stale)
-            tmp.rename(final)
-            shutil.rmtree(stale)
-        else:
-            tmp.rename(final)
+        swap_in(tmp, final)  # re-saving a step: a complete copy exists at every instant
         prune_checkpoints(run_dir, keep)
     accelerator.wait_for_everyone()
     return final
