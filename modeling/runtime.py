@@ -18,9 +18,14 @@ def dtype_name(mixed_precision: str) -> str:
     return "fp32" if mixed_precision == "no" else mixed_precision
 
 
+def _on_gloo() -> bool:
+    """Whether this process is in a gloo process group (CPU runs with 2+ processes)."""
+    return torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+
+
 def finish(accelerator: Accelerator) -> None:
     """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last."""
-    on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    on_gloo = _on_gloo()  # asked before end_training destroys the group
     accelerator.end_training()
     if on_gloo:
         exit_process(0, on_gloo=True)
@@ -34,7 +39,7 @@ def exit_process(status: int, on_gloo: bool | None = None) -> NoReturn:
     error line. Everything is written by then; skipping the teardown loses nothing. on_gloo None: ask the process
     group."""
     if on_gloo is None:
-        on_gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+        on_gloo = _on_gloo()
     sys.stdout.flush()
     sys.stderr.flush()
     if on_gloo:
