@@ -21,13 +21,16 @@ train: install
 	yaml=$$($(PY) -m training.pick_cpu_config) && \
 	$(VENV)/bin/accelerate launch -q --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
 
-# One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once;
-# tests/conftest.py gives each worker its share of the cores' threads.
+# One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once,
+# the files in tests/conftest.py's order (--no-loadscope-reorder: xdist would otherwise start with the files of most
+# tests, leaving the one-test launch files, minutes each, to run alone at the end); conftest.py also gives each
+# worker its share of the cores' threads.
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -115,7 +115,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Test files that launch processes first, each file's tests in their order: `make test`'s workers take whole
-    files in this order, so the long ones start early and the quick ones fill in, rather than one long file running
-    alone at the end."""
+    files in this order (--no-loadscope-reorder), so the long ones start early and the quick ones fill in, rather
+    than one long file running alone at the end."""
     launches = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in launches)

@@ -22,7 +22,9 @@ from modeling.config import get_preset
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+# `accelerate launch` run as its module: the same launch_command as the `accelerate` CLI, which first imports every
+# other subcommand (transformers among them: 1.4 s a launch, ~40 launches in the suite). `make train` keeps the CLI.
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 # Quiet, fast launches: no MFU matmul probe, no samples, no loader workers, no export unless a test asks for one
 # (a test's own flags come later on the command line, and the last one wins).
 QUIET = ["--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0", "--export-hf", "false"]
@@ -36,7 +38,7 @@ def train_cmd(
     launcher = [sys.executable]
     if accelerate_config:
         config = REPO / "accelerate_configs" / accelerate_config
-        launcher = [ACCELERATE, "launch", "--config_file", str(config), *launch_args]
+        launcher = [*ACCELERATE_LAUNCH, "--config_file", str(config), *launch_args]
     return [*launcher, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", *QUIET,
             "--data-dir", str(data_dir), "--out-dir", str(run_dir), *args]  # fmt: skip
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import ACCELERATE, QUIET, REPO, run
+from testkit import ACCELERATE_LAUNCH, QUIET, REPO, run
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def native_bf16() -> bool:
 
 
 def probe(config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict:
-    cmd = [ACCELERATE, "launch", "-q", "--config_file", str(REPO / "accelerate_configs" / config), *launch_args,
+    cmd = [*ACCELERATE_LAUNCH, "-q", "--config_file", str(REPO / "accelerate_configs" / config), *launch_args,
            str(PROBE), *TINY, *QUIET, "--data-dir", str(data_dir), "--out-dir", str(out_dir)]  # fmt: skip
     stdout = run(cmd).stdout
     return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import REPO, run, train_cmd
+from testkit import ACCELERATE_LAUNCH, REPO, run, train_cmd
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
@@ -84,7 +84,7 @@ ADAMW = ["--optimizer", "adamw", "--lr-schedule", "cosine"]
 
 @pytest.mark.parametrize(
     "accelerate_config, options",
-    [("cpu_eager.yaml", ADAMW), ("cpu_ddp2.yaml", []), ("cpu_eager.yaml", MUON)],
+    [(None, ADAMW), ("cpu_ddp2.yaml", []), (None, MUON)],
     ids=["1proc-adamw", "ddp2", "1proc-muon"],
 )
 def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config, options):
@@ -157,13 +157,13 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     common = [*MUON, "--warmup-steps", "3", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
     budget = [*common, "--max-steps", "5000", "--time-budget-minutes", "0.1"]  # 6 s of steps: ~100-300 here
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    proc = start_and_wait(tiny_cmd("cpu_eager.yaml", killed, prepared_books, *budget), killed, until_step=6)
+    proc = start_and_wait(tiny_cmd(None, killed, prepared_books, *budget), killed, until_step=6)
     kill_tree(proc.pid)
     proc.wait()
     time.sleep(1)
     decided = {r["step"]: r["total_steps"] for r in read_metrics(killed / "metrics.jsonl") if "total_steps" in r}
     assert min(decided) == 3  # at the end of the warmup
-    resumed = run(tiny_cmd("cpu_eager.yaml", killed, prepared_books, *budget, "--resume", "auto"))
+    resumed = run(tiny_cmd(None, killed, prepared_books, *budget, "--resume", "auto"))
     assert re.search(r"\| (\d+) steps \|", resumed.stdout)[1] in {str(t) for t in decided.values()}  # not max_steps
     decided = {r["step"]: r["total_steps"] for r in read_metrics(killed / "metrics.jsonl") if "total_steps" in r}
     assert len(decided) > 1  # re-timed after the warmup
@@ -171,7 +171,7 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     total = decided[max(decided)]
     assert max(losses_by_step(killed)) == total < 5000
 
-    run(tiny_cmd("cpu_eager.yaml", straight, prepared_books, *common, "--max-steps", str(total)))
+    run(tiny_cmd(None, straight, prepared_books, *common, "--max-steps", str(total)))
     assert losses_by_step(killed) == losses_by_step(straight)
 
 
@@ -402,7 +402,7 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
 
     def launch(*args: str) -> list[str]:
         cmd = tiny_cmd("cpu_ddp2.yaml", run_dir, prepared_books, *args, launch_args=["-q"])
-        return [sys.executable, "-m", "training.launch", *cmd[2:]]  # in place of `accelerate launch`
+        return [sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]]  # in place of the launcher
 
     data = tmp_path / "data"
     shutil.copytree(prepared_books, data)
