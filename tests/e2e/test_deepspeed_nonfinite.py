@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from testkit import REPO, free_port, run
+from testkit import ACCELERATE_LAUNCH, REPO, free_port, run
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +69,7 @@ def launch(tmp_path, launch_args: list[str], expect_rc: int = 0) -> subprocess.C
     script = tmp_path / "ds_steps.py"
     script.write_text(SCRIPT)
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--main_process_port", str(free_port()),
+        *ACCELERATE_LAUNCH, *launch_args, "--main_process_port", str(free_port()),
         str(script), str(tmp_path / "rows.json"), "1",
     ]  # fmt: skip
     return run(cmd, expect_rc=expect_rc, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})

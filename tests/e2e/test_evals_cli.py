@@ -10,7 +10,7 @@ import pytest
 from data_prep.tokenizer import get_encoding
 from evals.loading import load_model
 from evals.runner import run_task
-from testkit import REPO, run
+from testkit import ACCELERATE_LAUNCH, REPO, run
 from training.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def run_cli(args: list[str], launcher: list[str]) -> subprocess.CompletedProcess
 def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path):
     args = ["--run", str(tiny_run), "--tasks", "hellaswag,lambada", "--limit", "12", "--batch-size", "5"]
     one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"])
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp2.yaml"]
+    launch = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/cpu_ddp2.yaml"]
     two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"])
     assert "1 process(es)" in one.stdout and "2 process(es)" in two.stdout
     assert "| hellaswag | acc_norm |" in one.stdout and "| lambada | ppl |" in one.stdout
