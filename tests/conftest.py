@@ -23,7 +23,7 @@ from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
-from testkit import TINY_MODEL, new_run, write_checkpoint
+from testkit import NO_DATASETS, TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import isolate_inductor_cache
 
@@ -53,6 +53,7 @@ def consistent_matmul_precision() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def prepared_books(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared data dir: ~117k train tokens in 3 shards, ~37k val tokens in 1 shard. Read-only."""
+    pytest.importorskip("datasets", reason=NO_DATASETS)
     out = tmp_path_factory.mktemp("prepared") / "books"
     prepare(BOOKS_SOURCE, out, shard_tokens=40_000, val_fraction=0.1)
     return out

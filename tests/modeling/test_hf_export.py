@@ -20,6 +20,7 @@ from modeling.hf_export import (
     load_hf_config,
     to_hf_state_dict,
 )
+from testkit import NO_DATASETS
 
 SAMPLE = (
     "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too.\r\n"
@@ -67,6 +68,7 @@ def test_auto_tokenizer_encodes_like_tiktoken(tiny_gpt: GPT, export: Path):
 
 def test_auto_tokenizer_encodes_a_whole_book_like_tiktoken(export: Path):
     """Hamlet (~50k tokens of verse, prose, names and punctuation): every id the same, and back to the same text."""
+    pytest.importorskip("datasets", reason=NO_DATASETS)
     tokenizer = AutoTokenizer.from_pretrained(export)
     text = next(iter_documents("default:hamlet")).text
     expected = get_encoding().encode_ordinary(text)
