@@ -16,7 +16,7 @@ from testkit import REPO, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
-STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
+STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu", "cpu_speed"]
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
@@ -61,6 +61,10 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
         in (out / "10-cpu.log").read_text()
     )
     assert re.search(r"^=+ 1 passed", summary, re.MULTILINE), summary
+    # the CPU step's speed: rung 11 in bf16, its table in summary.md
+    cpu_speed = json.loads((out / "cpu_speed" / "ladder.json").read_text())
+    assert [(r["label"], r["status"]) for r in cpu_speed["rows"]] == [("11", "ok")]
+    assert "## cpu_speed/ladder.md" in summary and "cpu_bf16.yaml" in summary, summary
     with tarfile.open(out / "first_light.tgz") as tar:
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
