@@ -17,7 +17,8 @@
 #             `python -m bench.loss_numerics --device cuda`
 #   train     the README's `accelerate launch --config_file accelerate_configs/1xgpu.yaml train_accel.py`, shortened
 #             to TRAIN_STEPS (200) steps, with --micro-batch-size auto: metrics.jsonl, samples, loss.png, a
-#             checkpoint and the export; its "micro-batch: auto" and "start-up:" lines go into summary.md
+#             checkpoint and the export; its "micro-batch: auto" and "start-up:" lines go into summary.md, and
+#             any recompile or graph break dynamo logs (TORCH_LOGS=recompiles,graph_breaks)
 #   recipe    python -m bench.time_to_loss: the default recipe (Muon + wsd) against AdamW + cosine on the same tokens
 #             and seeds (RECIPE_SEEDS, 2): 100 steps of 64k tokens each (3.8 epochs of data/default), val loss
 #             against tokens and seconds, and the tokens and seconds each takes to AdamW's final val loss
@@ -266,8 +267,8 @@ for name in $STEPS; do
     case $name in
         environment) step environment environment ;;
         tests) step tests numerics ;;
-        train) step train "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${TRAIN_ARGS[@]}" \
-            --data-dir "$DATA" --out-dir "$OUT/train" ;;
+        train) step train env TORCH_LOGS=recompiles,graph_breaks "${LAUNCH[@]}" --config_file "$TRAIN_YAML" \
+            train_accel.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT/train" ;;
         recipe) step recipe $PY -m bench.time_to_loss "${RECIPE_ARGS[@]}" --baseline adamw-cosine --out "$OUT/recipe" ;;
         fp8) step fp8 "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${FP8_ARGS[@]}" "${QUIET[@]}" \
             --fp8-head true --data-dir "$DATA" --out-dir "$OUT/fp8" ;;
@@ -290,6 +291,8 @@ done
         echo "## $(basename "$log"): the micro-batch, the start-up, the FP8 head"
         echo
         grep -aoE "(micro-batch: auto|start-up:|note: fp8_head) .*" "$log"
+        # the train step's compiles beyond the first (its compile took ~10 s more than the ladder's of the same step)
+        grep -aE "\[__(recompiles|graph_breaks)\] (Recompiling|Graph break)" "$log" | cut -c1-300 | head -10
         echo
     done
     cpu_log=$(compgen -G "$OUT/*-cpu.log")
