@@ -139,7 +139,9 @@ def write_manifest(folder: Path) -> None:
 def checkpoint_damage(folder: Path) -> str | None:
     """What is wrong with a checkpoint folder (None: intact): a file missing, of another size or hash than its
     manifest says. Folders saved before manifests existed get a load test of the files a resume reads: each JSON
-    parses, safetensors' header and tensors fit the file, each torch.save zip (.bin, .pkl, .pt) has its directory."""
+    parses, safetensors' header and tensors fit the file, each torch.save zip (.bin, .pkl, .pt) has its directory,
+    and each torch.distributed.checkpoint folder's shards (FSDP2's .distcp) hold the bytes its .metadata places
+    there."""
     if not folder.is_dir():
         return "it does not exist"
     if (folder / MANIFEST).is_file():
@@ -167,8 +169,32 @@ def checkpoint_damage(folder: Path) -> str | None:
                 safe_open(str(path), "pt")  # checks that the header's tensors cover the file exactly
             elif path.suffix in (".bin", ".pkl", ".pt"):
                 zipfile.ZipFile(path).close()
-        except Exception as err:  # OSError, ValueError, zipfile's BadZipFile, safetensors' SafetensorError
+            elif path.name == DCP_METADATA:
+                short = _short_dcp_shard(path.parent)
+                if short:
+                    return f"{path.parent.relative_to(folder)}/{short}"
+        except Exception as err:  # OSError, ValueError, zipfile's BadZipFile, safetensors' SafetensorError, pickle's
             return f"{name} does not load ({type(err).__name__}: {str(err).partition(chr(10))[0]})"
+    return None
+
+
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index: which bytes of which shard hold each tensor
+
+
+def _short_dcp_shard(folder: Path) -> str | None:
+    """A torch.distributed.checkpoint folder's first shard that is missing or ends before the tensors its
+    .metadata places in it ("NAME is missing", "NAME is N bytes, its tensors end at byte M"); None if none."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for shard, end in sorted(ends.items()):
+        path = folder / shard
+        if not path.is_file():
+            return f"{shard} is missing"
+        if path.stat().st_size < end:
+            return f"{shard} is {path.stat().st_size:,} bytes, its tensors end at byte {end:,}"
     return None
 
 

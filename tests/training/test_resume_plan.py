@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -90,6 +91,28 @@ def test_checkpoints_without_a_manifest_resume_unless_a_file_does_not_load(tmp_p
     with pytest.raises(CheckpointError, match=newest_first):
         plan_resume(config(run_dir))
     assert plan_resume(config(run_dir, resume="never")) == (None, [])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save on one process, as intended here
+def test_a_sharded_checkpoint_without_a_manifest_is_damaged_when_a_shard_is_short_or_missing(tmp_path):
+    """FSDP2's torch.distributed.checkpoint folders, saved before manifests: .metadata says which bytes of which
+    .distcp hold each tensor, so a shard cut short or gone is named before the resume loads it."""
+    folder = tmp_path / "run" / "checkpoints" / "step-00000002"
+    for sub, seed in (("pytorch_model_fsdp_0", 0), ("optimizer_0", 1)):
+        g = torch.Generator().manual_seed(seed)
+        dcp.save({"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}, checkpoint_id=folder / sub)
+    (folder / "meta.json").write_text(json.dumps({"step": 2}))
+    assert checkpoint_damage(folder) is None
+    [shard] = (folder / "optimizer_0").glob("*.distcp")
+    size = shard.stat().st_size
+    truncate(shard)
+    assert checkpoint_damage(folder) == (
+        f"optimizer_0/{shard.name} is {size - 100:,} bytes, its tensors end at byte {size:,}"
+    )
+    shard.unlink()
+    assert checkpoint_damage(folder) == f"optimizer_0/{shard.name} is missing"
+    (folder / "optimizer_0" / ".metadata").write_bytes(b"not a pickle")
+    assert checkpoint_damage(folder).startswith("optimizer_0/.metadata does not load (")
 
 
 def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(tmp_path):
