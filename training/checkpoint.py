@@ -102,6 +102,7 @@ def ensure_writable(run_dir: str | Path) -> None:
 
 
 MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index: which bytes of which shard hold each tensor
 PREVIOUS = "previous-"  # run folders' subfolders holding what a fresh start or a resume set aside
 _LOCKS = (".run.lock", ".run.lock.json")  # training.runlock's: the live run's, never set aside
 _CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
@@ -176,9 +177,6 @@ def checkpoint_damage(folder: Path) -> str | None:
         except Exception as err:  # OSError, ValueError, zipfile's BadZipFile, safetensors' SafetensorError, pickle's
             return f"{name} does not load ({type(err).__name__}: {str(err).partition(chr(10))[0]})"
     return None
-
-
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index: which bytes of which shard hold each tensor
 
 
 def _short_dcp_shard(folder: Path) -> str | None:
