@@ -52,7 +52,7 @@
 # compile 27.4 and 32.2 s of it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 479-484k,
 # MFU 41.8%; target 560k); rung 11 against build-nanogpt at B16 (1.03x and 1.04x on the H200); the unit tests on
 # the box's AMX Xeon, each failure's traceback now in the log as it happens (on 2026-11-27: every CPU-attention case
-# passed; test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32 failed, its reason cut off by the time limit).
+# passed; test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32 failed, its reason cut off by the time limit);
 # and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16 peak at small-cpu on AMX). The
 # ladder (1.03x, 1.04x), loss and tests steps, measured on 2026-11-26/27 with this code, are left out for time.
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
