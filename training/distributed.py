@@ -53,6 +53,7 @@ def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwarg
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if _launched_with("DEEPSPEED"):
             kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(backend="gloo")]
+            _no_shared_memory_all_reduce()
         elif _launched_with("FSDP"):
             state = PartialState(cpu=True)
             if state.distributed_type == DistributedType.MULTI_CPU:
@@ -76,6 +77,16 @@ def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwarg
             set_deepspeed_micro_batch(accelerator, micro_batch_size)
         deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
+
+
+def _no_shared_memory_all_reduce() -> None:
+    """On the CPU, deepspeed.comm compiles its shared-memory all-reduce (a C++ extension: 1.5-2 minutes on 2 cores,
+    once per machine and environment) as it sets up the process group, and only its inference all-reduce calls it:
+    training's collectives are gloo's. Marked not buildable (a dict deepspeed.ops keeps for such edits), a ZeRO run
+    starts without the compile."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def set_deepspeed_micro_batch(accelerator: Accelerator, micro_batch_size: int) -> None:

@@ -72,7 +72,13 @@ def launch(tmp_path, launch_args: list[str], expect_rc: int = 0) -> subprocess.C
         *ACCELERATE_LAUNCH, *launch_args, "--main_process_port", str(free_port()),
         str(script), str(tmp_path / "rows.json"), "1",
     ]  # fmt: skip
-    return run(cmd, expect_rc=expect_rc, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    # an extensions folder of its own: a JIT-compiled DeepSpeed op would land here
+    extensions = tmp_path / "torch_extensions"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    result = run(cmd, expect_rc=expect_rc, timeout=300, env=env)
+    # training's collectives are gloo's: nothing compiled (DeepSpeed's shared-memory all-reduce takes 1.5-2 min)
+    assert not extensions.exists() or not any(extensions.iterdir())
+    return result
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
