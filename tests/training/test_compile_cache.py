@@ -71,14 +71,14 @@ def compile_probe(cache: Path, isolate: bool, env: dict[str, str] | None = None)
 
 @pytest.mark.slow
 def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
-    """Without the subfolders inductor serves the scalar build to the vectorizing process (torch 2.13): the cache key
-    misses the ISA. With them the second process compiles its own, and a third finds it."""
-    shared, isolated = tmp_path / "shared", tmp_path / "isolated"
-    compile_probe(shared, isolate=False, env=SCALAR)
-    served = compile_probe(shared, isolate=False).get("fxgraph_cache_hit", 0)
-    assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
-
-    compile_probe(isolated, isolate=True, env=SCALAR)
-    second = compile_probe(isolated, isolate=True)
+    """With the subfolders, a process vectorizing for this CPU is not served the scalar build: it compiles its own,
+    and a third process finds it. Without them (the scalar build's folder as the one cache) inductor serves the
+    scalar build to the vectorizing process (torch 2.13): the cache key misses the ISA."""
+    compile_probe(tmp_path, isolate=True, env=SCALAR)
+    (scalar,) = tmp_path.glob(PREFIX + "*")  # the scalar build's subfolder
+    second = compile_probe(tmp_path, isolate=True)
     assert second.get("fxgraph_cache_hit", 0) == 0 and second["fxgraph_cache_miss"] == 1
-    assert compile_probe(isolated, isolate=True)["fxgraph_cache_hit"] == 1
+    assert compile_probe(tmp_path, isolate=True)["fxgraph_cache_hit"] == 1
+
+    served = compile_probe(scalar, isolate=False).get("fxgraph_cache_hit", 0)
+    assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
