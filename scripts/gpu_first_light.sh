@@ -29,7 +29,7 @@
 #   loss      python -m bench.loss_speed at gpt2-124m: the fused loss against F.cross_entropy (time, peak memory),
 #             eager and compiled, and which form the loss rule (modeling.fused_ce.takes_full_logits) picks
 #   nccl      the MULTI_GPU accelerate_configs/8xh100.yaml launched in 1 process: an all_reduce over the process
-#             group, which must be NCCL, then 20 training steps
+#             group, which must be NCCL, then 20 training steps (no eval, sample or export: the train step's)
 #   hellaswag python -m evals on the train step's export, HELLASWAG_LIMIT (2000) examples
 #   cpu       the unit tests that launch no process (tests/modeling, tests/training, -m "not slow") on this machine's
 #             CPU, CPU_TEST_WORKERS (8) pytest workers, each test's result on its own line: GPU machines have had
@@ -116,7 +116,7 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
         --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
-    DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 0 --sample-interval 0)
+    DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
     RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --data-dir '$DATA'" --eval-every 2 --seeds 1
         --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
@@ -133,7 +133,7 @@ else
     DDP_YAML=accelerate_configs/8xh100.yaml
     TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
         --checkpoint-interval "${TRAIN_STEPS:-200}" --micro-batch-size auto)
-    DDP_ARGS=(--max-steps 20 --log-interval 5 --eval-interval 0 --sample-interval 0)
+    DDP_ARGS=(--max-steps 20 --log-interval 5)
     TESTS=(tests/modeling/test_fused_ce.py tests/modeling/test_fp8_head.py "$VERDICT_TEST")
     # 64k-token steps: 100 of them are 3.8 epochs of data/default's 1.7M train tokens (the recipe's 524k-token step
     # would repeat the corpus 4 times in 13 steps)
@@ -258,8 +258,9 @@ print(f"distributed_type {state.distributed_type}, backend {dist.get_backend()},
 EOF
     "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" "$probe" | tee "$OUT/nccl_backend.txt" || return
     grep -q "backend $BACKEND," "$OUT/nccl_backend.txt" || { echo "error: the backend is not $BACKEND"; return 1; }
-    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" train_accel.py "${DDP_ARGS[@]}" --data-dir "$DATA" \
-        --out-dir "$OUT/nccl"
+    # the process group and the steps, no export (the train step's) or its start-up check
+    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" train_accel.py "${DDP_ARGS[@]}" "${QUIET[@]}" \
+        --data-dir "$DATA" --out-dir "$OUT/nccl"
 }
 
 QUIET=(--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false)
