@@ -118,8 +118,9 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
         --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
-    RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --data-dir '$DATA'" --eval-every 2 --seeds 1
-        --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
+    # 8 val windows: its 12 evals (2 recipes x 3 points x 2 val sets) on tiny_cpu.yaml's 64 took 20 of its 32 s
+    RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --eval-windows 8 --data-dir '$DATA'"
+        --eval-every 2 --seeds 1 --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
     FP8_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
     LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)

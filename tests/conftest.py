@@ -3,6 +3,7 @@ downloaded once into the user cache, then offline)."""
 
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def cpu_process_set_up() -> None:
     and no first call of MKL's vector math inside a comparison."""
     isolate_inductor_cache(torch.device("cpu"))
     warm_up_vector_math(torch.device("cpu"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo() -> None:
+    """Each test file compiles from dynamo's initial state, as a process of its own would. Otherwise a function an
+    earlier file compiled in this worker (GPT.forward) is recompiled at a new shape with symbolic sizes (automatic
+    dynamic shapes): another graph, whose compile-cache key hangs on which files this worker ran first, so a warm
+    cache missed and the file built C++ for minutes (the compiled activation-checkpointing test: 125 s, 8 s on a
+    hit). Within a file the order is fixed, and a file's tests may share a compiled function's graphs."""
+    if "torch._dynamo" in sys.modules:  # an eager file never imports it (1.9 s)
+        torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)
