@@ -43,7 +43,7 @@ def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_pat
     """AdamW and Muon at tiny-cpu for 4 steps, eager fp32 (cpu_eager.yaml) so nothing compiles: each curve starts
     near ln(vocab), falls, and is reported in the table, the JSON and the PNG."""
     out = tmp_path / "ttl"
-    common = f"--data-dir {prepared_books} --max-steps 4 --warmup-steps 1 --eval-windows 16 --peak-tflops 1"
+    common = f"--data-dir {prepared_books} --max-steps 4 --warmup-steps 1 --eval-windows 8 --peak-tflops 1"
     cmd = [
         sys.executable, "-m", "bench.time_to_loss", "--config", "configs/tiny_cpu.yaml", "--seeds", "1",
         "--recipe", "adamw=--optimizer adamw --lr 3e-3", "--recipe", "muon=--optimizer muon --lr 3e-3",

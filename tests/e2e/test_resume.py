@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,23 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 MUON = ["--optimizer", "muon", "--lr-schedule", "wsd", "--muon-momentum-warmup-steps", "8"]
 ADAMW = ["--optimizer", "adamw", "--lr-schedule", "cosine"]
+TWELVE = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(prepared_books, tmp_path_factory) -> Callable[[str | None, list[str]], Path]:
+    """straight(accelerate_config, options): the uninterrupted 12-step run of TWELVE + options, launched once per
+    module (the kill tests compare against the same runs)."""
+    runs: dict[tuple, Path] = {}
+
+    def straight(accelerate_config: str | None, options: list[str]) -> Path:
+        key = (accelerate_config, *options)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("straight") / "run"
+            run(tiny_cmd(accelerate_config, runs[key], prepared_books, *TWELVE, *options))
+        return runs[key]
+
+    return straight
 
 
 @pytest.mark.parametrize(
@@ -87,14 +105,15 @@ ADAMW = ["--optimizer", "adamw", "--lr-schedule", "cosine"]
     [(None, ADAMW), ("cpu_ddp2.yaml", []), (None, MUON)],
     ids=["1proc-adamw", "ddp2", "1proc-muon"],
 )
-def test_sigkill_then_resume_auto_is_bitwise_identical(prepared_books, tmp_path, accelerate_config, options):
+def test_sigkill_then_resume_auto_is_bitwise_identical(
+    prepared_books, tmp_path, straight_runs, accelerate_config, options
+):
     """Straight 12 steps == killed with SIGKILL after step 5, then `--resume auto` to 12 (fp32: bitwise): AdamW +
     cosine, the default recipe under DDP, and Muon with a momentum warmup. Under muon the checkpoint holds both
     optimizers' state (Muon's momentum, AdamW's moments) and the one schedule, which also warms up Muon's momentum
     past the kill."""
-    args = ["--max-steps", "12", "--checkpoint-interval", "2", "--keep-checkpoints", "2", *options]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(tiny_cmd(accelerate_config, straight, prepared_books, *args))
+    args = [*TWELVE, *options]
+    straight, killed = straight_runs(accelerate_config, options), tmp_path / "killed"
 
     proc = start_and_wait(tiny_cmd(accelerate_config, killed, prepared_books, *args), killed, until_step=5)
     kill_tree(proc.pid)  # the launcher and every rank
@@ -122,14 +141,13 @@ def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
     return list_checkpoints(run_dir)[-1]
 
 
-def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path):
+def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path, straight_runs):
     """Killed on 1 process (micro-batch 4, accumulation 2), resumed on 2 (DDP over gloo: 4, 1), killed, resumed on 1 at
-    micro-batch 2 (accumulation 4): one line names each change, the optimizer, schedule and token count go on, and
-    every step's loss is the uninterrupted 1-process run's (the same windows in each step: a window seen twice or
-    skipped would change it; only the order of the sums differs)."""
-    args = ["--max-steps", "12", "--checkpoint-interval", "2"]
-    straight, elastic = tmp_path / "straight", tmp_path / "elastic"
-    run(tiny_cmd(None, straight, prepared_books, *args))
+    micro-batch 2 (accumulation 4), under Muon with a momentum warmup: one line names each change, the optimizer,
+    schedule and token count go on, and every step's loss is the uninterrupted 1-process run's (the same windows in
+    each step: a window seen twice or skipped would change it; only the order of the sums differs)."""
+    args = [*TWELVE, *MUON]
+    straight, elastic = straight_runs(None, MUON), tmp_path / "elastic"
 
     first = kill_after(tiny_cmd(None, elastic, prepared_books, *args), elastic, step=3)
     ddp = tiny_cmd("cpu_ddp2.yaml", elastic, prepared_books, *args, "--resume", "auto")
