@@ -193,21 +193,6 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     assert losses_by_step(killed) == losses_by_step(straight)
 
 
-def test_resume_auto_ignores_a_checkpoint_killed_mid_write(prepared_books, tmp_path):
-    """A kill during save leaves step-N.tmp; --resume auto uses the previous complete checkpoint and finishes."""
-    run_dir = tmp_path / "run"
-    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--checkpoint-interval", "2"))
-    complete = list_checkpoints(run_dir)[-1]
-    partial = run_dir / "checkpoints" / "step-00000006.tmp"  # what a SIGKILL inside save_state leaves behind
-    partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"\x00" * 100)
-    resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "8", "--checkpoint-interval", "2",
-                            "--resume", "auto"))  # fmt: skip
-    assert f"resumed from {complete} at step 4" in resumed.stdout
-    assert [p.name for p in list_checkpoints(run_dir)][-1] == "step-00000008"
-    assert not partial.exists()  # the stale temp folder was cleaned when step 6 was saved for real
-
-
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
     run_dir = tmp_path / "run"
     cmd = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
@@ -366,10 +351,11 @@ def train_steps(run_dir: Path) -> list[int]:
 
 
 def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mixes_two_runs(prepared_books, tmp_path):
-    """Relaunched as it was (resume auto is the default), a run whose newest checkpoint was truncated names it in one
-    warning, resumes the one before (saved without a manifest, as before manifests existed: load-tested instead)
-    and logs each step once; that damaged checkpoint given by path stops with one line; --resume never moves the
-    whole run into previous-<time>/ and starts afresh."""
+    """Relaunched as it was (resume auto is the default), a run whose newest checkpoint was truncated and whose next
+    save was killed mid-write (a step-N.tmp folder) names the damaged one in one warning, resumes the one before
+    (saved without a manifest, as before manifests existed: load-tested instead), clears the partial save and logs
+    each step once; that damaged checkpoint given by path stops with one line; --resume never moves the whole run
+    into previous-<time>/ and starts afresh."""
     run_dir = tmp_path / "run"
     args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3"]
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "6", *args))
@@ -378,6 +364,9 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     weights = step6 / "model.safetensors"
     size = weights.stat().st_size
     os.truncate(weights, size // 2)
+    partial = run_dir / "checkpoints" / "step-00000008.tmp"  # what a SIGKILL inside save_state leaves behind
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\x00" * 100)
 
     again = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "8", *args))
     damage = f"model.safetensors is {size // 2:,} bytes, {size:,} when saved"
@@ -388,6 +377,7 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     damaged = previous / "checkpoints" / step6.name  # out of the way of --resume auto and of pruning
     assert checkpoint_damage(damaged) == damage
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000006", "step-00000008"]
+    assert not list(run_dir.rglob("*.tmp"))  # the partial save cleared, not set aside with the damaged checkpoint
 
     refused = run(tiny_cmd(None, run_dir, prepared_books, "--resume", str(damaged)), expect_rc=1)
     [line] = refused.stderr.strip().splitlines()
