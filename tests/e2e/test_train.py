@@ -46,6 +46,7 @@ def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
     # to the warm one, so its graphs hit (~35 s of C++ builds otherwise) and whatever else it writes stays beside.
     users = run.parent / "inductor"
     isa_folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    isa_folder.mkdir(parents=True, exist_ok=True)  # on a new machine nothing may have compiled yet
     users.mkdir()
     (users / isa_folder.name).symlink_to(isa_folder, target_is_directory=True)
     result = testkit.run(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(users)})
