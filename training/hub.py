@@ -14,12 +14,15 @@ import shutil
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from data_prep.sources import LICENSES
 from modeling.runs import read_metrics
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCardData
 
 
 class HubError(RuntimeError):
@@ -69,6 +72,8 @@ def data_sources(manifest: dict | None) -> list[dict]:
 def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[str, float]) -> ModelCardData:
     """The card's metadata: license, tags, the Hub datasets trained on, the base model, and `evals` (the last eval
     row: val_loss, benchmark scores) as model-index results."""
+    from huggingface_hub import EvalResult, ModelCardData  # 0.3 s of imports: paid by the runs that write a card
+
     sources = data_sources(manifest)
     hub_datasets = sorted({s["dataset"] for s in sources if s["dataset"]})
     results = []
@@ -115,6 +120,8 @@ def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[st
 
 def check_model_card(config: dict) -> None:
     """Raise now what writing the card would raise at the end (huggingface_hub, the data's manifest)."""
+    from huggingface_hub import ModelCard
+
     ModelCard(f"---\n{card_data('check', config, _manifest(config), {'val_loss': 1.0}).to_yaml()}\n---\n")
 
 
@@ -132,6 +139,8 @@ def check_push(repo_id: str) -> None:
 def render_model_card(run_dir: str | Path) -> str:
     """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs and schedule
     as config.yaml says the run used them, steps, tokens, losses, eval results, throughput and the loss plot."""
+    from huggingface_hub import ModelCard
+
     run_dir = Path(run_dir)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -237,9 +237,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     if warning:
         accelerator.print(warning)
     startup.lap("data")
-    if cfg.export_hf:
-        check_outputs(cfg, model_config)
-        startup.lap("export_check")  # what the end of the run writes, tried now
+    if cfg.export_hf:  # what the end of the run writes, tried now by the process that writes it; every rank stops alike
+        decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
+        startup.lap("export_check")
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
@@ -321,7 +321,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
 
 def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
     """What write_outputs needs, checked before any training: the export (transformers, a GPT-2 shape, a one-layer
-    model and the tokenizer written in a temporary folder) and its model card (huggingface_hub, the manifest)."""
+    model and the tokenizer written in a temporary folder) and its model card (huggingface_hub, the manifest). Run
+    on the main process, which alone writes them: the other ranks never import transformers."""
     try:
         from modeling.hf_export import check_export  # imports transformers (~3 s)
 

@@ -43,9 +43,11 @@ def logged_steps(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def start_and_wait(cmd: list[str], run_dir: Path, until_step: int) -> subprocess.Popen:
+def start_and_wait(
+    cmd: list[str], run_dir: Path, until_step: int, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start a run in its own process group and return once it has logged `until_step` (still running)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while logged_steps(run_dir) < until_step:
@@ -53,6 +55,26 @@ def start_and_wait(cmd: list[str], run_dir: Path, until_step: int) -> subprocess
         assert time.monotonic() < deadline, "run too slow"
         time.sleep(0.05)
     return proc
+
+
+# A transformers package that fails to import on one rank (torchrun's RANK) and hands over to the real one elsewhere.
+BROKEN_TRANSFORMERS = """
+import importlib, os, sys
+if os.environ.get("RANK", "0") == os.environ["BROKEN_RANK"]:
+    raise ImportError(f"transformers is broken on rank {os.environ['BROKEN_RANK']}")
+sys.path.remove(os.path.dirname(os.path.dirname(__file__)))
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)
+"""
+
+
+def broken_transformers(root: Path, rank: str) -> dict[str, str]:
+    """The environment of a launch whose processes import BROKEN_TRANSFORMERS, broken on `rank`."""
+    package = root / "broken" / "transformers"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(BROKEN_TRANSFORMERS)
+    path = os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "BROKEN_RANK": rank}
 
 
 def kill_tree(root: int) -> None:
@@ -404,8 +426,9 @@ def last_line(output: str) -> str:
 def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
     """Through `python -m training.launch` (accelerate launch without the launcher's tracebacks) on the 2-process gloo
     twin of the GPU YAMLs: bad input found on every rank after the process group started (data of another vocabulary)
-    ends with our error line, printed once and last, not torchrun's ChildFailedError traceback; a SIGTERM to the
-    launcher saves a checkpoint and ends with the run's own line, not SignalException's traceback."""
+    ends with our error line, printed once and last, not torchrun's ChildFailedError traceback, and so does an
+    export check failed on rank 0, the only rank that runs it; a SIGTERM to the launcher saves a checkpoint and ends
+    with the run's own line, not SignalException's traceback."""
     run_dir = tmp_path / "run"
 
     def launch(*args: str) -> list[str]:
@@ -422,7 +445,17 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
     assert last_line(bad.stderr).startswith(f"error: {data} was tokenized with a 100277-id vocabulary"), bad.stderr
     assert bad.stderr.count("error: ") == 1, bad.stderr[-3000:]
 
-    launcher = start_and_wait(launch("--max-steps", "500", "--checkpoint-interval", "0"), run_dir, until_step=3)
+    # The export is the main process's to write: it alone tries it at start-up and hands its verdict to rank 1, which
+    # stops alike (it would wait in the process group if it went on) ...
+    no_export = run(launch("--export-hf", "true"), expect_rc=1, env=broken_transformers(tmp_path, rank="0"))
+    assert last_line(no_export.stderr).startswith(
+        "error: the export at the end of this run would fail (ImportError: transformers is broken on rank 0)"
+    ), no_export.stderr[-3000:]
+    assert no_export.stderr.count("error: ") == 1 and "Traceback" not in no_export.stderr, no_export.stderr[-3000:]
+
+    # ... and never imports transformers: where only rank 1's is broken, the run trains (here until the SIGTERM).
+    launcher = start_and_wait(launch("--max-steps", "500", "--checkpoint-interval", "0", "--export-hf", "true"),
+                              run_dir, until_step=3, env=broken_transformers(tmp_path, rank="1"))  # fmt: skip
     try:
         os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as docker stop / Kubernetes / SLURM do
         out, _ = launcher.communicate(timeout=120)
