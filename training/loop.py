@@ -237,9 +237,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     if warning:
         accelerator.print(warning)
     startup.lap("data")
-    if cfg.export_hf:  # what the end of the run writes, tried now by the process that writes it; every rank stops alike
-        decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
-        startup.lap("export_check")
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
@@ -265,6 +262,11 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)
     startup.lap("model")
+    # What the end of the run writes, tried now by the main process, which writes it, while the other ranks build
+    # their model (it is the main process's start-up they wait for in prepare()); every rank stops alike.
+    if cfg.export_hf:
+        decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
+        startup.lap("export_check")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     startup.lap("prepare")
     progress = TrainProgress()
