@@ -107,6 +107,7 @@ BAD_VALUES = {
     "lr_schedule": ("linear", r"lr_schedule must be one of cosine, wsd, got 'linear'"),
     "decay_fraction": (1.5, r"decay_fraction must be in \[0, 1\]"),
     "time_budget_minutes": (-5.0, r"time_budget_minutes must be >= 0 \(0: no time budget\)"),
+    "resume": ("", r"resume must be auto, never or a checkpoint folder, got ''"),
 }
 
 
