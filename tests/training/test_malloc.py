@@ -27,7 +27,7 @@ PROBE = textwrap.dedent("""
         fused_linear_cross_entropy(h, w, targets).backward()
         h.grad = w.grad = None
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    print([faults_of_a_step() for _ in range(5)])
+    print([faults_of_a_step() for _ in range(int(sys.argv[2]))])
 """)
 
 
@@ -35,13 +35,14 @@ PROBE = textwrap.dedent("""
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_a_step_reuses_the_memory_the_last_one_freed():
     """By default every step maps its big buffers afresh (~50,000 page faults a step here); kept, the steps after
-    the first fault (next to) nothing."""
-    faults = {
-        mode: ast.literal_eval(run([sys.executable, "-c", PROBE, mode]).stdout.strip()) for mode in ("default", "keep")
-    }
-    assert min(faults["default"][1:]) > 20_000
-    assert min(faults["keep"][1:]) * 10 < min(faults["default"][1:])
-    assert sorted(faults["keep"][1:])[1] < 100  # all but an occasional step
+    the second fault (next to) nothing. The second step still grows the heap by one buffer
+    (every run here), and glibc's placement now and then grows it once more on a later step (seen in one run of five
+    with AVX2 kernels, and in CI): at most a quarter of the later steps may."""
+    default = ast.literal_eval(run([sys.executable, "-c", PROBE, "default", "4"]).stdout.strip())
+    keep = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "10"]).stdout.strip())
+    assert min(default[1:]) > 20_000
+    steady = keep[2:]
+    assert sum(faults > 100 for faults in steady) <= len(steady) // 4, keep
 
 
 @pytest.mark.slow
@@ -49,5 +50,5 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
 def test_a_users_own_malloc_tuning_wins():
     """With MALLOC_* set in the environment keep_freed_memory changes nothing: the user's threshold applies."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    faults = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep"], env=env).stdout.strip())
+    faults = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "4"], env=env).stdout.strip())
     assert min(faults[1:]) > 20_000
