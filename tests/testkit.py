@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
-from modeling.config import get_preset
+from modeling.config import GPTConfig, get_preset
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +65,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The in-process compiled model tests (tests/modeling: compiled == eager, activation checkpointing compiled) compile
+# this model on this batch: one graph, so on an empty compile cache the second test is served the first one's C++
+# kernels (~23 builds, 17-40 s) instead of building its own. 80 x 16 = 1,280 rows: two loss chunks (CHUNK_ROWS 1,024 +
+# a ragged 256); a small head keeps the eager twin cheap.
+COMPILED_TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512)
+
+
+def compiled_tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, targets) for COMPILED_TINY, three targets ignored."""
+    idx = torch.randint(0, 512, (80, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 512, (80, 16), generator=torch.Generator().manual_seed(1))
+    targets[0, :3] = -100
+    return idx, targets
 
 
 # Eval run folders (tests/evals, tests/e2e): tiny-cpu at the block_size that new_run's config.yaml gives it.

@@ -7,16 +7,15 @@ import torch
 
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
-
-SHAPE = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=32, vocab_size=50304)
+from testkit import COMPILED_TINY, compiled_tiny_batch
 
 
 def loss_and_grads(checkpointed: bool, compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The plain model compiled is test_gpt.py's compiled graph (testkit.COMPILED_TINY): a warm cache serves it."""
     torch.manual_seed(0)
-    model = GPT(SHAPE)
+    model = GPT(COMPILED_TINY)
     model.activation_checkpointing = checkpointed
-    x = torch.randint(0, 50257, (2, SHAPE.block_size), generator=torch.Generator().manual_seed(1))
-    _, loss = (torch.compile(model) if compiled else model)(x, torch.roll(x, -1, dims=1))
+    _, loss = (torch.compile(model) if compiled else model)(*compiled_tiny_batch())
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 

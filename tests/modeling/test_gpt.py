@@ -1,6 +1,5 @@
 """modeling.config and modeling.gpt: presets, shapes, init, loss, generation, optimizer groups, compile."""
 
-import dataclasses
 import math
 
 import pytest
@@ -9,6 +8,7 @@ import torch.nn.functional as F
 
 from modeling.config import PRESETS, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT, CausalSelfAttention, TanhGELU
+from testkit import COMPILED_TINY, compiled_tiny_batch
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)
 
@@ -193,12 +193,9 @@ def test_generate_crops_context_and_is_reproducible():
 
 @pytest.mark.slow  # inductor compiles in processes of its own (compile workers, the C++ compiler)
 def test_compiled_forward_backward_matches_eager():
-    config = dataclasses.replace(TINY, vocab_size=512)  # small head: this test pays for one inductor compile
-    eager = tiny_model(config)
-    compiled_model = tiny_model(config)
-    # 80 x 16 = 1,280 rows: two loss chunks (CHUNK_ROWS 1,024 + a ragged 256), some of them ignored
-    idx, targets = random_ids(80, 16, vocab=512), random_ids(80, 16, vocab=512, seed=1)
-    targets[0, :3] = -100
+    eager = tiny_model(COMPILED_TINY)
+    compiled_model = tiny_model(COMPILED_TINY)
+    idx, targets = compiled_tiny_batch()
     _, eager_loss = eager(idx, targets)
     eager_loss.backward()
     _, compiled_loss = torch.compile(compiled_model)(idx, targets)
