@@ -107,15 +107,16 @@ def test_cpu_bf16_yaml_autocasts_with_fp32_master_weights(prepared_books, tmp_pa
     assert fp32_losses[-1] < fp32_losses[0] - 0.5
 
 
-@pytest.fixture(scope="module", params=["adamw", "muon"])
-def batch_layout_runs(request, prepared_books, tmp_path_factory):
-    """Three runs over the same 10 × 1024-token global batches, laid out differently, with each optimizer; val loss
+@pytest.fixture(scope="module")
+def batch_layout_runs(prepared_books, tmp_path_factory):
+    """Three runs over the same 10 × 1024-token global batches, laid out differently, with the default optimizer
+    (Muon for the blocks' matrices, AdamW for the rest, so both update rules see each layout's gradients); val loss
     at steps 0 and 10 on 21 windows (neither micro-batch size nor 2 ranks divide it: filler rows on every
-    layout); the DDP one exports."""
-    root = tmp_path_factory.mktemp(f"layouts_{request.param}")
+    layout); the DDP one exports. `--optimizer adamw` alone is checked on these layouts by test_ddp_compile.py
+    (DDP with accumulation == one process) and test_sharded.py (its DDP run against the sharded engines)."""
+    root = tmp_path_factory.mktemp("layouts")
     common = ["--max-steps", "10", "--total-batch-tokens", "1024", "--log-interval", "1", "--eval-interval", "10",
-              "--eval-windows", "21", "--checkpoint-interval", "0", "--lr", "3e-3", "--warmup-steps", "2",
-              "--optimizer", request.param]  # fmt: skip
+              "--eval-windows", "21", "--checkpoint-interval", "0", "--lr", "3e-3", "--warmup-steps", "2"]  # fmt: skip
     runs = {
         "1proc_mb4_x4": launch(None, root / "a", prepared_books, "--micro-batch-size", "4", *common),
         "1proc_mb16_x1": launch(None, root / "b", prepared_books, "--micro-batch-size", "16", *common),
@@ -130,12 +131,12 @@ def batch_layout_runs(request, prepared_books, tmp_path_factory):
     groups = (
         "Muon lr 0.02 momentum 0.95, Newton-Schulz in float32: 8 tensors muon (wd 0.1); AdamW lr 0.003: 2 tensors decay"
     )
-    assert (groups in runs["2proc_mb4_x2"].stdout) == (request.param == "muon")  # the start-up line says which
+    assert groups in runs["2proc_mb4_x2"].stdout  # the start-up line names both update rules
     return {"1proc_mb4_x4": root / "a", "1proc_mb16_x1": root / "b", "2proc_mb4_x2": root / "c"}
 
 
 def assert_same_weights(got: Path, want: Path) -> None:
-    """fp32: equal up to summation order, with either optimizer (fp32 runs orthogonalize Muon's updates in fp32;
+    """fp32: equal up to summation order, with Muon too (fp32 runs orthogonalize Muon's updates in fp32;
     in bf16, as torch.optim.Muon does, its steep Newton-Schulz polynomial amplified those differences to 3.3% of a
     tensor's norm after 10 steps; in fp32 they stay under 6e-5)."""
     want_weights = final_weights(want)
@@ -162,7 +163,7 @@ def test_ddp_two_processes_match_one_process_with_double_accumulation(batch_layo
     assert losses(one)[-1] < losses(one)[0] - 0.5
 
 
-def test_export_holds_the_trained_weights_whatever_the_optimizer(batch_layout_runs):
+def test_export_holds_the_trained_weights(batch_layout_runs):
     """The export (transformers GPT-2) of a DDP run loads back into our GPT as exactly its last checkpoint (the
     embedding/head's 50,257 real rows: GPT-2 has no padded ones)."""
     from modeling.hf_export import load_hf
