@@ -14,9 +14,7 @@ pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).with_name("ddp_sync_probe.py")
 # AdamW: in bf16 Muon's Newton-Schulz would amplify the two runs' summation-order differences past the tolerance.
-# Micro-batch 8, the README run's (test_train.py): its compiled fp32 kernels serve most of this one's on a cache that
-# starts empty (8 new C++ builds instead of 22).
-TINY = ["--preset", "tiny-cpu", "--max-steps", "4", "--total-batch-tokens", "2048", "--micro-batch-size", "8",
+TINY = ["--preset", "tiny-cpu", "--max-steps", "4", "--total-batch-tokens", "1024", "--micro-batch-size", "4",
         "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval", "0", "--checkpoint-interval", "0",
         "--optimizer", "adamw"]  # fmt: skip
 
@@ -38,7 +36,7 @@ def probe(config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict
     ["no", pytest.param("bf16", marks=pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU"))],
 )
 def test_compiled_ddp_accumulates_without_all_reduce_and_matches_one_process(prepared_books, tmp_path, precision):
-    """cpu_ddp2.yaml compiled (mb 8 × accumulation 2 × 2 ranks) == 1 eager process (mb 8 × accumulation 4); every
+    """cpu_ddp2.yaml compiled (mb 4 × accumulation 2 × 2 ranks) == 1 eager process (mb 4 × accumulation 4); every
     gradient all-reduce comes at the step's last micro-batch: the same number each step, none while accumulating."""
     mp = ["--mixed_precision", precision]
     ddp = probe("cpu_ddp2.yaml", prepared_books, tmp_path / "ddp", "--dynamo_backend", "inductor", *mp)
