@@ -76,8 +76,9 @@ COMPILED_TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_s
 
 def compiled_tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """(idx, targets) for COMPILED_TINY, three targets ignored."""
-    idx = torch.randint(0, 512, (80, 16), generator=torch.Generator().manual_seed(0))
-    targets = torch.randint(0, 512, (80, 16), generator=torch.Generator().manual_seed(1))
+    shape = (80, COMPILED_TINY.block_size)
+    idx = torch.randint(0, COMPILED_TINY.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, COMPILED_TINY.vocab_size, shape, generator=torch.Generator().manual_seed(1))
     targets[0, :3] = -100
     return idx, targets
 

@@ -35,9 +35,9 @@ PROBE = textwrap.dedent("""
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_a_step_reuses_the_memory_the_last_one_freed():
     """By default every step maps its big buffers afresh (~50,000 page faults a step here); kept, the steps after
-    the second fault (next to) nothing. The second step still grows the heap by one buffer
-    (every run here), and glibc's placement now and then grows it once more on a later step (seen in one run of five
-    with AVX2 kernels, and in CI): at most a quarter of the later steps may."""
+    the second fault (next to) nothing. The second step still grows the heap by one buffer (every run here), and
+    glibc's placement now and then grows it once more on a later step (seen in one run of five with AVX2 kernels,
+    and in CI): at most a quarter of the later steps may."""
     default = ast.literal_eval(run([sys.executable, "-c", PROBE, "default", "4"]).stdout.strip())
     keep = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "10"]).stdout.strip())
     assert min(default[1:]) > 20_000
