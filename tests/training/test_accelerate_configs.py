@@ -11,6 +11,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from accelerate.utils.other import compile_regions_fsdp2
 from torch._dynamo.testing import CompileCounter
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from modeling.config import GPTConfig, get_preset
@@ -151,13 +152,16 @@ def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
     accelerate_default = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
+        # on the CPU where a GPU is present too: fully_shard's default mesh is the accelerator's (cuda:0 on the GPU
+        # machines, where the twin's CPU loss could then not be compared with it)
+        mesh = init_device_mesh("cpu", (1,))
         got, grads = {}, {}
         for name, policy in (("ours", fsdp_plugin().mixed_precision_policy), ("default", accelerate_default)):
             torch.manual_seed(0)
             model = GPT(config)
             for block in model.transformer.h:
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
             with torch.autocast("cpu", torch.bfloat16):
                 _, got[name] = model(x, x)
             got[name].backward()
