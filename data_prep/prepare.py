@@ -106,6 +106,8 @@ def prepare(
             build.mkdir()
         else:
             log.info("Resuming the killed preparation in %s after %d books", build, progress["records_done"])
+            for stray in build.glob(".*.tmp"):  # a write the kill cut short (atomic_write_bytes's temp file)
+                stray.unlink()
         with disk_full_reported(out, lambda: _kept_on_a_full_disk(out, build, key)):
             try:
                 splits = _splitter(books, val_fraction, seed)
