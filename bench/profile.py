@@ -1,16 +1,17 @@
 """Where rung 11's training step spends its time, and how fast its matmuls alone would be.
 
     python -m bench.profile --precision bf16 [--preset small-cpu] [--micro-batch-size 8] [--threads N]
-        [--warmup 3] [--steps 3] [--data-dir data/default] [--optimizer muon]
+        [--warmup 3] [--steps 3] [--data-dir data/default] [--optimizer muon] [--dynamo-backend eager]
 
 Builds the ladder's rung 11 (train_accel.py's train_step under cpu_bf16.yaml for bf16, cpu.yaml for fp32), runs
 warm-up steps, then profiles --steps steps with torch.profiler, inductor's generated kernels each recorded under
 its own name. Prints the step's self time by kind (matmuls, the fused loss's softmax kernels, LayerNorm/GELU and
 the other fused kernels, attention, optimizer, clipping, zeroing, casts and copies, data) and the top ops. Then
-the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them)
-timed alone on fresh tensors, summed per step, beside the step's own time. With --threads 1 both are timed in
-process CPU time, which other jobs on a shared machine disturb far less than wall time (the profiler's shares stay
-wall time); with more threads in wall time, as idle threads spin.
+the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them),
+its time per call within the step, and timed alone on fresh tensors, summed per step, beside the step's own time.
+With --threads 1 both are timed in process CPU time, which other jobs on a shared machine disturb far less than wall
+time (the profiler's shares stay wall time); with more threads in wall time, as idle threads spin. A torch whose
+profiler records no input strides or dtypes (2.11, on the GPU machines) gets the times within the step alone.
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ def kind_of(name: str) -> str:
 
 
 def build_step(
-    precision: str, preset: str, micro_batch_size: int, data_dir: Path, optimizer: str
+    precision: str, preset: str, micro_batch_size: int, data_dir: Path, optimizer: str, backend: str | None = None
 ) -> tuple[Callable[[], None], float]:
     """Rung 11's step on the next real batch (the loader's read recorded as "data"), and its model GFLOP."""
     config = get_preset(preset)
     launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
-    trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, None, optimizer)
+    trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, backend, optimizer)
     loader = TokenLoader(data_dir, "train", config.block_size, micro_batch_size, seed=TRAIN.seed)
     batches = iter(loader)
 
@@ -86,34 +87,25 @@ def build_step(
     return step, flops_per_token(trainer.model, config) * micro_batch_size * config.block_size / 1e9
 
 
-def require_layout_recording() -> None:
-    """Stop at start-up, not after the profiled steps, where this torch's profiler records no input layouts."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        torch.ones(2, 2) @ torch.ones(2, 2)
-    matmul_calls(prof, steps=1)
-
-
 def self_times(prof: profile, steps: int) -> dict[str, float]:
     """Self CPU ms per step by op name (the profiler's events on the calling thread)."""
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
 
 
-def matmul_calls(prof: profile, steps: int) -> dict[tuple, int]:
-    """(op, shapes, strides, dtypes) -> calls per step, for every matmul the profiled steps ran."""
-    calls: dict[tuple, int] = defaultdict(int)
+def matmul_calls(prof: profile, steps: int) -> dict[tuple, tuple[int, float]]:
+    """(op, shapes, strides, dtypes) -> (calls per step, ms per call within the step), for every matmul the profiled
+    steps ran; strides and dtypes are None where this torch's profiler does not record them (torch < 2.13)."""
+    calls: dict[tuple, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.name in MATMULS:
-            if not hasattr(e, "structured_input_strides"):
-                raise SystemExit(
-                    f"error: the matmul bound needs the profiler to record each input's strides and dtype, which "
-                    f"torch {torch.__version__} does not (torch 2.13 does): run bench.profile with torch>=2.13"
-                )
-            shapes = tuple(tuple(s) for s in e.structured_input_shapes if s)
-            strides = tuple(tuple(s) for s in e.structured_input_strides if s)
-            dtypes = tuple(d for d, s in zip(e.input_dtypes, e.structured_input_shapes, strict=False) if s)
+            shapes = tuple(tuple(s) for s in e.input_shapes if s)
+            strides = dtypes = None
+            if hasattr(e, "structured_input_strides"):
+                strides = tuple(tuple(s) for s in e.structured_input_strides if s)[:3]
+                dtypes = tuple(d for d, s in zip(e.input_dtypes, e.structured_input_shapes, strict=False) if s)[:3]
             op = f"{e.name} ({BF16_MATH})" if under(e, BF16_MATH) else e.name
-            calls[(op, shapes[:3], strides[:3], dtypes[:3])] += 1
-    return {k: v // steps for k, v in calls.items()}
+            calls[(op, shapes[:3], strides, dtypes)].append(e.self_cpu_time_total / 1e3)
+    return {k: (len(v) // steps, statistics.median(v)) for k, v in calls.items()}
 
 
 def under(event: Any, name: str) -> bool:
@@ -172,14 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as train_accel.py trains by default")
+    p.add_argument("--dynamo-backend", default=None, help="override the YAML's compile backend (eager: no compile)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     isolate_inductor_cache(torch.device("cpu"))
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
-    require_layout_recording()
     ensure_default_corpus(args.data_dir, log=print)
-    step, step_gflop = build_step(args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer)
+    step, step_gflop = build_step(
+        args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer, args.dynamo_backend
+    )
     times = []
     for i in range(args.warmup + args.steps):
         start = clock()
@@ -227,20 +221,28 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def print_matmul_bound(calls: dict[tuple, int], in_step_ms: float, step_ms: float) -> None:
-    """Each matmul timed alone, and their sum per step beside the step (in_step_ms: the profiled matmul share)."""
+def print_matmul_bound(calls: dict[tuple, tuple[int, float]], in_step_ms: float, step_ms: float) -> None:
+    """Each matmul's time per call within the step and timed alone, and the sum alone per step beside the step
+    (in_step_ms: the profiled matmul share); without recorded layouts, the times within the step only."""
     rows: list[tuple[Any, ...]] = []
-    for (op, shapes, strides, dtypes), count in calls.items():
-        ms, gflop = time_matmul(op, shapes, strides, dtypes)
+    for (op, shapes, strides, dtypes), (count, step_call_ms) in calls.items():
         operands = shapes[-2:] if op in ("aten::addmm", "aten::addmm_", "aten::baddbmm") else shapes[:2]  # a bias first
         a, b = ("x".join(map(str, s)) for s in operands)
         product = f"{a} @ ({b})ᵀ" if op == ONEDNN_LINEAR else f"{a} @ {b}"  # a linear's weight is (out, in)
-        rows.append((f"{op} {product}", dtypes[-1], count, ms, gflop))
-    alone = sum(count * ms for _, _, count, ms, _ in rows)
-    gflop = sum(count * g for _, _, count, _, g in rows)
-    print("\n| matmul | dtype | calls/step | ms alone | GFLOP/s alone |\n|---|---|---:|---:|---:|")
-    for name, dtype, count, ms, g in sorted(rows, key=lambda r: -r[2] * r[3]):
-        print(f"| {name} | {dtype} | {count} | {ms:.2f} | {g / ms * 1e3:.0f} |")
+        ms, gflop = time_matmul(op, shapes, strides, dtypes) if strides is not None else (None, None)
+        rows.append((f"{op} {product}", dtypes[-1] if dtypes else "", count, step_call_ms, ms, gflop))
+    print("\n| matmul | dtype | calls/step | ms in step | ms alone | GFLOP/s alone |\n|---|---|---:|---:|---:|---:|")
+    for name, dtype, count, step_call_ms, ms, g in sorted(rows, key=lambda r: -r[2] * r[3]):
+        alone = "" if ms is None else f"{ms:.2f} | {g / ms * 1e3:.0f}"
+        print(f"| {name} | {dtype} | {count} | {step_call_ms:.2f} | {alone or ' | '} |")
+    if any(r[4] is None for r in rows):
+        print(
+            f"\nmatmul bound: not timed alone, as torch {torch.__version__}'s profiler records no input strides or "
+            f"dtypes (torch 2.13 does); the matmuls took ~{in_step_ms:.0f} ms of the step ({step_ms:.0f} ms)"
+        )
+        return
+    alone = sum(count * ms for _, _, count, _, ms, _ in rows)
+    gflop = sum(count * g for _, _, count, _, _, g in rows)
     print(
         f"\nmatmul bound: the step's {sum(r[2] for r in rows)} matmuls ({gflop:.0f} GFLOP) take {alone:.0f} ms alone "
         f"({gflop / alone * 1e3:.0f} GFLOP/s), ~{in_step_ms:.0f} ms within the step; the step ({step_ms:.0f} ms) "

@@ -37,24 +37,25 @@
 #             summary.md with the CPU's name and ISA
 #   cpu_speed the CPU training step (issue #36) on the box's CPU, pinned to two cores as a 2-core VM has them
 #             (taskset -c 0,1, OMP_NUM_THREADS=2): python -m bench.ladder at small-cpu, rung 11 in bf16
-#             (accelerate_configs/cpu_bf16.yaml) and --profile-steps 3: tok/s, MFU against the measured bf16
-#             matmul peak and the top ops, on the AMX Xeons GPU machines have had
+#             (accelerate_configs/cpu_bf16.yaml): tok/s and MFU against the measured bf16 matmul peak; then
+#             python -m bench.profile on the same step: its time by kind, each matmul's time within it by shape
+#             (cpu_speed/profile.md), on the AMX Xeons GPU machines have had
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
 # eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the GPU box
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
-# What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes on one H100:
+# What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes, on an H100 where
+# one is lent (the start-up target is an H100's; the last three calls all got H200s):
 #   FIRST_LIGHT_STEPS="environment cpu_speed train cpu" TRAIN_STEPS=40 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
-# and reads from summary.md: the start-up line (47.0 and 60.5 s on two fresh H200s, 2026-11-26 night and 11-27, the
-# compile 27.4 and 32.2 s of it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 479-484k,
-# MFU 41.8%; target 560k); rung 11 against build-nanogpt at B16 (1.03x and 1.04x on the H200); the unit tests on
-# the box's AMX Xeon, each failure's traceback now in the log as it happens (on 2026-11-27: every CPU-attention case
-# passed; test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32 failed, its reason cut off by the time limit);
-# and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16 peak at small-cpu on AMX). The
-# ladder (1.03x, 1.04x), loss and tests steps, measured on 2026-11-26/27 with this code, are left out for time.
+# and reads from summary.md: the start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of
+# it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 470-484k, MFU 41%; target 560k); the
+# unit tests on the box's AMX Xeon (on 2026-11-27 afternoon: 310 passed, and the one failure, the FSDP2 test's
+# model put on cuda:0, is fixed); and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16
+# peak at small-cpu on AMX; 22.7% so far), with bench.profile's table of its matmuls' times within the step. The
+# ladder (1.03x, 1.04x build-nanogpt), loss and tests steps, measured on 2026-11-26/27, are left out for time.
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
@@ -128,6 +129,7 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     CPU_TESTS=(tests/modeling/test_fused_ce.py::test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy)
     CPU_WORKERS=0
     CPU_SPEED_ARGS=(--preset tiny-cpu --micro-batch-size 2 --warmup 1 --steps 1 --dynamo-backend eager)
+    CPU_PROFILE_ARGS=(--preset tiny-cpu --micro-batch-size 2 --warmup 1 --steps 1 --dynamo-backend eager)
     BACKEND=gloo
 else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
@@ -145,7 +147,8 @@ else
     LOSS_ARGS=()
     HELLASWAG=${HELLASWAG_LIMIT:-2000}
     CPU_TESTS=(-m "not slow" tests/modeling tests/training) CPU_WORKERS=${CPU_TEST_WORKERS:-8}
-    CPU_SPEED_ARGS=(--preset small-cpu --profile-steps 3)
+    CPU_SPEED_ARGS=(--preset small-cpu)
+    CPU_PROFILE_ARGS=(--preset small-cpu)
     BACKEND=nccl
 fi
 LAUNCH=($PY -m accelerate.commands.launch -q)
@@ -232,7 +235,10 @@ cpu_speed() {  # two cores, as the CI VMs and a laptop have them; all of them wh
     command -v taskset >/dev/null || { pin=(); echo "note: no taskset here: the step runs on every core"; }
     "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.ladder --device cpu --rungs 11 \
         --accelerate-config accelerate_configs/cpu_bf16.yaml --data-dir "$DATA" --out "$OUT/cpu_speed" \
-        "${CPU_SPEED_ARGS[@]}"
+        "${CPU_SPEED_ARGS[@]}" || return
+    # where that step's time goes: each matmul's time within it by shape, the loss's softmax, the rest
+    "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.profile --precision bf16 --threads 2 \
+        --data-dir "$DATA" "${CPU_PROFILE_ARGS[@]}" | tee "$OUT/cpu_speed/profile.md"
 }
 
 numerics() {
@@ -307,7 +313,7 @@ done
         grep -aE "^(---- |E  )" "$cpu_log" | head -80  # each failure and its error lines (report_now.py)
         echo
     fi
-    for f in ladder/ladder.md loss/loss_speed.md cpu_speed/ladder.md; do
+    for f in ladder/ladder.md loss/loss_speed.md cpu_speed/ladder.md cpu_speed/profile.md; do
         [[ -f $OUT/$f ]] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
     done
     recipe_log=$(compgen -G "$OUT/*-recipe.log")

@@ -65,6 +65,8 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     cpu_speed = json.loads((out / "cpu_speed" / "ladder.json").read_text())
     assert [(r["label"], r["status"]) for r in cpu_speed["rows"]] == [("11", "ok")]
     assert "## cpu_speed/ladder.md" in summary and "cpu_bf16.yaml" in summary, summary
+    # and where its time goes: bench.profile's table of the step's matmuls, each with its time within the step
+    assert "## cpu_speed/profile.md" in summary and "| matmul | dtype | calls/step | ms in step |" in summary, summary
     with tarfile.open(out / "first_light.tgz") as tar:
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
