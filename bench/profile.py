@@ -233,8 +233,8 @@ def print_matmul_bound(calls: dict[tuple, tuple[int, float]], in_step_ms: float,
         rows.append((f"{op} {product}", dtypes[-1] if dtypes else "", count, step_call_ms, ms, gflop))
     print("\n| matmul | dtype | calls/step | ms in step | ms alone | GFLOP/s alone |\n|---|---|---:|---:|---:|---:|")
     for name, dtype, count, step_call_ms, ms, g in sorted(rows, key=lambda r: -r[2] * r[3]):
-        alone = "" if ms is None else f"{ms:.2f} | {g / ms * 1e3:.0f}"
-        print(f"| {name} | {dtype} | {count} | {step_call_ms:.2f} | {alone or ' | '} |")
+        alone = " | " if ms is None else f"{ms:.2f} | {g / ms * 1e3:.0f}"
+        print(f"| {name} | {dtype} | {count} | {step_call_ms:.2f} | {alone} |")
     if any(r[4] is None for r in rows):
         print(
             f"\nmatmul bound: not timed alone, as torch {torch.__version__}'s profiler records no input strides or "
