@@ -129,7 +129,6 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     CPU_TESTS=(tests/modeling/test_fused_ce.py::test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy)
     CPU_WORKERS=0
     CPU_SPEED_ARGS=(--preset tiny-cpu --micro-batch-size 2 --warmup 1 --steps 1 --dynamo-backend eager)
-    CPU_PROFILE_ARGS=(--preset tiny-cpu --micro-batch-size 2 --warmup 1 --steps 1 --dynamo-backend eager)
     BACKEND=gloo
 else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
@@ -148,7 +147,6 @@ else
     HELLASWAG=${HELLASWAG_LIMIT:-2000}
     CPU_TESTS=(-m "not slow" tests/modeling tests/training) CPU_WORKERS=${CPU_TEST_WORKERS:-8}
     CPU_SPEED_ARGS=(--preset small-cpu)
-    CPU_PROFILE_ARGS=(--preset small-cpu)
     BACKEND=nccl
 fi
 LAUNCH=($PY -m accelerate.commands.launch -q)
@@ -236,9 +234,9 @@ cpu_speed() {  # two cores, as the CI VMs and a laptop have them; all of them wh
     "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.ladder --device cpu --rungs 11 \
         --accelerate-config accelerate_configs/cpu_bf16.yaml --data-dir "$DATA" --out "$OUT/cpu_speed" \
         "${CPU_SPEED_ARGS[@]}" || return
-    # where that step's time goes: each matmul's time within it by shape, the loss's softmax, the rest
+    # where that step's time goes (the same shape and step counts): each matmul's time within it, the softmax, the rest
     "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.profile --precision bf16 --threads 2 \
-        --data-dir "$DATA" "${CPU_PROFILE_ARGS[@]}" | tee "$OUT/cpu_speed/profile.md"
+        --data-dir "$DATA" "${CPU_SPEED_ARGS[@]}" | tee "$OUT/cpu_speed/profile.md"
 }
 
 numerics() {
