@@ -8,7 +8,8 @@ warm-up steps, then profiles --steps steps with torch.profiler, inductor's gener
 its own name. Prints the step's self time by kind (matmuls, the fused loss's softmax kernels, LayerNorm/GELU and
 the other fused kernels, attention, optimizer, clipping, zeroing, casts and copies, data) and the top ops. Then
 the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them),
-its time per call within the step, and timed alone on fresh tensors, summed per step, beside the step's own time.
+its time per call within the step, and timed alone on fresh tensors, summed per step, beside the step's own time;
+last, the step's MFU against the peak train_accel.py and bench.ladder measure.
 With --threads 1 both are timed in process CPU time, which other jobs on a shared machine disturb far less than wall
 time (the profiler's shares stay wall time); with more threads in wall time, as idle threads spin. A torch whose
 profiler records no input strides or dtypes (2.11, on the GPU machines) gets the times within the step alone.
@@ -38,6 +39,7 @@ from modeling.config import get_preset
 from modeling.cpu_attention import bf16_products
 from training.compile_cache import isolate_inductor_cache
 from training.config import OPTIMIZERS
+from training.metrics import peak_tflops
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
 MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
@@ -209,15 +211,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{muon_ms / total:.1%} of the op self time"
         )
     print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
-    dtype = {"bf16": "c10::BFloat16", "fp32": "float"}[args.precision]
-    # the peak of the kernels the step's matmuls run: on AMD CPUs fp32 takes oneDNN's (modeling.cpu_linear)
-    probe = ONEDNN_LINEAR if args.precision == "fp32" and cpu_linear.ON_AMD else "aten::mm"
-    probe_ms, probe_gflop = time_matmul(probe, ((2048, 2048),) * 2, ((2048, 1),) * 2, (dtype, dtype))
-    peak = probe_gflop / probe_ms * 1e3
+    # the peak train_accel.py and bench.ladder judge MFU by (one thread's matmul rate x threads, the run's dtype and
+    # kernels), measured within a few seconds whatever the CPU: bf16 without native kernels (AVX2) is 100x slower
+    peak, source = peak_tflops(torch.device("cpu"), "bf16" if args.precision == "bf16" else "no")
+    step_tflops = step_gflop / step_ms
     print(
-        f"MFU: the step's model FLOPs (6N + 12LTC, {step_gflop:.0f} GFLOP) at {step_gflop / step_ms * 1e3:.0f} "
-        f"GFLOP/s, {step_gflop / step_ms * 1e3 / peak:.0%} of a 2048x2048 {args.precision} matmul's {peak:.0f} GFLOP/s "
-        f"({probe})"
+        f"MFU: the step's model FLOPs (6N + 12LTC, {step_gflop:.0f} GFLOP) at {step_tflops * 1e3:.0f} GFLOP/s, "
+        f"{step_tflops / peak:.1%} of {peak * 1e3:.0f} GFLOP/s ({source})"
     )
 
 

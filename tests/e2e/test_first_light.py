@@ -67,6 +67,9 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     assert "## cpu_speed/ladder.md" in summary and "cpu_bf16.yaml" in summary, summary
     # and where its time goes: bench.profile's table of the step's matmuls, each with its time within the step
     assert "## cpu_speed/profile.md" in summary and "| matmul | dtype | calls/step | ms in step |" in summary, summary
+    # its MFU against the ladder's peak (one thread's matmul rate x 2), the figure the CPU speed target is set in
+    profile_mfu = (out / "cpu_speed" / "profile.md").read_text().splitlines()[-1]
+    assert profile_mfu.startswith("MFU: ") and f"({cpu_speed['peak_tflops_source']['bf16']})" in profile_mfu
     with tarfile.open(out / "first_light.tgz") as tar:
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
