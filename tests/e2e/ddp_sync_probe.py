@@ -1,14 +1,16 @@
 """Launched by test_ddp_compile.py: the run's own setup() and train_step, with a DDP comm hook that records each
 gradient all-reduce (and still performs it) and whether it came at a micro-batch that should only accumulate.
 
-Prints one JSON line on the main process: the per-step losses (mean over ranks) and, per optimizer step, the number
-of all-reduces and how many of them came while accelerator.sync_gradients was False (no_sync lost)."""
+Prints one JSON line on the main process: the number of graphs dynamo compiled, the per-step losses (mean over
+ranks) and, per optimizer step, the number of all-reduces and how many of them came while
+accelerator.sync_gradients was False (no_sync lost)."""
 
 import gc
 import json
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +44,8 @@ def main() -> None:
         step_calls = calls[before:]
         per_step.append({"all_reduces": len(step_calls), "while_accumulating": step_calls.count(False)})
     if accelerator.is_main_process:
-        print(json.dumps({"ddp_modules": len(ddps), "losses": losses, "steps": per_step}), flush=True)
+        graphs = counters["stats"]["unique_graphs"]  # dynamo's: 0 where the launch compiled nothing
+        print(json.dumps({"ddp_modules": len(ddps), "graphs": graphs, "losses": losses, "steps": per_step}), flush=True)
     finish(accelerator)
 
 
