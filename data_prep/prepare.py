@@ -12,7 +12,8 @@ their source splits them (PG-19: its validation and test books are val). The
 dataset is built in `.NAME.build/` next to `--out` and swapped in by renames at the end, so an
 interrupted or failed run leaves any previous dataset untouched; after every batch the build
 records how far it got, and a killed run continues from there when started again with the same
-inputs and parameters. Re-running with the same inputs and parameters is a no-op.
+inputs and parameters. Ctrl-C stops after the batch in hand and says so in one line (exit status 130).
+Re-running with the same inputs and parameters is a no-op.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -46,6 +48,7 @@ from modeling.disk import DiskFull, disk_full_reported
 
 log = logging.getLogger(__name__)
 
+
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
 BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora
@@ -57,6 +60,10 @@ PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run g
 # from parquet through pg19:FOLDER on a 2-core AMD EPYC), the main process under 0.1 CPU-second per 1M tokens.
 BYTES_PER_TOKEN = 4.0
 TOKENS_PER_SECOND = 1_100_000  # per --num-proc worker with a core of its own
+
+
+class PreparationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a preparation; its message says what was kept and what the same command does next."""
 
 
 def prepare(
@@ -115,6 +122,13 @@ def prepare(
             except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
                 shutil.rmtree(build)
                 raise
+            except KeyboardInterrupt:
+                if key is not None:
+                    again = f"the books prepared so far are kept in {build}, and the same command resumes from there"
+                else:  # a streamed source is read from its start again: nothing here could be used
+                    shutil.rmtree(build)
+                    again = "a streamed source cannot resume, so the same command starts over"
+                raise PreparationInterrupted(f"interrupted: {out} is unchanged; {again}") from None
             if _same_output(out, manifest):  # e.g. files touched but not changed: keep the dataset as it is
                 _write_json(out / MANIFEST_NAME, {**json.loads((out / MANIFEST_NAME).read_text()), "source_key": key})
                 shutil.rmtree(build)
@@ -229,7 +243,10 @@ def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple
         for batch in batches:
             yield len(batch), tokenize_records(batch)
         return
-    with ProcessPoolExecutor(num_proc, initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
+    with (
+        _ctrl_c_between_batches() as check,
+        ProcessPoolExecutor(num_proc, initializer=_init_worker, initargs=(os.getpid(),)) as pool,
+    ):
         pending: deque[tuple[int, Future]] = deque()
         try:
             for batch in batches:
@@ -237,15 +254,47 @@ def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple
                 if len(pending) >= 2 * num_proc:
                     count, future = pending.popleft()
                     yield count, future.result()
+                    check()  # the consumer has written that batch and its progress checkpoint
             while pending:
                 count, future = pending.popleft()
                 yield count, future.result()
+                check()
         finally:
             pool.shutdown(cancel_futures=True)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Worker initializer: a killed parent must not leave its workers waiting for tasks forever."""
+@contextmanager
+def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
+    """Ctrl-C while workers tokenize: noted, and raised by the returned check() between batches, a second Ctrl-C at
+    once. A KeyboardInterrupt raised inside concurrent.futures' locks can leave the pool's shutdown waiting forever
+    (a hang seen with --num-proc 2)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signal handlers
+        yield lambda: None
+        return
+    pressed = []
+
+    def handle(signum: int, frame: object) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+        os.write(2, b"\nCtrl-C: stopping after the books in hand (again: at once)\n")  # no lock a print could hold
+
+    def check() -> None:
+        if pressed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _init_worker(parent: int) -> None:
+    """Worker initializer. Ctrl-C reaches every process of the terminal's group: the parent alone stops the
+    preparation (a worker interrupted inside the task queue's lock leaves the others and the pool waiting on it).
+    A killed parent must not leave its workers waiting for tasks forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -459,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataPrepError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        print(str(e) or f"interrupted: the same command prepares {args.out}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,6 +1,7 @@
 """A library user's sources and runs: Gutenberg over HTTP (a local server), local hf datasets,
-bad files, and a preparation killed with SIGKILL that resumes to byte-identical output."""
+bad files, and a preparation stopped by Ctrl-C and by SIGKILL that resumes to byte-identical output."""
 
+import contextlib
 import json
 import os
 import signal
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from data_prep import DataPrepError, sources
+from data_prep import prepare as prepare_module
 from data_prep.loader import load_manifest
-from data_prep.prepare import PROGRESS_NAME, prepare
+from data_prep.prepare import PROGRESS_NAME, PreparationInterrupted, prepare
 from data_prep.sources import clean_text, iter_documents
-from testkit import REPO
+from testkit import NO_DATASETS, REPO
 
 
 def _book(n: int) -> str:
@@ -169,29 +171,75 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+def _books_done(child: subprocess.Popen, progress: Path, at_least: int) -> int:
+    """Wait until the running preparation's progress checkpoint counts `at_least` books; that count."""
+    deadline = time.monotonic() + 60
+    while child.poll() is None and time.monotonic() < deadline:
+        if progress.is_file() and (done := json.loads(progress.read_text())["records_done"]) >= at_least:
+            return done
+        time.sleep(0.002)
+    raise AssertionError(f"no progress checkpoint of {at_least} books (exit status {child.poll()})")
+
+
+def test_an_interrupted_streamed_preparation_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A streamed source is read from its start again, so its build folder is of no use after Ctrl-C: removed,
+    and the line says the same command starts over."""
+    datasets = pytest.importorskip("datasets", reason=NO_DATASETS)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    datasets.Dataset.from_dict({"text": ["One book.", "Another."]}).to_parquet(str(tmp_path / "books.parquet"))
+
+    def ctrl_c(records: list) -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", ctrl_c)
+    out = tmp_path / "data"
+    with pytest.raises(PreparationInterrupted) as interrupted:
+        prepare(f"hf:{tmp_path / 'books.parquet'}", out, streaming=True)
+    assert str(interrupted.value) == (
+        f"interrupted: {out} is unchanged; a streamed source cannot resume, so the same command starts over"
+    )
+    assert not out.exists() and not (tmp_path / ".data.build").exists()
+
+
 @pytest.mark.slow
 def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
+    """Ctrl-C (SIGINT to the terminal's process group) stops the workers' preparation in one line, then the same
+    command resumes it; SIGKILL of that run mid-way, and the command again, gives the uninterrupted output."""
     source = f"files:{_library(tmp_path / 'library')}"
     args = {"shard_tokens": 300_000, "val_fraction": 0.2}
     prepare(source, tmp_path / "whole", **args)
 
-    out = tmp_path / "data"
+    out, build = tmp_path / "data", tmp_path / ".data.build"
+    progress = build / "progress.json"
     cmd = [sys.executable, "-m", "data_prep.prepare", "--source", source, "--out", str(out), "--num-proc", "2"]
     cmd += ["--shard-tokens", "300000", "--val-fraction", "0.2"]
-    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    progress = tmp_path / ".data.build" / "progress.json"
-    deadline = time.monotonic() + 60
-    while child.poll() is None and time.monotonic() < deadline:
-        if progress.is_file() and json.loads(progress.read_text())["records_done"] >= 10:
-            break
-        time.sleep(0.002)
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # fmt: skip
+    try:
+        _books_done(child, progress, 10)
+        os.killpg(child.pid, signal.SIGINT)
+        _, err = child.communicate(timeout=60)  # a pool interrupted inside its locks waited forever here
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # workers left behind by a failure here
+            os.killpg(child.pid, signal.SIGKILL)
+    interrupted = json.loads(progress.read_text())["records_done"]
+    assert child.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"interrupted: {out} is unchanged; the books prepared so far are kept in {build}, and the same command "
+        "resumes from there"
+    )
+    assert 10 <= interrupted < 48 and not out.exists()
+
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _books_done(child, progress, interrupted + 1)
     child.send_signal(signal.SIGKILL)
-    child.wait()
+    _, err = child.communicate()
     assert child.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
+    assert f"Resuming the killed preparation in {build} after {interrupted} books" in err
     done = json.loads(progress.read_text())["records_done"]
-    assert 10 <= done < 48 and not out.exists()
+    assert interrupted < done < 48 and not out.exists()
     # what a kill inside the progress file's atomic write leaves beside it (once in this test's runs): not data
-    (tmp_path / ".data.build" / f".{PROGRESS_NAME}.k1ll3d.tmp").write_bytes(b"")
+    (build / f".{PROGRESS_NAME}.k1ll3d.tmp").write_bytes(b"")
 
     with caplog.at_level("INFO", logger="data_prep.prepare"):
         prepare(source, out, num_proc=1, **args)
