@@ -17,8 +17,11 @@ install: $(VENV)/.installed
 
 # The CPU YAML of the faster precision here (training.pick_cpu_config: cpu_bf16.yaml where bf16 matmuls are clearly
 # faster, else cpu.yaml); cpu_small.yaml trains as many steps as fit in 5 minutes at that precision's speed.
+# Ctrl-C reaches every process in the terminal's group: the training process finishes its step, saves and says how
+# to continue, so its launcher ignores the key (accelerate's one-process launcher would die at once with a traceback
+# and give the prompt back while the run still saves).
 train: install
-	yaml=$$($(PY) -m training.pick_cpu_config) && \
+	yaml=$$($(PY) -m training.pick_cpu_config) && trap '' INT && \
 	$(VENV)/bin/accelerate launch -q --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
 
 # One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once,

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import ACCELERATE_LAUNCH, REPO, run, train_cmd
+from testkit import ACCELERATE_LAUNCH, REPO, make_train_recipe, run, train_cmd
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
@@ -328,6 +329,36 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
     assert f"stopped at step {step} by a signal" in out
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", str(step + 1), "--resume", "auto"))
     assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
+
+
+def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the training process finishes its step, saves and says
+    how to continue, last, and the launcher waits for it and exits 0 (accelerate's own died at once with a
+    KeyboardInterrupt traceback, giving the prompt back while the run was still saving)."""
+    run_dir = tmp_path / "run"
+    args = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
+                    "--time-budget-minutes", "0")[2:]  # fmt: skip
+    # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with a signal)
+    recipe, picked = make_train_recipe(), "--config_file $yaml "
+    assert picked in recipe, recipe
+    recipe = recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / 'cpu_eager.yaml'} ")
+    shell = subprocess.Popen(["bash", "-c", f"{recipe} {shlex.join(args)}"], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    try:
+        while logged_steps(run_dir) < 3:
+            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
+            time.sleep(0.05)
+        os.killpg(shell.pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    step = logged_steps(run_dir)
+    assert shell.returncode == 0 and "Traceback" not in err, err[-3000:]
+    checkpoint = list_checkpoints(run_dir)[-1]
+    assert checkpoint.name == f"step-{step:08d}"
+    assert out.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
 
 
 @pytest.fixture

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from testkit import REPO, run, train_cmd
+from testkit import REPO, make_train_recipe, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -107,12 +104,7 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
 def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
     """The launch `make train` runs, given bad input: our `error:` line is the last thing on screen (accelerate's
     `-q`), and every launch under scripts/ passes -q too."""
-    venv = Path(sys.executable).parent.parent
-    # Under `make test` this make is a sub-make, which prints "make[1]: Entering directory" unless told not to.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}"], cwd=REPO,
-                         env=env, capture_output=True, text=True, check=True)  # fmt: skip
-    recipe = dry.stdout.strip()  # a shell command: it picks the YAML (and the fp32 step budget) first
+    recipe = make_train_recipe()
     assert "accelerate launch -q" in recipe, recipe
     result = run(["bash", "-c", f"{recipe} --out-dir {shlex.quote(str(tmp_path / 'run'))} --lr -1"], expect_rc=1,
                  timeout=300)  # fmt: skip
