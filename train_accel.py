@@ -8,6 +8,7 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 
 from __future__ import annotations
 
+import signal
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -96,6 +97,10 @@ def fit(run: Run) -> bool:
 def main() -> None:
     startup = StartupClock()  # from the process's start: the imports count too
     stop_with_the_launcher()  # before any work: a launcher stopped during setup stops this process too
+    # Ctrl-C interrupts the start-up (the train loop then takes it over: training.signals.StopRequest), also where a
+    # launcher was started with the key ignored, which its children inherit (`make train`: its launcher would die of
+    # it with a traceback)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg, print_only = parse_config()
     if print_only:
         print(config_to_yaml(cfg), end="")
@@ -120,6 +125,11 @@ def run_main() -> None:
     except USER_ERRORS as err:
         report_error(f"error: {err}")
         exit_process(1)
+    except KeyboardInterrupt as err:  # at start-up, or a second Ctrl-C in training (training.signals.StopRequest)
+        # a message of its own where the interrupted work says what it kept (data_prep.prepare.PreparationInterrupted)
+        plain = "interrupted: nothing more was saved; the same command continues from the run's last checkpoint, if any"
+        report_error(str(err) or plain)
+        exit_process(130)
     except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
         if not is_out_of_memory(err):
             raise

@@ -361,6 +361,31 @@ def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_p
     assert out.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
 
 
+def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_it(tmp_path):
+    """`make train`'s launcher ignores Ctrl-C and its children inherit that: the run takes the key back, so Ctrl-C
+    during its start-up (here the default corpus's first preparation, in a fresh folder) stops it with the
+    preparation's own line: what was kept, and that the same command resumes it."""
+    build = tmp_path / "data" / ".default.build"
+    train = shlex.join([sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--max-steps", "2"])
+    shell = subprocess.Popen(["bash", "-c", f"trap '' INT; exec {train}"], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    try:
+        while not (build / "progress.json").is_file():  # the first batch of books is written
+            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
+            time.sleep(0.002)
+        os.killpg(shell.pid, signal.SIGINT)
+        _, err = shell.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert shell.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: {tmp_path / 'data' / 'default'} is unchanged; the books prepared so far are kept in {build}, "
+        "and the same command resumes from there"
+    )
+
+
 @pytest.fixture
 def small_disk(tmpfs):
     return tmpfs("70m")
