@@ -331,6 +331,24 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
     assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
 
 
+def ctrl_c_when(ready: Callable[[], bool], script: str, cwd: Path) -> tuple[int, str, str]:
+    """Run the bash `script` as a terminal's foreground job (a process group of its own) and press Ctrl-C, SIGINT to
+    the whole group, once ready(); (exit status, stdout, stderr)."""
+    shell = subprocess.Popen(["bash", "-c", script], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    try:
+        while not ready():
+            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
+            time.sleep(0.01)
+        os.killpg(shell.pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # an orphaned training process stays in the group
+            os.killpg(shell.pid, signal.SIGKILL)
+    return shell.returncode, out, err
+
+
 def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_path):
     """Ctrl-C reaches the terminal's whole process group: the training process finishes its step, saves and says
     how to continue, last, and the launcher waits for it and exits 0 (accelerate's own died at once with a
@@ -342,20 +360,9 @@ def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_p
     recipe, picked = make_train_recipe(), "--config_file $yaml "
     assert picked in recipe, recipe
     recipe = recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / 'cpu_eager.yaml'} ")
-    shell = subprocess.Popen(["bash", "-c", f"{recipe} {shlex.join(args)}"], cwd=REPO, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    try:
-        while logged_steps(run_dir) < 3:
-            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
-            time.sleep(0.05)
-        os.killpg(shell.pid, signal.SIGINT)
-        out, err = shell.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(shell.pid, signal.SIGKILL)
+    status, out, err = ctrl_c_when(lambda: logged_steps(run_dir) >= 3, f"{recipe} {shlex.join(args)}", REPO)
     step = logged_steps(run_dir)
-    assert shell.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert status == 0 and "Traceback" not in err, err[-3000:]
     checkpoint = list_checkpoints(run_dir)[-1]
     assert checkpoint.name == f"step-{step:08d}"
     assert out.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
@@ -367,19 +374,9 @@ def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_i
     preparation's own line: what was kept, and that the same command resumes it."""
     build = tmp_path / "data" / ".default.build"
     train = shlex.join([sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--max-steps", "2"])
-    shell = subprocess.Popen(["bash", "-c", f"trap '' INT; exec {train}"], cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    try:
-        while not (build / "progress.json").is_file():  # the first batch of books is written
-            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
-            time.sleep(0.002)
-        os.killpg(shell.pid, signal.SIGINT)
-        _, err = shell.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(shell.pid, signal.SIGKILL)
-    assert shell.returncode == 130 and "Traceback" not in err, err[-3000:]
+    # once the first batch of books is written
+    status, _, err = ctrl_c_when((build / "progress.json").is_file, f"trap '' INT; exec {train}", tmp_path)
+    assert status == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         f"interrupted: {tmp_path / 'data' / 'default'} is unchanged; the books prepared so far are kept in {build}, "
         "and the same command resumes from there"
