@@ -19,7 +19,8 @@ install: $(VENV)/.installed
 # faster, else cpu.yaml); cpu_small.yaml trains as many steps as fit in 5 minutes at that precision's speed.
 # Ctrl-C reaches every process in the terminal's group: the training process finishes its step, saves and says how
 # to continue, so its launcher ignores the key (accelerate's one-process launcher would die at once with a traceback
-# and give the prompt back while the run still saves).
+# and give the prompt back while the run still saves). The run inherits the ignore and takes the key back in main(),
+# after its imports: a press in those first seconds is lost.
 train: install
 	yaml=$$($(PY) -m training.pick_cpu_config) && trap '' INT && \
 	$(VENV)/bin/accelerate launch -q --config_file $$yaml train_accel.py --config configs/cpu_small.yaml
