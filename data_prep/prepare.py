@@ -48,7 +48,6 @@ from modeling.disk import DiskFull, disk_full_reported
 
 log = logging.getLogger(__name__)
 
-
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
 BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora

@@ -44,18 +44,26 @@ def logged_steps(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def start_until(
+    cmd: list[str], ready: Callable[[], bool], env: dict[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.Popen:
+    """Start `cmd` in its own process group (as a terminal runs a job), its stdout and stderr in one pipe, and return
+    once ready() holds (still running)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert proc.poll() is None, f"ended before it was ready:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "too slow"
+        time.sleep(0.01)
+    return proc
+
+
 def start_and_wait(
     cmd: list[str], run_dir: Path, until_step: int, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     """Start a run in its own process group and return once it has logged `until_step` (still running)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while logged_steps(run_dir) < until_step:
-        assert proc.poll() is None, f"run ended before step {until_step}:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, "run too slow"
-        time.sleep(0.05)
-    return proc
+    return start_until(cmd, lambda: logged_steps(run_dir) >= until_step, env)
 
 
 # A transformers package that fails to import on one rank (torchrun's RANK) and hands over to the real one elsewhere.
@@ -331,22 +339,17 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
     assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
 
 
-def ctrl_c_when(ready: Callable[[], bool], script: str, cwd: Path) -> tuple[int, str, str]:
-    """Run the bash `script` as a terminal's foreground job (a process group of its own) and press Ctrl-C, SIGINT to
-    the whole group, once ready(); (exit status, stdout, stderr)."""
-    shell = subprocess.Popen(["bash", "-c", script], cwd=cwd, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
+def ctrl_c_when(ready: Callable[[], bool], script: str, cwd: Path) -> tuple[int, str]:
+    """Run the bash `script` as a terminal's foreground job and press Ctrl-C, SIGINT to its whole process group, once
+    ready(); (exit status, what it printed on either stream, in order: the screen)."""
+    shell = start_until(["bash", "-c", script], ready, cwd=cwd)
     try:
-        while not ready():
-            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
-            time.sleep(0.01)
         os.killpg(shell.pid, signal.SIGINT)
-        out, err = shell.communicate(timeout=60)
+        screen, _ = shell.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):  # an orphaned training process stays in the group
             os.killpg(shell.pid, signal.SIGKILL)
-    return shell.returncode, out, err
+    return shell.returncode, screen
 
 
 def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_path):
@@ -360,12 +363,12 @@ def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_p
     recipe, picked = make_train_recipe(), "--config_file $yaml "
     assert picked in recipe, recipe
     recipe = recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / 'cpu_eager.yaml'} ")
-    status, out, err = ctrl_c_when(lambda: logged_steps(run_dir) >= 3, f"{recipe} {shlex.join(args)}", REPO)
+    status, screen = ctrl_c_when(lambda: logged_steps(run_dir) >= 3, f"{recipe} {shlex.join(args)}", REPO)
     step = logged_steps(run_dir)
-    assert status == 0 and "Traceback" not in err, err[-3000:]
+    assert status == 0 and "Traceback" not in screen, screen[-3000:]
     checkpoint = list_checkpoints(run_dir)[-1]
     assert checkpoint.name == f"step-{step:08d}"
-    assert out.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
+    assert screen.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
 
 
 def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_it(tmp_path):
@@ -375,9 +378,9 @@ def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_i
     build = tmp_path / "data" / ".default.build"
     train = shlex.join([sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--max-steps", "2"])
     # once the first batch of books is written
-    status, _, err = ctrl_c_when((build / "progress.json").is_file, f"trap '' INT; exec {train}", tmp_path)
-    assert status == 130 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == (
+    status, screen = ctrl_c_when((build / "progress.json").is_file, f"trap '' INT; exec {train}", tmp_path)
+    assert status == 130 and "Traceback" not in screen, screen[-3000:]
+    assert screen.strip().splitlines()[-1] == (
         f"interrupted: {tmp_path / 'data' / 'default'} is unchanged; the books prepared so far are kept in {build}, "
         "and the same command resumes from there"
     )
