@@ -48,14 +48,16 @@
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes, on an H100 where
 # one is lent (the start-up target is an H100's; the last three calls all got H200s):
-#   FIRST_LIGHT_STEPS="environment cpu_speed train cpu" TRAIN_STEPS=40 \
+#   FIRST_LIGHT_STEPS="environment train recipe cpu_speed" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
 # and reads from summary.md: the start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of
-# it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 470-484k, MFU 41%; target 560k); the
-# unit tests on the box's AMX Xeon (on 2026-11-27 afternoon: 310 passed, and the one failure, the FSDP2 test's
-# model put on cuda:0, is fixed); and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16
-# peak at small-cpu on AMX; 22.7% so far), with bench.profile's table of its matmuls' times within the step. The
-# ladder (1.03x, 1.04x build-nanogpt), loss and tests steps, measured on 2026-11-26/27, are left out for time.
+# it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 470-484k, MFU 41%, with Muon's
+# Newton-Schulz matrix by matrix; target 560k), now with each shape's matrices iterated as one batch; the recipe
+# step's Muon against AdamW tok/s in one run (393k against 459k on the H100 at 64k-token steps, matrix by matrix);
+# and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16 peak at small-cpu on AMX; 22.7%
+# so far), with bench.profile's table of its matmuls' times within the step. The ladder (1.03x, 1.04x
+# build-nanogpt), loss, tests and cpu steps (the unit tests on the box's AMX Xeon: 310 passed on 2026-11-27
+# afternoon, the one failure fixed since), measured on 2026-11-26/27, are left out for time.
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 

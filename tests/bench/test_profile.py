@@ -129,7 +129,7 @@ def test_the_cpu_is_named_with_its_family_and_matmul_isa(monkeypatch: pytest.Mon
 def test_muons_step_is_found_in_the_profile_of_rung_11_with_its_newton_schulz_matmuls(fresh_accelerate_state):
     """`bench.profile --optimizer muon` reports Muon's share from the profiler's range around torch.optim.Muon.step:
     rung 11 built with Muon runs it (the name as this torch records it), and the Newton-Schulz products of the
-    blocks' matrices (X·Xᵀ of a 64×64 c_proj, 64×192 c_attn, 64×256 c_fc) run inside it."""
+    blocks' matrices run inside it, batched: X·Xᵀ of the 2 layers' 64×64 c_proj, 64×192 c_attn, 64×256 c_fc."""
     config = get_preset("tiny-cpu")
     launch = launch_config(REPO / "accelerate_configs" / "cpu_eager.yaml")
     trainer = full_recipe_trainer(config, torch.device("cpu"), 2, launch, None, "muon")
@@ -141,7 +141,7 @@ def test_muons_step_is_found_in_the_profile_of_rung_11_with_its_newton_schulz_ma
     assert len(muon) == 1 and muon[0].cpu_time_total > 0
     inside = {
         tuple(e.input_shapes[0]) for e in prof.events()
-        if e.name in ("aten::mm", "aten::addmm") and muon[0].time_range.start <= e.time_range.start
+        if e.name in ("aten::bmm", "aten::baddbmm") and muon[0].time_range.start <= e.time_range.start
         and e.time_range.end <= muon[0].time_range.end and e.input_shapes and e.input_shapes[0]
     }  # fmt: skip
-    assert {(64, 64), (64, 192), (64, 256)} <= inside
+    assert {(config.n_layer, 64, 64), (config.n_layer, 64, 192), (config.n_layer, 64, 256)} <= inside

@@ -9,6 +9,7 @@ import torch
 
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
+from training import optim
 from training.loop import budget_steps
 from training.optim import (
     AdamWWithMuon,
@@ -108,11 +109,14 @@ def muon_run(model: GPT, momentum_warmup: int = 0, mixed_precision: str = "no") 
     return optimizer, build_scheduler(optimizer, **SCHEDULE, momentum_warmup=momentum_warmup)
 
 
-def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_hand():
+@pytest.mark.parametrize("batch_elements", [optim.MAX_BATCH_ELEMENTS, 3 * 64 * 64], ids=["one-batch-a-shape", "split"])
+def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_hand(batch_elements, monkeypatch):
     """build_optimizer's one object, in a bf16 run, == torch.optim.Muon on the blocks' matrices + AdamW on the
     rest, each with its own LambdaLR, stepped side by side (the update acts on fp32 master weights in every
     precision). Each group must be in its optimizer (a wrong one would change the update) and scheduled from its
-    own peak lr."""
+    own peak lr. Ours iterates Newton-Schulz on batches of same-shaped matrices, torch's matrix by matrix: each
+    shape's matrices in one batch, or split over batches of at most 3 64 x 64 matrices' elements (1 or 3 a batch)."""
+    monkeypatch.setattr(optim, "MAX_BATCH_ELEMENTS", batch_elements)
     torch.manual_seed(0)
     model = GPT(get_preset("tiny-cpu"))
     start, twin = copy.deepcopy(model.state_dict()), copy.deepcopy(model)
@@ -165,14 +169,29 @@ def test_newton_schulz_in_fp32_is_close_to_fp64_and_far_closer_than_torchs_bf16(
     fp32 input."""
     update = newton_schulz_inputs()[name].float()
     coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7  # torch.optim.Muon's defaults
-    exact = newton_schulz(update.double(), coefficients, steps, eps, torch.float64)
-    fp32 = newton_schulz(update, coefficients, steps, eps, torch.float32)
-    bf16 = newton_schulz(update, coefficients, steps, eps, torch.bfloat16)
+    exact = newton_schulz([update.double()], coefficients, steps, eps, torch.float64)[0]
+    fp32 = newton_schulz([update], coefficients, steps, eps, torch.float32)[0]
+    bf16 = newton_schulz([update], coefficients, steps, eps, torch.bfloat16)[0]
     assert fp32.dtype == torch.float32 and fp32.shape == update.shape
     fp32_error = (fp32.double() - exact).abs().max().item()
     bf16_error = (bf16.double() - exact).abs().max().item()
     assert torch.linalg.matrix_norm(exact, ord=2) > 0.5  # an orthogonalized update, whatever the input's scale
     assert fp32_error < 1e-5 and fp32_error < bf16_error / 100, (fp32_error, bf16_error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_newton_schulz_on_a_batch_equals_each_matrix_alone_and_leaves_its_input(dtype):
+    """A batch's matrices (each with its own scale: one norm per matrix) come out as each alone, bit for bit on the
+    CPU, and the updates passed in are not written to (without Nesterov the update is the momentum buffer)."""
+    g = torch.Generator().manual_seed(0)
+    updates = [torch.randn(384, 128, generator=g) * scale for scale in (1.0, 1e-3, 30.0)]
+    before = [u.clone() for u in updates]
+    coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
+    batch = newton_schulz(updates, coefficients, steps, eps, dtype)
+    assert batch.shape == (3, 384, 128) and batch.dtype == dtype
+    for update, result, kept in zip(updates, batch, before, strict=True):
+        assert torch.equal(result, newton_schulz([update], coefficients, steps, eps, dtype)[0])
+        assert torch.equal(update, kept)
 
 
 def test_muon_steps_in_the_precision_of_the_run():
