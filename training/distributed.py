@@ -22,6 +22,7 @@ from modeling.device import accelerator_needs_cpu
 from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
+from training.config import ConfigError
 from training.malloc import keep_freed_memory
 
 T = TypeVar("T")
@@ -32,12 +33,11 @@ def _launched_with(engine: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
 
 
-def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwargs: Any) -> Accelerator:
+def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     """An Accelerator for the launch YAML's engine (DDP, FSDP2 or DeepSpeed ZeRO).
 
-    micro_batch_size and grad_clip are the training config's; DeepSpeed must know them before prepare()
-    (our loader does not go through prepare, and DeepSpeed clips inside its own step). micro_batch_size None:
-    decided later (auto), and given to DeepSpeed then with set_deepspeed_micro_batch.
+    grad_clip is the training config's: DeepSpeed clips inside its own step, so it must know it before prepare()
+    (as it must the batch: set_deepspeed_batch, once the accumulation is known).
 
     With CUDA this is a plain Accelerator; a single process on a Mac uses its GPU (MPS). Otherwise, accelerate
     would quietly drop FSDP and DeepSpeed YAMLs to DDP (`cpu=True`) or to one process, so the CPU twins of the
@@ -48,6 +48,12 @@ def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwarg
     Under bf16 (or fp16), FSDP2 and DeepSpeed reduce gradients in fp32 and FSDP2 leaves the loss in fp32: see
     fsdp_plugin and deepspeed_fp32_gradients.
     """
+    if _launched_with("FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":  # what `accelerate launch` read
+        raise ConfigError(
+            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
+            "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
+            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
+        )
     if not torch.cuda.is_available():
         # DeepSpeed's own choice here, stated before it is imported (by accelerate, also for plain DDP runs when
         # installed), so it does not warn on every CPU run that it found no GPU
@@ -74,8 +80,6 @@ def build_accelerator(*, micro_batch_size: int | None, grad_clip: float, **kwarg
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         _configure_deepspeed(ds_config, gradient_clipping=grad_clip)
-        if micro_batch_size is not None:
-            set_deepspeed_micro_batch(accelerator, micro_batch_size)
         deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
 
@@ -90,11 +94,17 @@ def _no_shared_memory_all_reduce() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def set_deepspeed_micro_batch(accelerator: Accelerator, micro_batch_size: int) -> None:
-    """The training config's micro-batch into the DeepSpeed config, before prepare(); nothing under other engines."""
+def set_deepspeed_batch(accelerator: Accelerator, micro_batch_size: int, grad_accum: int) -> None:
+    """The training config's batch into the DeepSpeed config, before prepare() (which would otherwise train with
+    a YAML's own gradient_accumulation_steps, one `accelerate config` always writes, over the run's); nothing
+    under other engines."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=micro_batch_size)
+        _configure_deepspeed(
+            accelerator.state.deepspeed_plugin.deepspeed_config,
+            train_micro_batch_size_per_gpu=micro_batch_size,
+            gradient_accumulation_steps=grad_accum,
+            train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
+        )
 
 
 def fsdp_plugin() -> FullyShardedDataParallelPlugin:
@@ -123,23 +133,27 @@ def deepspeed_fp32_gradients(ds_config: dict, mixed_precision: str) -> None:
         ds_config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 
 
+# Where the training config's value of each DeepSpeed entry comes from, for the error that names both values.
+DEEPSPEED_SOURCES = {
+    "gradient_clipping": "--grad-clip",
+    "train_micro_batch_size_per_gpu": "--micro-batch-size",
+    "gradient_accumulation_steps": "--total-batch-tokens / (micro-batch × block size × processes)",
+    "train_batch_size": "micro-batch × accumulation × processes",
+}
+
+
 def _configure_deepspeed(ds_config: dict, **known: float) -> None:
-    """The batch and clipping entries of the DeepSpeed config belong to the training config. The known ones are
-    filled in where 'auto' (or missing) and must agree where set; accumulation (and so train_batch_size) is
-    derived from total_batch_tokens after the Accelerator exists, and prepare() fills it in only if 'auto'."""
-    for key in ("gradient_accumulation_steps", "train_batch_size"):
-        if ds_config.get(key, "auto") != "auto":
-            raise ValueError(
-                f"the DeepSpeed config sets {key}={ds_config[key]}; leave it out (or 'auto'): "
-                "train_accel.py derives it from --total-batch-tokens"
-            )
+    """The batch and clipping entries of the DeepSpeed config belong to the training config: each is filled in
+    where 'auto' (or missing) and must agree where the YAML sets it (`accelerate config` writes
+    gradient_accumulation_steps, and gradient_clipping when asked)."""
     for key, value in known.items():
         if ds_config.get(key, "auto") == "auto":
             ds_config[key] = value
         elif ds_config[key] != value:
-            raise ValueError(
-                f"the DeepSpeed config sets {key}={ds_config[key]} but the training config says {value}; "
-                "set it in the training config and leave it out (or 'auto') in the DeepSpeed config"
+            raise ConfigError(
+                f"the launch YAML's DeepSpeed config sets {key}: {ds_config[key]}, but this run needs {value} (from "
+                f"{DEEPSPEED_SOURCES[key]}); remove it from deepspeed_config (or set it to 'auto'): the training "
+                "config sets it"
             )
 
 

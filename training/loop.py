@@ -38,7 +38,7 @@ from training.checkpoint import (
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, decided_on_main, generation_model, set_deepspeed_micro_batch
+from training.distributed import build_accelerator, decided_on_main, generation_model, set_deepspeed_batch
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
@@ -206,7 +206,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     auto = cfg.micro_batch_size == AUTO
     accelerator = build_accelerator(
-        micro_batch_size=None if auto else cfg.micro_batch_size,
         grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
         log_with=[JSONLTracker(run_dir), *trackers],
@@ -221,9 +220,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     if auto:  # the run from here on is the one launched with the size picked
         size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)
         cfg = dataclasses.replace(cfg, micro_batch_size=size)
-        set_deepspeed_micro_batch(accelerator, size)
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
+    set_deepspeed_batch(accelerator, cfg.micro_batch_size, grad_accum)
     if auto:
         accelerator.print(f"micro-batch: auto -> {cfg.micro_batch_size} ({why}; accumulation {grad_accum})")
     device = accelerator.device

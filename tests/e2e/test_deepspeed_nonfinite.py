@@ -20,13 +20,14 @@ SCRIPT = """
 import json, sys
 import torch
 from modeling.runtime import finish
-from training.distributed import build_accelerator
+from training.distributed import build_accelerator, set_deepspeed_batch
 from training.optim import build_optimizer, build_scheduler
 from training.step import Trainer
 
 out, bad = sys.argv[1], int(sys.argv[2])
-accelerator = build_accelerator(micro_batch_size=4, grad_clip=1.0, step_scheduler_with_optimizer=False)
+accelerator = build_accelerator(grad_clip=1.0, step_scheduler_with_optimizer=False)
 accelerator.gradient_accumulation_steps = 2
+set_deepspeed_batch(accelerator, 4, 2)
 
 
 class ModelWithLoss(torch.nn.Module):

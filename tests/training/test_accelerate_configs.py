@@ -17,7 +17,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
 from testkit import REPO, free_port
-from training.distributed import _configure_deepspeed, deepspeed_fp32_gradients, fsdp_plugin
+from training.config import ConfigError
+from training.distributed import _configure_deepspeed, build_accelerator, deepspeed_fp32_gradients, fsdp_plugin
 
 CONFIG_DIR = REPO / "accelerate_configs"
 YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
@@ -111,7 +112,8 @@ def test_cpu_twins_test_the_gpu_engine_settings(gpu, cpu):
 
 
 def launch_env(name: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file accelerate_configs/<name>` gives the training processes."""
+    """The environment `accelerate launch --config_file accelerate_configs/<name>` (or an absolute path) gives the
+    training processes."""
     parser = launch_command_parser()
     args, defaults, mp_from_config = _validate_launch_command(
         parser.parse_args(["--config_file", str(CONFIG_DIR / name), "train_accel.py"])
@@ -194,14 +196,55 @@ def test_deepspeed_bf16_reduces_and_accumulates_gradients_in_fp32(monkeypatch, n
     plugin = DeepSpeedPlugin()
     plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])  # as AcceleratorState does
     ds_config = plugin.deepspeed_config
-    _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=4, gradient_clipping=1.0)
+    _configure_deepspeed(ds_config, gradient_clipping=1.0)  # build_accelerator's, then set_deepspeed_batch's
+    _configure_deepspeed(ds_config, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2, train_batch_size=8)
     deepspeed_fp32_gradients(ds_config, env["ACCELERATE_MIXED_PRECISION"])
-    ds_config.update(gradient_accumulation_steps=2, train_batch_size=8)  # prepare() fills these in (1 process)
     parsed = DeepSpeedConfig(ds_config)
     bf16 = env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert parsed.bfloat16_config.enabled == bf16
     assert parsed.communication_data_type == (torch.float32 if bf16 else None)  # None: the model's dtype, fp32
     assert parsed.grad_accum_dtype == ("fp32" if bf16 else None)
+
+
+def test_a_deepspeed_yaml_as_accelerate_config_writes_it_must_agree_with_the_run(monkeypatch, tmp_path):
+    """`accelerate config` writes gradient_accumulation_steps into a DeepSpeed YAML (and gradient_clipping when
+    asked), and accelerate's prepare() would train with the YAML's accumulation over the run's. Where they agree the
+    run goes on; where not it stops at start-up with one line (a ConfigError) naming both values and the fix."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    text = (CONFIG_DIR / "cpu_zero2.yaml").read_text()
+    yaml = tmp_path / "my_zero2.yaml"
+    yaml.write_text(
+        text.replace("  zero_stage: 2", "  zero_stage: 2\n  gradient_accumulation_steps: 1\n  gradient_clipping: 1.0")
+    )
+    for key, value in launch_env(str(yaml)).items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    def config() -> dict:
+        return DeepSpeedPlugin().deepspeed_config
+
+    agreed = config()
+    _configure_deepspeed(agreed, gradient_clipping=1.0)
+    _configure_deepspeed(agreed, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=1, train_batch_size=32)
+    assert (agreed["gradient_accumulation_steps"], agreed["train_batch_size"]) == (1, 32)
+    with pytest.raises(ConfigError, match=r"sets gradient_accumulation_steps: 1, but this run needs 4 \(from --total"):
+        _configure_deepspeed(config(), train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
+    with pytest.raises(ConfigError, match=r"sets gradient_clipping: 1.0, but this run needs 0.5 \(from --grad-clip"):
+        _configure_deepspeed(config(), gradient_clipping=0.5)
+
+
+@pytest.mark.parametrize("version", ["1", None], ids=["fsdp_version 1", "no fsdp_version"])
+def test_an_fsdp1_yaml_stops_at_once_with_the_command_that_converts_it(monkeypatch, version):
+    """FSDP version 1 (what accelerate reads from a YAML without fsdp_version, as older ones are) is not what this
+    project shards with: one line, before anything is built, naming `accelerate to-fsdp2`."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    if version is None:
+        monkeypatch.delenv("FSDP_VERSION", raising=False)
+    else:
+        monkeypatch.setenv("FSDP_VERSION", version)
+    with pytest.raises(ConfigError, match=r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML"):
+        build_accelerator(grad_clip=1.0)
 
 
 @pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
