@@ -34,7 +34,6 @@ from modeling.gpt import GPT
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers' key prefixes
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
 
@@ -162,7 +161,7 @@ def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, s
         raise RunError(f"checkpoint {checkpoint} does not exist; {run_dir} has {', '.join(found) or 'none'}")
     model = GPT(run_model_config(run_dir))
     weights, how = checkpoint_weights(checkpoint)
-    state = {_strip_prefixes(k): v for k, v in weights.items()}
+    state = plain_state_dict(weights)
     mismatch = f"{checkpoint} does not fit the model that {run_dir / CONFIG_FILE} describes"
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -177,7 +176,15 @@ def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, s
     return model, f"checkpoint {checkpoint} ({how})"
 
 
-def _strip_prefixes(key: str) -> str:
-    while key.startswith(_WRAPPER_PREFIXES):
-        key = key.split(".", 1)[1]
-    return key
+def plain_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state_dict under our GPT's own keys: without DDP's `module.` prefix and torch.compile's `_orig_mod.` (a prefix
+    where the whole model is compiled, inside the key of each compiled block under regional compilation, which
+    `accelerate config` offers)."""
+
+    def plain(key: str) -> str:
+        parts = [part for part in key.split(".") if part != "_orig_mod"]
+        while parts[0] == "module":
+            parts.pop(0)
+        return ".".join(parts)
+
+    return {plain(key): value for key, value in state_dict.items()}

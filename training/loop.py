@@ -26,6 +26,7 @@ from modeling import fp8_head
 from modeling.config import GPTConfig
 from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
+from modeling.runs import plain_state_dict
 from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
@@ -609,7 +610,7 @@ def write_outputs(run: Run) -> None:
         state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
         if accelerator.is_main_process:
             export_model = GPT(run.model_config)
-            export_model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state_dict.items()})
+            export_model.load_state_dict(plain_state_dict(state_dict))
             with disk_full_reported(run_dir / "export", kept):
                 export_final(run_dir, export_model)
                 write_model_card(run_dir, cfg.push_to_hub or None)

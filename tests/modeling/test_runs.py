@@ -1,0 +1,40 @@
+"""modeling.runs: the weights of a trained model, whatever wraps it, under our GPT's own keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from accelerate.utils.other import compile_regions
+from torch.nn.parallel import DistributedDataParallel
+
+from modeling.config import get_preset
+from modeling.gpt import GPT
+from modeling.runs import plain_state_dict
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_plain_state_dict_loads_the_weights_whatever_wraps_the_model(one_process_group):
+    """The final export and the run-folder readers load weights by our GPT's keys. The wrappers a launch YAML can put
+    around the model each add parts to them: torch.compile of the whole model a leading `_orig_mod.`, DDP a
+    `module.`, and regional compilation (`dynamo_use_regional_compilation`, which `accelerate config` offers) an
+    `_orig_mod.` inside the key of every compiled block, embedding and head."""
+    torch.manual_seed(0)
+    model = GPT(get_preset("tiny-cpu"))
+    wrapped = {
+        "compiled": torch.compile(model),
+        "ddp of compiled": DistributedDataParallel(torch.compile(model)),
+        "regions": compile_regions(model),
+    }
+    assert any("._orig_mod." in key for key in wrapped["regions"].state_dict())
+    for name, wrapper in wrapped.items():
+        fresh = GPT(get_preset("tiny-cpu"))
+        fresh.load_state_dict(plain_state_dict(wrapper.state_dict()))  # strict: every key, no other
+        for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b), (name, key)
