@@ -26,7 +26,7 @@ from modeling import fp8_head
 from modeling.config import GPTConfig
 from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
-from modeling.runs import plain_state_dict
+from modeling.runs import load_checkpoint, plain_state_dict
 from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
@@ -607,10 +607,8 @@ def write_outputs(run: Run) -> None:
             with disk_full_reported(run_dir / png, kept):
                 plot(run_dir / "metrics.jsonl", run_dir / png)
     if cfg.export_hf:
-        state_dict = accelerator.get_state_dict(run.model)  # full weights (gathered from shards): every rank calls it
-        if accelerator.is_main_process:
-            export_model = GPT(run.model_config)
-            export_model.load_state_dict(plain_state_dict(state_dict))
+        export_model = final_model(run, checkpoints[-1])  # on the main process; None on the others
+        if export_model is not None:
             with disk_full_reported(run_dir / "export", kept):
                 export_final(run_dir, export_model)
                 write_model_card(run_dir, cfg.push_to_hub or None)
@@ -618,6 +616,23 @@ def write_outputs(run: Run) -> None:
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
+
+
+def final_model(run: Run, final_checkpoint: Path) -> GPT | None:
+    """The trained weights in a plain GPT on the main process (None on the others; every rank must call it). From
+    the model itself (gathered from its shards under FSDP2), except under DeepSpeed: ZeRO's module holds the weights
+    in the compute dtype (bf16 on GPUs), under ZeRO-3 a shard that accelerate gathers only where
+    zero3_save_16bit_model is on (off by `accelerate config`'s default), so there the final checkpoint's fp32 master
+    weights, read as `python -m training.export` reads them."""
+    accelerator = run.accelerator
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return load_checkpoint(run.run_dir, final_checkpoint)[0] if accelerator.is_main_process else None
+    state_dict = accelerator.get_state_dict(run.model)  # a collective under FSDP2
+    if not accelerator.is_main_process:
+        return None
+    model = GPT(run.model_config)
+    model.load_state_dict(plain_state_dict(state_dict))
+    return model
 
 
 def export_final(run_dir: Path, model: GPT) -> None:

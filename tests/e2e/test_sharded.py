@@ -237,6 +237,27 @@ def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
         torch.testing.assert_close(w, want_state[name], rtol=1e-3, atol=1e-4, msg=name)
 
 
+def test_a_deepspeed_bf16_export_is_the_fp32_master_weights(prepared_books, tmp_path):
+    """Under bf16 (the GPU YAMLs' precision) ZeRO's module holds bf16 weights and its optimizer the fp32 master
+    copy: the export is the master copy, as the final checkpoint holds it (read as `python -m training.export` reads
+    it), bit for bit, not the module's bf16 rounding of it."""
+    pytest.importorskip("deepspeed")
+    from modeling.hf_export import load_hf, to_hf_state_dict
+    from modeling.runs import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    launch_args = ["--mixed_precision", "bf16"]
+    run(launch_cmd("cpu_zero2.yaml", run_dir, prepared_books, "--max-steps", "2", "--export-hf", "true",
+                   launch_args=launch_args))  # fmt: skip
+    master, how = load_checkpoint(run_dir, checkpoint_dir(run_dir, 2))
+    assert how.endswith("the fp32 master weights)")
+    weight = master.transformer.h[0].mlp.c_fc.weight.detach()
+    assert not torch.equal(weight, weight.bfloat16().float())  # off bf16's grid: a rounded export would differ
+    exported = to_hf_state_dict(load_hf(run_dir / "export"))
+    for name, tensor in to_hf_state_dict(master).items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_evals_and_generate_read_any_engines_newest_checkpoint(sharded, ddp_run, capsys):
     """`python -m evals --run` and `python -m evals.generate --run` on a run whose newest checkpoint is sharded:
     the shards are gathered on one process (saying how), into the weights DDP reached at that step."""
