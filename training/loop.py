@@ -45,6 +45,7 @@ from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
     JSONLTracker,
     StartupClock,
+    check_trackers,
     cpu_precision_hint,
     gpu_precision_hint,
     memory_stats,
@@ -194,6 +195,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     resume, run info. Precision, compile and distribution come from the launch YAML. `startup` times the phases
     (a fresh clock when None)."""
     startup = startup or StartupClock()
+    trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
+    check_trackers(trackers)  # before anything is written
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
@@ -204,7 +207,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     model_config = cfg.model_config()
     startup.lap("config")  # the config read, the run folder locked
 
-    trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     auto = cfg.micro_batch_size == AUTO
     accelerator = build_accelerator(
         grad_clip=cfg.grad_clip,

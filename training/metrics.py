@@ -324,6 +324,31 @@ def peak_rss_bytes() -> int | None:
     return rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, sys.platform)
 
 
+# pip's name for each tracker accelerate can log to, where it differs from accelerate's name for it
+TRACKER_PACKAGES = {"comet_ml": "comet-ml"}
+
+
+def check_trackers(names: list[str]) -> None:
+    """Raise a ConfigError for a --trackers name accelerate does not know, or whose package is not installed here:
+    accelerate itself drops such a tracker with a log line that is not shown, and the run would then log to
+    metrics.jsonl alone."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    from training.config import ConfigError
+
+    known = [t.value for t in LoggerType]  # "all": every tracker installed here
+    available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"--trackers {name}: accelerate has no such tracker; it has {', '.join(known)}")
+        if name != "all" and name not in available:
+            raise ConfigError(
+                f"--trackers {name}: {name} is not installed here: `pip install {TRACKER_PACKAGES.get(name, name)}`, "
+                "or leave it out (metrics.jsonl and loss.png are written either way)"
+            )
+
+
 class JSONLTracker(GeneralTracker):
     """An accelerate tracker that appends one JSON object per `accelerator.log` call to metrics.jsonl."""
 

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from testkit import REPO
+from training.config import ConfigError, TrainConfig
+from training.loop import setup
 from training.metrics import (
     PEAK_TFLOPS,
     JSONLTracker,
+    check_trackers,
     cpu_matmul_speeds,
     cpu_precision_hint,
     cuda_matmul_kind,
@@ -161,3 +164,22 @@ def test_gpu_precision_hint_names_the_fp16_yaml_on_a_gpu_without_bf16(precision,
     if warns:
         assert hint.startswith("warning: this GPU (Tesla V100-SXM2-16GB) has no native bf16")
         assert "accelerate_configs/1xgpu_fp16.yaml" in hint and (REPO / "accelerate_configs/1xgpu_fp16.yaml").exists()
+
+
+def test_a_tracker_unknown_or_not_installed_stops_the_run_before_anything_is_written(tmp_path):
+    """accelerate drops such a tracker with a log line that is not shown, and the run would log to metrics.jsonl
+    alone: one ConfigError instead, naming the package to install or the trackers there are, before the run folder
+    is made."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    missing = [t.value for t in LoggerType if t.value != "all" and t not in get_available_trackers()]
+    if not missing:
+        pytest.skip("every tracker accelerate knows is installed here")
+    run_dir, name = tmp_path / "run", missing[0]
+    with pytest.raises(ConfigError, match=rf"--trackers {name}: {name} is not installed here: `pip install "):
+        setup(TrainConfig(out_dir=str(run_dir), trackers=f"all, {name}"))
+    assert not run_dir.exists()
+    with pytest.raises(ConfigError, match=r"--trackers tensorbaord: accelerate has no such tracker; it has all, "):
+        check_trackers(["tensorbaord"])
+    check_trackers(["all"])  # every tracker installed here, none if none is
