@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.tracking import GeneralTracker
+from accelerate.tracking import GeneralTracker, get_available_trackers
+from accelerate.utils import LoggerType
 
 from evals.plot import save_png
 from modeling.cpu_linear import matmul
 from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import read_metrics
 from modeling.runtime import dtype_name
+from training.config import ConfigError
 
 # Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
 # (what fp32 matmuls run as while TF32 is allowed) and fp32 (CUDA cores, TF32 off).
@@ -332,11 +334,6 @@ def check_trackers(names: list[str]) -> None:
     """Raise a ConfigError for a --trackers name accelerate does not know, or whose package is not installed here:
     accelerate itself drops such a tracker with a log line that is not shown, and the run would then log to
     metrics.jsonl alone."""
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    from training.config import ConfigError
-
     known = [t.value for t in LoggerType]  # "all": every tracker installed here
     available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
     for name in names:
