@@ -33,6 +33,27 @@ def _launched_with(engine: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
 
 
+def check_launch() -> None:
+    """What `accelerate launch` read from the YAML (or its flags) that this project does not run: one ConfigError,
+    at the start of setup, before anything is written."""
+    if _launched_with("FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(
+            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
+            "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
+            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
+        )
+    # accelerate's fp8 swaps every Linear for Transformer Engine's, torchao's or MS-AMP's: weights of their own
+    # tensor types, which the checkpoints (safetensors) cannot hold (torchao's run trained, then failed at its
+    # first save) and whose numerics no test here covers
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
+        raise ConfigError(
+            "the launch asks for mixed_precision: fp8 (accelerate's conversion of every Linear layer to FP8), which "
+            "this project does not train or checkpoint: set mixed_precision: bf16 in the YAML (or pass "
+            "--mixed_precision bf16 to accelerate launch); FP8 here is the head's matmul, --fp8-head true on Ada or "
+            "Hopper GPUs"
+        )
+
+
 def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     """An Accelerator for the launch YAML's engine (DDP, FSDP2 or DeepSpeed ZeRO).
 
@@ -48,12 +69,6 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     Under bf16 (or fp16), FSDP2 and DeepSpeed reduce gradients in fp32 and FSDP2 leaves the loss in fp32: see
     fsdp_plugin and deepspeed_fp32_gradients.
     """
-    if _launched_with("FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":  # what `accelerate launch` read
-        raise ConfigError(
-            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
-            "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
-            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
-        )
     if not torch.cuda.is_available():
         # DeepSpeed's own choice here, stated before it is imported (by accelerate, also for plain DDP runs when
         # installed), so it does not warn on every CPU run that it found no GPU

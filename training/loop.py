@@ -39,7 +39,7 @@ from training.checkpoint import (
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, decided_on_main, generation_model, set_deepspeed_batch
+from training.distributed import build_accelerator, check_launch, decided_on_main, generation_model, set_deepspeed_batch
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
@@ -196,7 +196,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     (a fresh clock when None)."""
     startup = startup or StartupClock()
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
-    check_trackers(trackers)  # before anything is written
+    check_launch()  # before anything is written
+    check_trackers(trackers)
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)

@@ -17,8 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
 from testkit import REPO, free_port
-from training.config import ConfigError
-from training.distributed import _configure_deepspeed, build_accelerator, deepspeed_fp32_gradients, fsdp_plugin
+from training.config import ConfigError, TrainConfig
+from training.distributed import _configure_deepspeed, deepspeed_fp32_gradients, fsdp_plugin
+from training.loop import setup
 
 CONFIG_DIR = REPO / "accelerate_configs"
 YAMLS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
@@ -234,17 +235,35 @@ def test_a_deepspeed_yaml_as_accelerate_config_writes_it_must_agree_with_the_run
         _configure_deepspeed(config(), gradient_clipping=0.5)
 
 
-@pytest.mark.parametrize("version", ["1", None], ids=["fsdp_version 1", "no fsdp_version"])
-def test_an_fsdp1_yaml_stops_at_once_with_the_command_that_converts_it(monkeypatch, version):
-    """FSDP version 1 (what accelerate reads from a YAML without fsdp_version, as older ones are) is not what this
-    project shards with: one line, before anything is built, naming `accelerate to-fsdp2`."""
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    if version is None:
-        monkeypatch.delenv("FSDP_VERSION", raising=False)
-    else:
-        monkeypatch.setenv("FSDP_VERSION", version)
-    with pytest.raises(ConfigError, match=r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML"):
-        build_accelerator(grad_clip=1.0)
+FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file NEW.yaml`"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, FSDP1),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": None}, FSDP1),
+        ({"ACCELERATE_MIXED_PRECISION": "fp8"}, r"mixed_precision: fp8 .*set mixed_precision: bf16 .*--fp8-head true"),
+    ],
+    ids=["fsdp_version 1", "no fsdp_version", "fp8"],
+)
+def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(monkeypatch, tmp_path, env, message):
+    """What `accelerate launch` puts in the environment for such a YAML (or flag) gives one ConfigError saying what
+    to use instead, before the run folder is made:
+    - FSDP version 1 (what accelerate reads from a YAML without fsdp_version, as older ones are): this project
+      shards with FSDP2, and `accelerate to-fsdp2` converts the YAML;
+    - mixed_precision fp8 (an `accelerate config` answer): accelerate swaps every Linear for an FP8 library's, whose
+      weights the checkpoints cannot hold (with torchao installed, such a run trained and then failed at its first
+      save, with a traceback)."""
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        setup(TrainConfig(out_dir=str(run_dir)))
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
