@@ -256,6 +256,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
         muon_momentum=cfg.muon_momentum, mixed_precision=accelerator.mixed_precision,
     )  # fmt: skip
+    # said before prepare(): DeepSpeed's ZeRO replaces each group's tensors with its flat partitions in place
+    optimizer_text = describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
         optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
@@ -320,7 +322,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     )  # fmt: skip
     if progress.total_steps:  # resumed after a time budget's decision: the same steps and schedule
         run.span(progress.total_steps)
-    log_run_info(run, num_params, peak_source, param_groups)
+    log_run_info(run, num_params, peak_source, optimizer_text)
     return run
 
 
@@ -374,7 +376,7 @@ def build_data(
     return manifest, train_loader, val_windows
 
 
-def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list[dict]) -> None:
+def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: str) -> None:
     """The run's facts to every tracker and config.yaml to the run folder, and one summary line."""
     cfg, accelerator = run.cfg, run.accelerator
     world_size, device = accelerator.num_processes, accelerator.device
@@ -401,8 +403,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, param_groups: list
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {describe_steps(run)} | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
         f"val loss on {len(run.val_windows.indices):,} of {len(run.val_windows.dataset):,} val windows, spread | "
-        f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | "
-        + describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
+        f"MFU against {run.peak_tflops:.3g} TFLOP/s per device ({peak_source}) | " + optimizer_text
     )
 
 

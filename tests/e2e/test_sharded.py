@@ -98,7 +98,9 @@ def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]
     # the default optimizer (Muon) cannot run on sharded matrices: AdamW under the same schedule, said once
     engine = "FSDP" if config == "cpu_fsdp2.yaml" else "DeepSpeed"
     note = f"note: {engine} shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr 0.003) under"
-    assert out.count(note) == 1 and "| AdamW lr 0.003: " in out and "Muon lr" not in out
+    assert out.count(note) == 1 and "Muon lr" not in out
+    # the model's tensors, as built (ZeRO replaces each group's with its flat partitions in place)
+    assert "| AdamW lr 0.003: 10 tensors decay (wd 0.1), 18 tensors no_decay (wd 0) |" in out
     assert ("dynamo INDUCTOR" in out) == (config == "cpu_fsdp2.yaml")
     half = checkpoint_dir(straight, HALF)
     launch(config, resumed, prepared_books, "--resume", str(half), "--export-hf", "true")
