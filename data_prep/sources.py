@@ -297,7 +297,12 @@ def _plan_files(arg: str) -> Plan:
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         base = Path(*path.parts[: _first_magic(path.parts)])
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
-        paths, base = sorted(p for p in path.rglob("*.txt") if p.is_file()), path
+        # hidden files and folders left out, as a glob (and `datasets`) leaves them: editors' and notebooks'
+        # copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version control
+        visible = (
+            p for p in path.rglob("*.txt") if not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        paths, base = sorted(p for p in visible if p.is_file()), path
     elif path.is_file():
         paths, base = [path], path.parent
     else:

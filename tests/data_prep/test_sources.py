@@ -59,6 +59,10 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
     (books / "notes.md").write_text("not a book", encoding="utf-8")
     (books / "sub" / "c.txt").write_text("Gamma.\n", encoding="utf-8")
     (books / "sub" / "deeper" / "d.txt").write_text("Delta.\n", encoding="utf-8")
+    # hidden ones are left out of both the tree and a glob: a notebook's copy, a Mac's resource fork (binary)
+    (books / ".ipynb_checkpoints").mkdir()
+    (books / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("Alpha.\n", encoding="utf-8")
+    (books / "sub" / "._c.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        \xff\xfe")
     docs = list(iter_documents(f"files:{books}"))  # a folder is its whole tree, as PG-19 lays out its books
     assert [(d.id, d.title) for d in docs] == [
         ("files/books/a.txt", "a"),
