@@ -228,10 +228,14 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
             f"with the checkpoint's --preset/--block-size/--init-from, {afresh}, or choose another --out-dir"
         )
     if theirs.optimizer != cfg.optimizer:  # the saved optimizer state is the other optimizer's
+        if "optimizer" in cfg.explicit or cfg.optimizer == "muon":
+            asks, resume = f"this run asks for --optimizer {cfg.optimizer}", f"--optimizer {theirs.optimizer}"
+        else:  # the default Muon, which this launch's sharding engine turned into AdamW (loop.optimizer_for_engine)
+            asks = "this launch's engine (FSDP or DeepSpeed) shards each matrix and so trains adamw"
+            resume = "a launch YAML of DDP or one process (Muon needs whole matrices)"
         raise ConfigError(
-            f"{source}: the checkpoint holds {theirs.optimizer} state, this run asks for "
-            f"--optimizer {cfg.optimizer}; resume with --optimizer {theirs.optimizer}, {afresh}, or choose another "
-            "--out-dir (--init-from its export keeps the weights)"
+            f"{source}: the checkpoint holds {theirs.optimizer} state, {asks}; resume with {resume}, {afresh}, or "
+            "choose another --out-dir (--init-from its export keeps the weights)"
         )
     # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape)
     changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k != "micro_batch_size"]

@@ -25,6 +25,7 @@ from training.checkpoint import (
 )
 from training.config import ConfigError, TrainConfig, config_to_yaml
 from training.launch import _root_cause_line, report_error
+from training.loop import optimizer_for_engine
 
 
 def config(run_dir: Path, **overrides) -> TrainConfig:
@@ -128,6 +129,21 @@ def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(t
     other = rf"out_dir {run_dir} holds a run \(step-00000002\): the checkpoint is a tiny-cpu \(.*\) model, this run's"
     with pytest.raises(ConfigError, match=other + r" is tiny-cpu \(.*block_size 32"):
         plan_resume(config(run_dir, block_size=32))
+
+
+def test_a_checkpoint_of_the_other_optimizer_stops_with_the_launch_that_resumes_it(tmp_path):
+    """The advice follows where this launch's optimizer came from: the user's --optimizer, or a sharding engine
+    that trains AdamW for the default Muon (loop.optimizer_for_engine), where --optimizer muon would not help."""
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 2)  # the default optimizer's, Muon
+    held = rf"out_dir {run_dir} holds a run \(step-00000002\): the checkpoint holds muon state, "
+    asked = config(run_dir, optimizer="adamw")
+    asked.explicit = frozenset({"optimizer"})
+    with pytest.raises(ConfigError, match=held + "this run asks for --optimizer adamw; resume with --optimizer muon"):
+        plan_resume(asked)
+    sharded, _ = optimizer_for_engine(config(run_dir), "DeepSpeed")
+    with pytest.raises(ConfigError, match=held + r".* trains adamw; resume with a launch YAML of DDP or one process"):
+        plan_resume(sharded)
 
 
 def test_the_config_line_leaves_the_micro_batch_to_the_resume_line(tmp_path):
