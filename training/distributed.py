@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -16,6 +19,7 @@ from accelerate.utils import (
     FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
     broadcast_object_list,
+    gather_object,
 )
 
 from modeling.device import accelerator_needs_cpu
@@ -24,6 +28,7 @@ from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
 from training.config import ConfigError
 from training.malloc import keep_freed_memory
+from training.runlock import HOLDER_NAME
 
 T = TypeVar("T")
 
@@ -188,6 +193,56 @@ def decided_on_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+SHARED_WAIT_S = 10.0  # a network filesystem's cached view of the folder catches up within this, if it is shared
+
+
+def check_machines_share(accelerator: Accelerator, run_dir: Path, data_dir: str, data_fingerprint: str) -> None:
+    """Every rank must see the main process's run folder (each rank writes its part of a checkpoint, and a requeued
+    job may start the main process on another machine) and train on the same data (a copy prepared on each
+    machine must be the same one): checked once at start-up, every rank against the main process, before anything is
+    trained or saved. The ranks that differ are named with their hosts; all ranks stop alike."""
+    if accelerator.num_processes == 1:
+        return
+    holder = decided_on_main(accelerator, lambda: (run_dir / HOLDER_NAME).read_text())  # written as it took the lock
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not (sees := _reads(run_dir / HOLDER_NAME) == holder) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    ranks = gather_object([(accelerator.process_index, socket.gethostname(), sees, data_fingerprint)])
+    main_host, main_data = ranks[0][1], ranks[0][3]
+    problems = []
+    blind = [(rank, host) for rank, host, sees, _ in ranks if not sees]
+    if blind:
+        problems.append(
+            f"out_dir {run_dir} on {_hosts(blind)} is not the folder the main process writes on {main_host}: put "
+            "--out-dir on storage every machine shares (each rank writes its part of every checkpoint)"
+        )
+    other = [(rank, host) for rank, host, _, data in ranks if data != main_data]
+    if other:
+        problems.append(
+            f"data_dir {data_dir} on {_hosts(other)} holds other data than on {main_host} (their manifest.json "
+            "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _reads(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _hosts(ranks: list[tuple[int, str]]) -> str:
+    """'node-2 (ranks 8-15), node-3 (rank 16)': a launcher's ranks on one machine are consecutive."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in ranks:
+        by_host.setdefault(host, []).append(rank)
+    return ", ".join(
+        f"{host} (rank {r[0]})" if len(r) == 1 else f"{host} (ranks {r[0]}-{r[-1]})" for host, r in by_host.items()
+    )
 
 
 def is_dtensor(x: object) -> bool:

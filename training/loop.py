@@ -39,7 +39,14 @@ from training.checkpoint import (
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
-from training.distributed import build_accelerator, check_launch, decided_on_main, generation_model, set_deepspeed_batch
+from training.distributed import (
+    build_accelerator,
+    check_launch,
+    check_machines_share,
+    decided_on_main,
+    generation_model,
+    set_deepspeed_batch,
+)
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
@@ -236,6 +243,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
+    check_machines_share(accelerator, run_dir, cfg.data_dir, manifest.fingerprint)
     warning = memorization_warning(cfg, manifest.num_tokens("train"))
     if warning:
         accelerator.print(warning)

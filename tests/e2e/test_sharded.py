@@ -10,6 +10,7 @@ Each engine's checkpoints are read back on one process by evals, generate and tr
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from data_prep.prepare import prepare
 from evals.__main__ import main as evals_main
 from evals.generate import main as generate_main
 from evals.loading import load_model
@@ -204,6 +206,36 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
     for out in (machine0.stdout, out1):  # each machine's local main process reports the global world
         assert "2 process(es) on cpu" in out
     assert_losses_close(losses(run), losses(ddp_run), **ENGINE_TOL)
+
+
+def test_machines_that_do_not_share_the_run_folder_or_the_data_stop_at_start_up(prepared_books, tmp_path):
+    """The same 2-machine launch, where machine 1's out_dir is not the folder machine 0 writes (as a node-local disk
+    would be) and its data_dir holds other books: both machines stop before the first step with one line that names
+    both problems and the rank and host they were found on; nothing is trained or saved."""
+    other_books = tmp_path / "other books"
+    prepare("default:hamlet,macbeth", other_books, shard_tokens=40_000)
+    runs = [tmp_path / "machine0", tmp_path / "machine1"]
+    port = ["--main_process_port", str(free_port())]
+    cmds = [
+        launch_cmd(f"2node_cpu_rank{rank}.yaml", runs[rank], data, launch_args=port)
+        for rank, data in ((0, prepared_books), (1, other_books))
+    ]
+    machine1 = subprocess.Popen(cmds[1], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        machine0 = subprocess.run(cmds[0], cwd=REPO, capture_output=True, text=True, timeout=120)
+        _, err1 = machine1.communicate(timeout=120)
+    finally:
+        if machine1.poll() is None:
+            machine1.kill()
+            machine1.communicate()
+    host = socket.gethostname()
+    for returncode, err in ((machine0.returncode, machine0.stderr), (machine1.returncode, err1)):
+        assert returncode == 1, err[-3000:]
+        # rank 0 prints the line; machine 1's launcher quotes rank 1's in its ChildFailedError summary
+        assert f"on {host} (rank 1) is not the folder the main process writes on {host}: put --out-dir on " in err
+        assert f"on {host} (rank 1) holds other data than on {host} (their manifest.json fingerprints differ)" in err
+    assert sorted(p.name for p in runs[0].iterdir()) == [".run.lock", ".run.lock.json"]  # the main process's lock
+    assert list(runs[1].iterdir()) == []
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
