@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,7 +29,6 @@ from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
 from training.config import ConfigError
 from training.malloc import keep_freed_memory
-from training.runlock import HOLDER_NAME
 
 T = TypeVar("T")
 
@@ -195,50 +195,76 @@ def decided_on_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
     return value
 
 
-SHARED_WAIT_S = 10.0  # a network filesystem's cached view of the folder catches up within this, if it is shared
+SHARED_WAIT_S = 5.0  # for a network filesystem's view of the folder to catch up, if it is shared
+SHARED_PROBE = ".shared-probe-"  # + a new name each launch: no machine can hold a cached lookup of it
 
 
-def check_machines_share(accelerator: Accelerator, run_dir: Path, data_dir: str, data_fingerprint: str) -> None:
-    """Every rank must see the main process's run folder (each rank writes its part of a checkpoint, and a requeued
-    job may start the main process on another machine) and train on the same data (a copy prepared on each
-    machine must be the same one): checked once at start-up, every rank against the main process, before anything is
-    trained or saved. The ranks that differ are named with their hosts; all ranks stop alike."""
+def check_ranks_agree(accelerator: Accelerator, config: dict[str, Any], run_dir: Path) -> None:
+    """Several processes must run one config (machines launched by hand can differ: their collectives would then
+    wait on each other forever) and see the main process's run folder (each rank writes its part of a checkpoint,
+    and a requeued job may start the main process on another machine). Checked right after the process group forms,
+    every rank against the main process; the ranks that differ are named with their hosts, and all stop alike."""
     if accelerator.num_processes == 1:
         return
-    holder = decided_on_main(accelerator, lambda: (run_dir / HOLDER_NAME).read_text())  # written as it took the lock
+    probe = run_dir / decided_on_main(accelerator, lambda: _new_probe(run_dir))  # in this rank's run_dir
     deadline = time.monotonic() + SHARED_WAIT_S
-    while not (sees := _reads(run_dir / HOLDER_NAME) == holder) and time.monotonic() < deadline:
+    while not (sees := probe.exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    ranks = gather_object([(accelerator.process_index, socket.gethostname(), sees, data_fingerprint)])
-    main_host, main_data = ranks[0][1], ranks[0][3]
+    main_host, main_config, other = _against_main(accelerator, config)
     problems = []
-    blind = [(rank, host) for rank, host, sees, _ in ranks if not sees]
+    if other:
+        theirs = {k: v for *_, differs in other for k, v in differs.items() if v != main_config[k]}
+        there = ", ".join(f"{k} {v!r} against {main_config[k]!r}" for k, v in theirs.items())
+        problems.append(
+            f"the launch on {_hosts(other)} runs another config than the main process on {main_host} ({there}): "
+            "give every machine the same command"
+        )
+    _, _, blind = _against_main(accelerator, sees)  # every rank has looked by now
+    if accelerator.is_main_process:
+        probe.unlink()
     if blind:
         problems.append(
             f"out_dir {run_dir} on {_hosts(blind)} is not the folder the main process writes on {main_host}: put "
             "--out-dir on storage every machine shares (each rank writes its part of every checkpoint)"
         )
-    other = [(rank, host) for rank, host, _, data in ranks if data != main_data]
-    if other:
-        problems.append(
-            f"data_dir {data_dir} on {_hosts(other)} holds other data than on {main_host} (their manifest.json "
-            "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
-        )
     if problems:
         raise ConfigError("; ".join(problems))
 
 
-def _reads(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
+def check_same_data(accelerator: Accelerator, data_dir: str, fingerprint: str) -> None:
+    """Every rank reads the data the main process does: a data_dir prepared on each machine (not on shared storage)
+    must be the same dataset (its manifest's fingerprint hashes the shards and how they were made)."""
+    if accelerator.num_processes == 1:
+        return
+    main_host, _, other = _against_main(accelerator, fingerprint)
+    if other:
+        raise ConfigError(
+            f"data_dir {data_dir} on {_hosts(other)} holds other data than on {main_host} (their manifest.json "
+            "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
+        )
 
 
-def _hosts(ranks: list[tuple[int, str]]) -> str:
+def _against_main(accelerator: Accelerator, value: Any) -> tuple[str, Any, list[tuple[int, str, Any]]]:
+    """value from every rank (one gather): the main process's host and value, and the ranks whose value differs, as
+    (rank, host, value)."""
+    ranks = gather_object([(accelerator.process_index, socket.gethostname(), value)])
+    _, main_host, main_value = ranks[0]
+    return main_host, main_value, [r for r in ranks if r[2] != main_value]
+
+
+def _new_probe(run_dir: Path) -> str:
+    """The name of an empty file of a new name written in run_dir (a killed launch's probe removed first)."""
+    for stale in run_dir.glob(f"{SHARED_PROBE}*"):
+        stale.unlink()
+    name = f"{SHARED_PROBE}{uuid.uuid4().hex}"
+    (run_dir / name).touch()
+    return name
+
+
+def _hosts(ranks: list[tuple[int, str, Any]]) -> str:
     """'node-2 (ranks 8-15), node-3 (rank 16)': a launcher's ranks on one machine are consecutive."""
     by_host: dict[str, list[int]] = {}
-    for rank, host in ranks:
+    for rank, host, _ in ranks:
         by_host.setdefault(host, []).append(rank)
     return ", ".join(
         f"{host} (rank {r[0]})" if len(r) == 1 else f"{host} (ranks {r[0]}-{r[-1]})" for host, r in by_host.items()

@@ -42,7 +42,8 @@ from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, co
 from training.distributed import (
     build_accelerator,
     check_launch,
-    check_machines_share,
+    check_ranks_agree,
+    check_same_data,
     decided_on_main,
     generation_model,
     set_deepspeed_batch,
@@ -222,6 +223,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         log_with=[JSONLTracker(run_dir), *trackers],
         project_dir=str(run_dir),
     )
+    check_ranks_agree(accelerator, dataclasses.asdict(cfg), run_dir)
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
     # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
     resume_from, resume_notes = decided_on_main(accelerator, lambda: plan_resume(cfg))
@@ -243,7 +245,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
-    check_machines_share(accelerator, run_dir, cfg.data_dir, manifest.fingerprint)
+    check_same_data(accelerator, cfg.data_dir, manifest.fingerprint)
     warning = memorization_warning(cfg, manifest.num_tokens("train"))
     if warning:
         accelerator.print(warning)

@@ -184,58 +184,68 @@ def test_export_gathers_full_weights_loadable_in_transformers(sharded, ddp_run):
         torch.testing.assert_close(got[name], w, rtol=1e-3, atol=1e-4, msg=name)
 
 
-def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path, ddp_run):
-    """Two `accelerate launch` commands, machine_rank 0 and 1 of num_machines 2 on 127.0.0.1, one process each:
-    world size 2 over the network rendezvous, the same losses as 2-process DDP on one machine."""
-    run = tmp_path / "run"
+def two_machines(
+    args: Sequence[Sequence[str]], cwds: Sequence[Path], data_dirs: Sequence[Path], run_dirs: Sequence[Path]
+):
+    """Two `accelerate launch` commands, machine_rank 0 and 1 of num_machines 2 on 127.0.0.1, one process each (each
+    with its own arguments and working folder, where relative paths resolve); their (exit status, stdout, stderr)."""
     port = ["--main_process_port", str(free_port())]  # both machines' YAMLs name one port; a free one here
     cmds = [
-        launch_cmd(f"2node_cpu_rank{rank}.yaml", run, prepared_books, "--checkpoint-interval", "0", launch_args=port)
+        launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dirs[rank], data_dirs[rank], *args[rank], launch_args=port)
         for rank in (0, 1)
     ]
-    machine1 = subprocess.Popen(cmds[1], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    machine1 = subprocess.Popen(cmds[1], cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        machine0 = subprocess.run(cmds[0], cwd=REPO, capture_output=True, text=True, timeout=600)
+        machine0 = subprocess.run(cmds[0], cwd=cwds[0], capture_output=True, text=True, timeout=180)
         out1, err1 = machine1.communicate(timeout=120)
     finally:
         if machine1.poll() is None:
             machine1.kill()
             machine1.communicate()
-    check(machine0, cmds[0], machine0.stdout, machine0.stderr)
-    check(machine1, cmds[1], out1, err1)
-    for out in (machine0.stdout, out1):  # each machine's local main process reports the global world
-        assert "2 process(es) on cpu" in out
+    return [(machine0.returncode, machine0.stdout, machine0.stderr), (machine1.returncode, out1, err1)]
+
+
+def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path, ddp_run):
+    """World size 2 over the network rendezvous, the same losses as 2-process DDP on one machine."""
+    run = tmp_path / "run"
+    args = ["--checkpoint-interval", "0"]
+    machines = two_machines([args, args], [REPO, REPO], [prepared_books] * 2, [run] * 2)
+    for returncode, out, err in machines:
+        assert returncode == 0, f"{out[-3000:]}\n{err[-5000:]}"
+        assert "2 process(es) on cpu" in out  # each machine's local main process reports the global world
     assert_losses_close(losses(run), losses(ddp_run), **ENGINE_TOL)
+    assert not list(run.glob(".shared-probe-*"))  # the start-up check's file, removed once every rank looked
 
 
-def test_machines_that_do_not_share_the_run_folder_or_the_data_stop_at_start_up(prepared_books, tmp_path):
-    """The same 2-machine launch, where machine 1's out_dir is not the folder machine 0 writes (as a node-local disk
-    would be) and its data_dir holds other books: both machines stop before the first step with one line that names
-    both problems and the rank and host they were found on; nothing is trained or saved."""
+@pytest.mark.parametrize("case", ["another command, a node-local out_dir", "other data"])
+def test_machines_that_differ_stop_at_start_up_with_one_line(prepared_books, tmp_path, case):
+    """Machine 1 launched with another argument (their collectives would wait on each other forever), run_dir on a
+    node-local disk (its part of each checkpoint would be written where no resume finds it), or other data (a copy
+    prepared differently): both machines stop before the first step, with one line naming what differs and where;
+    nothing is trained or saved. Paths are relative, so the same argument names another folder on each machine."""
     other_books = tmp_path / "other books"
     prepare("default:hamlet,macbeth", other_books, shard_tokens=40_000)
-    runs = [tmp_path / "machine0", tmp_path / "machine1"]
-    port = ["--main_process_port", str(free_port())]
-    cmds = [
-        launch_cmd(f"2node_cpu_rank{rank}.yaml", runs[rank], data, launch_args=port)
-        for rank, data in ((0, prepared_books), (1, other_books))
-    ]
-    machine1 = subprocess.Popen(cmds[1], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        machine0 = subprocess.run(cmds[0], cwd=REPO, capture_output=True, text=True, timeout=120)
-        _, err1 = machine1.communicate(timeout=120)
-    finally:
-        if machine1.poll() is None:
-            machine1.kill()
-            machine1.communicate()
+    cwds = [tmp_path / "machine0", tmp_path / "machine1"]
+    for cwd, books in zip(cwds, (prepared_books, other_books if case == "other data" else prepared_books)):
+        cwd.mkdir()
+        (cwd / "books").symlink_to(books)
+    local = case != "other data"
+    run_dirs = [Path("run")] * 2 if local else [tmp_path / "run"] * 2
+    args = [[], ["--micro-batch-size", "2"] if local else []]
     host = socket.gethostname()
-    for returncode, err in ((machine0.returncode, machine0.stderr), (machine1.returncode, err1)):
+    want = (
+        [f"the launch on {host} (rank 1) runs another config than the main process on {host} (micro_batch_size 2 "
+         "against 4): give every machine the same command",
+         f"out_dir run on {host} (rank 1) is not the folder the main process writes on {host}: put --out-dir on"]
+        if local else
+        [f"data_dir books on {host} (rank 1) holds other data than on {host} (their manifest.json fingerprints differ)"]
+    )  # fmt: skip
+    for returncode, _, err in two_machines(args, cwds, [Path("books")] * 2, run_dirs):
         assert returncode == 1, err[-3000:]
         # rank 0 prints the line; machine 1's launcher quotes rank 1's in its ChildFailedError summary
-        assert f"on {host} (rank 1) is not the folder the main process writes on {host}: put --out-dir on " in err
-        assert f"on {host} (rank 1) holds other data than on {host} (their manifest.json fingerprints differ)" in err
-    assert sorted(p.name for p in runs[0].iterdir()) == [".run.lock", ".run.lock.json"]  # the main process's lock
-    assert list(runs[1].iterdir()) == []
+        assert all(w in err for w in want), err[-3000:]
+    main_run = cwds[0] / "run" if local else tmp_path / "run"
+    assert sorted(p.name for p in main_run.iterdir()) == [".run.lock", ".run.lock.json"]  # the main process's lock
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
