@@ -358,9 +358,9 @@ def build_data(
     """The manifest, this rank's train loader and its share of the val windows. Prepared shards are the contract
     with data_prep; the default corpus is prepared on first use, and benchmark data is provisioned now, not at the
     first eval."""
-    if cfg.data_dir == DEFAULT_DATA_DIR:
-        with accelerator.main_process_first():
-            if accelerator.is_main_process:
+    if cfg.data_dir == DEFAULT_DATA_DIR:  # by each machine where it is not shared (prepare's lock: one at a time)
+        with accelerator.local_main_process_first():
+            if accelerator.is_local_main_process:
                 ensure_default_corpus(cfg.data_dir, log=accelerator.print)
     manifest = load_manifest(cfg.data_dir)
     if cfg.eval_tasks:

@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from data_prep.prepare import prepare
 from evals.__main__ import main as evals_main
 from evals.generate import main as generate_main
 from evals.loading import load_model
 from modeling.runs import RunError
 from testkit import REPO, free_port, run, train_cmd
 from training.checkpoint import checkpoint_dir
+from training.config import DEFAULT_DATA_DIR
 from training.export import export_checkpoint
 from training.metrics import read_metrics
 
@@ -217,35 +217,57 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
     assert not list(run.glob(".shared-probe-*"))  # the start-up check's file, removed once every rank looked
 
 
-@pytest.mark.parametrize("case", ["another command, a node-local out_dir", "other data"])
-def test_machines_that_differ_stop_at_start_up_with_one_line(prepared_books, tmp_path, case):
-    """Machine 1 launched with another argument (their collectives would wait on each other forever), run_dir on a
-    node-local disk (its part of each checkpoint would be written where no resume finds it), or other data (a copy
-    prepared differently): both machines stop before the first step, with one line naming what differs and where;
-    nothing is trained or saved. Paths are relative, so the same argument names another folder on each machine."""
-    other_books = tmp_path / "other books"
-    prepare("default:hamlet,macbeth", other_books, shard_tokens=40_000)
+def machine_folders(tmp_path: Path, data: Sequence[Path | None]) -> list[Path]:
+    """Each machine's working folder, holding its data/default (None: nothing there yet). The same relative
+    path then names another folder on each machine, as a node-local disk's does."""
     cwds = [tmp_path / "machine0", tmp_path / "machine1"]
-    for cwd, books in zip(cwds, (prepared_books, other_books if case == "other data" else prepared_books)):
-        cwd.mkdir()
-        (cwd / "books").symlink_to(books)
-    local = case != "other data"
-    run_dirs = [Path("run")] * 2 if local else [tmp_path / "run"] * 2
-    args = [[], ["--micro-batch-size", "2"] if local else []]
-    host = socket.gethostname()
-    want = (
-        [f"the launch on {host} (rank 1) runs another config than the main process on {host} (micro_batch_size 2 "
-         "against 4): give every machine the same command",
-         f"out_dir run on {host} (rank 1) is not the folder the main process writes on {host}: put --out-dir on"]
-        if local else
-        [f"data_dir books on {host} (rank 1) holds other data than on {host} (their manifest.json fingerprints differ)"]
-    )  # fmt: skip
-    for returncode, _, err in two_machines(args, cwds, [Path("books")] * 2, run_dirs):
+    for cwd, books in zip(cwds, data):
+        (cwd / "data").mkdir(parents=True)
+        if books is not None:
+            (cwd / "data" / "default").symlink_to(books)
+    return cwds
+
+
+def assert_both_stop_with(machines: list[tuple[int, str, str]], *parts: str) -> None:
+    for returncode, _, err in machines:
         assert returncode == 1, err[-3000:]
         # rank 0 prints the line; machine 1's launcher quotes rank 1's in its ChildFailedError summary
-        assert all(w in err for w in want), err[-3000:]
-    main_run = cwds[0] / "run" if local else tmp_path / "run"
-    assert sorted(p.name for p in main_run.iterdir()) == [".run.lock", ".run.lock.json"]  # the main process's lock
+        assert all(part in err for part in parts), err[-3000:]
+
+
+def test_machines_launched_with_another_command_or_a_node_local_out_dir_stop_at_start_up(prepared_books, tmp_path):
+    """Machine 1 launched with another argument (the machines' collectives would wait on each other forever) and
+    its run folder on a node-local disk (its part of each checkpoint would be written where no resume finds it):
+    both machines stop as the process group forms, with one line naming both and where; nothing is written."""
+    cwds = machine_folders(tmp_path, [prepared_books, prepared_books])
+    args = [[], ["--micro-batch-size", "2"]]
+    machines = two_machines(args, cwds, [Path(DEFAULT_DATA_DIR)] * 2, [Path("run")] * 2)
+    host = socket.gethostname()
+    assert_both_stop_with(
+        machines,
+        f"error: the launch on {host} (rank 1) runs another config than the main process on {host} "
+        "(micro_batch_size 2 against 4): give every machine the same command; out_dir run on "
+        f"{host} (rank 1) is not the folder the main process writes on {host}: put --out-dir on storage every",
+    )
+    assert sorted(p.name for p in (cwds[0] / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # the lock alone
+
+
+def test_each_machine_prepares_the_default_corpus_and_one_with_other_data_stops_the_run(prepared_books, tmp_path):
+    """The bare command on machines whose data/default is node-local: each machine's first process prepares the
+    default corpus where it is missing (machine 1 here). A machine whose data differs from the main process's
+    (machine 0 holds other books) stops the run before the first step, with one line naming it."""
+    cwds = machine_folders(tmp_path, [prepared_books, None])
+    run_dir = tmp_path / "run"
+    machines = two_machines([[], []], cwds, [Path(DEFAULT_DATA_DIR)] * 2, [run_dir] * 2)
+    host = socket.gethostname()
+    assert "data/default has no manifest: preparing the default corpus there" in machines[1][1]
+    assert_both_stop_with(
+        machines,
+        f"error: data_dir data/default on {host} (rank 1) holds other data than on {host} (their manifest.json "
+        "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage",
+    )
+    assert (cwds[1] / "data" / "default" / "manifest.json").is_file()
+    assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock", ".run.lock.json"]  # the lock alone
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
