@@ -1,6 +1,6 @@
 """Score a run folder or an HF-format export on the eval tasks and print a Markdown table.
 
-    python -m evals --run runs/x [--tasks hellaswag,lambada] [--limit N] [--checkpoint PATH] [--batch-size 32]
+    python -m evals --run runs/x [--tasks hellaswag,lambada] [--limit N] [--checkpoint step-N] [--batch-size 32]
     python -m evals --model runs/x/export --tasks hellaswag
     accelerate launch --config_file accelerate_configs/cpu_ddp2.yaml -m evals --run runs/x   # ranks split the work
 

@@ -1,7 +1,7 @@
 """Sample text from a trained model.
 
     python -m evals.generate --run runs/x --prompt "ROMEO:" [--max-new-tokens 100] [--temperature 0.8]
-                             [--top-k 50] [--seed 0] [--checkpoint PATH]
+                             [--top-k 50] [--seed 0] [--checkpoint step-N]
     python -m evals.generate --model runs/x/export --prompt "Once upon a time"
 
 An empty prompt starts from <|endoftext|>, i.e. the start of a new document; --temperature 0 is greedy.

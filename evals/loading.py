@@ -16,7 +16,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run folder (newest checkpoint, else its export/)")
     source.add_argument("--model", help="HF-format export folder (e.g. runs/x/export)")
-    parser.add_argument("--checkpoint", help="with --run: a checkpoints/step-NNNNNNNN folder instead of the newest")
+    parser.add_argument(
+        "--checkpoint", help="with --run: step-NNNNNNNN (in the run's checkpoints/) or a path; default: newest"
+    )
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:

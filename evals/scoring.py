@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,11 +93,19 @@ def score_requests(
 def _logits_fn(model: torch.nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     """(inputs (B, T), mask (B, T)) -> logits over the real vocabulary (the embedding is padded past it) at the
     masked positions (M, REAL_VOCAB_SIZE)."""
-    if isinstance(model, GPT):
+    if isinstance(model, GPT) and not _fsdp_sharded(model):
         # The vocab-sized head runs only where a token is scored: most of a small model's compute is there.
         head = lambda hidden: F.linear(hidden, model.lm_head.weight[:REAL_VOCAB_SIZE])
         return lambda inputs, mask: head(model.hidden_states(inputs)[mask])
     return lambda inputs, mask: model(inputs)[0][mask][:, :REAL_VOCAB_SIZE]
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 makes the GPT it shards an FSDPGPT (a GPT), whose own parameters (embeddings, head) are gathered only
+    around forward(): scored through anything else, they may still be shards, and a rank's collectives (here and
+    in the throwaway forwards above) would not pair with the other ranks'. Not imported where nothing sharded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def _truncate(request: Request, block_size: int) -> tuple[list[int], int]:

@@ -153,9 +153,18 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     )
 
 
+def checkpoint_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
+    """A checkpoint given by path, or by its name in the run's checkpoints/ (step-NNNNNNNN), as a path."""
+    run_dir, path = Path(run_dir), Path(checkpoint)
+    if not path.is_dir() and (run_dir / "checkpoints" / path).is_dir():
+        return run_dir / "checkpoints" / path
+    return path
+
+
 def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, str]:
-    """(GPT of the run's shape with a checkpoint's weights, on the CPU in train mode; where they came from)."""
-    run_dir, checkpoint = Path(run_dir), Path(checkpoint)
+    """(GPT of the run's shape with a checkpoint's weights, on the CPU in train mode; where they came from).
+    `checkpoint`: a path, or a name in the run's checkpoints/."""
+    run_dir, checkpoint = Path(run_dir), checkpoint_path(run_dir, checkpoint)
     if not checkpoint.is_dir():
         found = [p.name for p in list_checkpoints(run_dir)]
         raise RunError(f"checkpoint {checkpoint} does not exist; {run_dir} has {', '.join(found) or 'none'}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from data_prep.tokenizer import get_encoding
 from modeling.disk import DiskFull, disk_full_reported
-from modeling.runs import RunError, list_checkpoints, load_checkpoint
+from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint
 
 
 class ExportError(RuntimeError):
@@ -31,9 +31,7 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     found = list_checkpoints(run_dir)
     if checkpoint is None and not found:
         raise RunError(f"{run_dir} has no checkpoint (checkpoints/step-NNNNNNNN/) to export")
-    path = found[-1] if checkpoint is None else Path(checkpoint)
-    if checkpoint is not None and not path.is_dir():
-        path = run_dir / "checkpoints" / checkpoint  # a name such as step-00000400
+    path = found[-1] if checkpoint is None else checkpoint_path(run_dir, checkpoint)
     out = Path(out) if out is not None else run_dir / f"export-{path.name}"
     if out.exists():
         raise RunError(f"{out} already exists; remove it or choose another --out")

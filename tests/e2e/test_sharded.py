@@ -19,9 +19,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from data_prep.tokenizer import get_encoding
 from evals.__main__ import main as evals_main
 from evals.generate import main as generate_main
 from evals.loading import load_model
+from evals.runner import run_task
 from modeling.runs import RunError
 from testkit import REPO, free_port, run, train_cmd
 from training.checkpoint import checkpoint_dir
@@ -277,6 +279,21 @@ def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_
     out = launch(config, run_dir, prepared_books, "--activation-checkpointing", "true")
     assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text() and "2 process(es)" in out
     assert_losses_close(losses(run_dir), losses(ddp_run), **(FSDP2_TOL if config == "cpu_fsdp2.yaml" else RESUME_TOL))
+
+
+def test_fsdp2_scores_the_benchmarks_in_training_as_one_process_does(prepared_books, tmp_path):
+    """--eval-tasks under FSDP2, with fewer batches than ranks (3 LAMBADA examples: one batch, so rank 1 runs a
+    throwaway forward): each rank's collectives pair with the other's, and the step-1 scores equal a one-process
+    scoring of the step-1 checkpoint. Before, FSDP2's scoring skipped the root's forward where the throwaway did
+    not: the ranks' collectives went out of step and the run hung in its first backward."""
+    run_dir = tmp_path / "run"
+    evals = ["--eval-interval", "1", "--eval-windows", "8", "--eval-tasks", "lambada", "--eval-limit", "3"]
+    run(launch_cmd("cpu_fsdp2.yaml", run_dir, prepared_books, "--max-steps", "1", *evals), timeout=180)
+    [row] = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == 1 and "lambada_ppl" in r]
+    model, _ = load_model(run_dir, checkpoint="step-00000001")
+    alone = run_task(model, "lambada", get_encoding(), limit=3).metrics
+    assert row["lambada_ppl"] == pytest.approx(alone["lambada_ppl"], rel=1e-5), (row, alone)
+    assert row["lambada_acc"] == alone["lambada_acc"]
 
 
 @pytest.mark.parametrize("config, engine", [("cpu_fsdp2.yaml", "FSDP"), ("cpu_zero2.yaml", "DeepSpeed")])

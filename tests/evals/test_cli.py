@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+import torch
 
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
@@ -22,6 +23,10 @@ from training.metrics import JSONLTracker
 def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     model, source = load_model(tiny_run, checkpoint=checkpoint_dir(tiny_run, 1))
     assert source.endswith("step-00000001 (model.safetensors)") and model.config.block_size == 32
+    by_name, _ = load_model(tiny_run, checkpoint="step-00000001")  # as `--checkpoint step-00000001` (and export's)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), by_name.state_dict().values(), strict=True)
+    )
     export = export_hf(model, tmp_path / "export", get_encoding())
     from_export, _ = load_model(export=export)
     for temperature in (0.0, 1.0):
