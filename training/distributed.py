@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,8 +88,15 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
                 state.distributed_type = DistributedType.MULTI_GPU
         else:  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo; one process may use MPS
             kwargs["cpu"] = accelerator_needs_cpu()
+    if _launched_with("DEEPSPEED"):  # deepspeed 0.19 calls the collectives torch 2.13 renamed, warning on every rank
+        deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+        warnings.filterwarnings("ignore", deprecated, FutureWarning)
     if _launched_with("FSDP"):
         kwargs["fsdp_plugin"] = fsdp_plugin()
+        # Compiled per block, a block's output is a view of inductor's buffer, and FSDP2 warns (once per rank) that an
+        # in-place op on it would skip its backward all-gather. GPT reads block outputs out of place only; FSDP2's
+        # per-step losses equal DDP's (tests/e2e/test_sharded.py), which a skipped all-gather would break.
+        warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor", UserWarning)
     accelerator = Accelerator(**kwargs)
     if accelerator.device.type == "mps" and accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
