@@ -116,6 +116,15 @@ def checkpoint_engine(checkpoint: str | Path) -> str | None:
     return "DeepSpeed" if (checkpoint / _ZERO_TAG).is_dir() else None
 
 
+def zero_layout(checkpoint: str | Path) -> tuple[str, int]:
+    """(the ZeRO stages that wrote a DeepSpeed checkpoint, "3" or "1/2", and on how many processes), from its files:
+    ZeRO-3 saves each rank's part of the model (zero_pp_rank_R_mp_rank_00_model_states.pt), stages 1 and 2 the whole
+    model once (mp_rank_00_model_states.pt); every stage saves each rank's optimizer partition."""
+    tag = Path(checkpoint) / _ZERO_TAG
+    ranks = len(list(tag.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    return ("3" if any(tag.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")) else "1/2"), ranks
+
+
 def merge_shards(folder: str | Path) -> dict:
     """A torch.distributed.checkpoint folder (every rank's shards) as one state dict of whole tensors on the CPU, as
     saved (accelerate's FSDP2 saves: {"model": ...} in pytorch_model_fsdp_0/, {"optimizer": ...} in optimizer_0/).

@@ -37,6 +37,7 @@ from modeling.runs import (
     is_checkpoint_dir,
     list_checkpoints,
     merge_shards,
+    zero_layout,
 )
 from training.config import ConfigError, TrainConfig
 
@@ -448,6 +449,20 @@ _RESUMES_ON = {
 }
 
 
+def check_zero_resume(checkpoint: Path, zero_stage: int, world_size: int) -> None:
+    """DeepSpeed (0.19) loads its partitions only at the ZeRO stages (3, or 1 and 2) and on the process count that
+    wrote them; elsewhere it stopped with an AssertionError of no message, or its own exception, on every rank."""
+    stage, ranks = zero_layout(checkpoint)
+    now = "3" if zero_stage == 3 else "1/2"
+    if (stage, ranks) != (now, world_size):
+        raise ConfigError(
+            f"--resume {checkpoint}: the checkpoint was written by DeepSpeed ZeRO-{stage} on {ranks} processes and "
+            f"this launch runs ZeRO-{now} on {world_size}; DeepSpeed resumes its partitions only at the stage and "
+            "process count that wrote them: launch with those, or start a new run with --init-from on its export "
+            "(python -m training.export)"
+        )
+
+
 def load_resume_state(
     accelerator: Accelerator,
     checkpoint: Path,
@@ -463,6 +478,8 @@ def load_resume_state(
     order) load as accelerate saved them. Other crossings of engines stop with one line. Returns what crossed
     (None: the engine that saved it loads it)."""
     saved, now = checkpoint_engine(checkpoint), _engine(accelerator)
+    if saved == now == "DeepSpeed":
+        check_zero_resume(checkpoint, accelerator.state.deepspeed_plugin.zero_stage, accelerator.num_processes)
     if saved == now or saved is None:  # None: accelerate names the missing file
         accelerator.load_state(str(checkpoint))
         return None

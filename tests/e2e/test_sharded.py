@@ -26,8 +26,8 @@ from evals.loading import load_model
 from evals.runner import run_task
 from modeling.runs import RunError
 from testkit import REPO, free_port, run, train_cmd
-from training.checkpoint import checkpoint_dir
-from training.config import DEFAULT_DATA_DIR
+from training.checkpoint import check_zero_resume, checkpoint_dir
+from training.config import DEFAULT_DATA_DIR, ConfigError
 from training.export import export_checkpoint
 from training.metrics import read_metrics
 
@@ -177,6 +177,22 @@ def test_an_fsdp2_checkpoint_resumes_on_ddp_and_on_one_process(sharded, prepared
                             "--resume", str(half))).stdout  # fmt: skip
         assert f"resume: FSDP2 shards -> one whole model per process{shape}; data position 3,072 tokens kept" in out
         assert_losses_close(losses(run_dir), second_half, **FSDP2_TOL)
+
+
+def test_a_zero_checkpoint_resumes_only_at_its_stage_and_process_count(sharded):
+    """DeepSpeed loads ZeRO partitions only at the stages that wrote them (3, or 1 and 2, which share a layout: a
+    ZeRO-2 checkpoint resumed under ZeRO-1 gives ZeRO-2's losses) and on as many processes; elsewhere it stopped
+    with an AssertionError of no message or its own exception. Read from the checkpoint's files, before loading."""
+    config, straight, _ = sharded
+    if "zero" not in config:
+        pytest.skip("FSDP2 checkpoints reshard")
+    half, stage = checkpoint_dir(straight, HALF), 3 if config == "cpu_zero3.yaml" else 2
+    for zero_stage in (1, 2) if stage == 2 else (3,):
+        check_zero_resume(half, zero_stage, 2)  # as written: the fixture's resumed run loads it
+    written = f"written by DeepSpeed ZeRO-{'3' if stage == 3 else '1/2'} on 2 processes and this launch runs ZeRO-"
+    for zero_stage, world in ((2 if stage == 3 else 3, 2), (stage, 1), (stage, 4)):
+        with pytest.raises(ConfigError, match=rf"{written}.* on {world}; DeepSpeed resumes its partitions only at"):
+            check_zero_resume(half, zero_stage, world)
 
 
 def test_export_gathers_full_weights_loadable_in_transformers(sharded, ddp_run):
