@@ -58,10 +58,6 @@ def launch_cmd(
     return train_cmd(accelerate_config, run_dir, data_dir, *COMMON, *adamw, *args, launch_args=launch_args)
 
 
-def check(result: subprocess.CompletedProcess | subprocess.Popen, cmd: list[str], out: str, err: str) -> None:
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}"
-
-
 def launch(accelerate_config: str, run_dir: Path, data_dir: Path, *args: str) -> str:
     """Run to completion; the launcher's stdout."""
     return run(launch_cmd(accelerate_config, run_dir, data_dir, *args)).stdout
