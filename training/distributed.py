@@ -218,18 +218,19 @@ def check_ranks_agree(accelerator: Accelerator, config: dict[str, Any], run_dir:
     deadline = time.monotonic() + SHARED_WAIT_S
     while not (sees := probe.exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    main_host, main_config, other = _against_main(accelerator, config)
-    problems = []
-    if other:
-        theirs = {k: v for *_, differs in other for k, v in differs.items() if v != main_config[k]}
-        there = ", ".join(f"{k} {v!r} against {main_config[k]!r}" for k, v in theirs.items())
-        problems.append(
-            f"the launch on {_hosts(other)} runs another config than the main process on {main_host} ({there}): "
-            "give every machine the same command"
-        )
-    _, _, blind = _against_main(accelerator, sees)  # every rank has looked by now
+    main_host, (main_config, _), other = _against_main(accelerator, (config, sees))  # every rank has looked by now
     if accelerator.is_main_process:
         probe.unlink()
+    problems = []
+    differ = [(rank, host, theirs) for rank, host, (theirs, _) in other if theirs != main_config]
+    if differ:
+        keys = {k: v for *_, theirs in differ for k, v in theirs.items() if v != main_config[k]}
+        there = ", ".join(f"{k} {v!r} against {main_config[k]!r}" for k, v in keys.items())
+        problems.append(
+            f"the launch on {_hosts(differ)} runs another config than the main process on {main_host} ({there}): "
+            "give every machine the same command"
+        )
+    blind = [(rank, host, seen) for rank, host, (_, seen) in other if not seen]
     if blind:
         problems.append(
             f"out_dir {run_dir} on {_hosts(blind)} is not the folder the main process writes on {main_host}: put "
