@@ -31,3 +31,11 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu" if accelerator_needs_cpu() else "mps")
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed, imported wherever it is installed (by accelerate, by transformers' save_pretrained, by the ZeRO
+    checkpoint reader), picks its accelerator as it loads and, finding no GPU, warns that it could not detect one.
+    Told the CPU beforehand (DS_ACCELERATOR, its own variable) it does not; a choice in the environment stays."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

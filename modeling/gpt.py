@@ -87,6 +87,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # The block class FSDP2 shards one at a time when the launch YAML names none (accelerate reads the transformers
+    # attribute; `accelerate config`'s default answer), so every FSDP2 YAML shards per Block.
+    _no_split_modules = ["Block"]
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -106,8 +110,7 @@ class GPT(nn.Module):
         # The head's logits from an FP8 matmul where the loss takes the full logits (training.config's fp8_head,
         # set only on CUDA 8.9+; modeling.fp8_head); not part of the architecture either.
         self.fp8_head = False
-        # Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params.
-        self.transformer.wte.weight = self.lm_head.weight
+        self.tie_weights()
 
         # GPT-2 init: N(0, 0.02) everywhere, zero biases, LayerNorm at (1, 0); the projections that write
         # into the residual stream are scaled by 1/sqrt(2 * n_layer) (two per block) so the stream's
@@ -116,6 +119,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def tie_weights(self) -> None:
+        """Weight tying (GPT-2): one matrix both embeds the ids and scores them; saves vocab x n_embd params. Called
+        again by accelerate (the transformers method's name) after its FSDP2 ram-efficient loading moved the model to
+        the meta device, which gives each module its own copy."""
+        self.transformer.wte.weight = self.lm_head.weight
 
     @classmethod
     def from_preset(cls, name: str) -> GPT:

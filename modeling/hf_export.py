@@ -25,6 +25,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
+from modeling.device import quiet_deepspeed
 from modeling.disk import swap_in
 from modeling.gpt import GPT
 
@@ -121,6 +122,9 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
     out_dir = Path(out_dir)
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)  # left by an interrupted export
+    quiet_deepspeed()  # save_pretrained imports it where installed
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for one file
     try:
         hf_model = GPT2LMHeadModel(hf_config(model.config))
         hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
@@ -130,6 +134,9 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return out_dir
 
 
@@ -139,15 +146,9 @@ def check_export(config: GPTConfig, encoding: tiktoken.Encoding) -> None:
     found it: the run's init must not depend on whether its export is checked."""
     _check_exportable(config)
     small = dataclasses.replace(config, n_layer=1, n_head=1, n_embd=8)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a check, not an export: no "Writing model shards" bar at start-up
-    try:
-        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
-            export_hf(GPT(small), tmp, encoding)
-            GPT2TokenizerFast.from_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
+        export_hf(GPT(small), tmp, encoding)
+        GPT2TokenizerFast.from_pretrained(tmp)
 
 
 def export_tokenizer(encoding: tiktoken.Encoding, out_dir: str | Path, model_max_length: int) -> None:

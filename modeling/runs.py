@@ -29,6 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from modeling.config import GPTConfig, get_preset
+from modeling.device import quiet_deepspeed
 from modeling.gpt import GPT
 
 CONFIG_FILE = "config.yaml"
@@ -146,6 +147,7 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     if engine == "FSDP":
         return merge_shards(checkpoint / _FSDP_SHARDS)["model"], "FSDP shards merged with torch's dcp_to_torch_save"
     if engine == "DeepSpeed":
+        quiet_deepspeed()
         try:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         except ImportError:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import save_model
 
 from modeling.config import GPTConfig, get_preset
@@ -45,6 +46,20 @@ def train_cmd(
         launcher = [*ACCELERATE_LAUNCH, "--config_file", str(config), *launch_args]
     return [*launcher, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", *QUIET,
             "--data-dir", str(data_dir), "--out-dir", str(run_dir), *args]  # fmt: skip
+
+
+def fsdp_yaml(folder: Path, **answers: object) -> Path:
+    """accelerate_configs/cpu_fsdp2.yaml with some fsdp_config answers changed (None: left out), as `accelerate
+    config` may write them, saved in `folder`."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / "cpu_fsdp2.yaml").read_text())
+    for key, value in answers.items():
+        if value is None:
+            del config["fsdp_config"][key]
+        else:
+            config["fsdp_config"][key] = value
+    path = folder / "my_fsdp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def run(

@@ -24,8 +24,8 @@ from accelerate.utils import (
     gather_object,
 )
 
-from modeling.device import accelerator_needs_cpu
-from modeling.gpt import GPT
+from modeling.device import accelerator_needs_cpu, quiet_deepspeed
+from modeling.gpt import GPT, Block
 from modeling.vector_math import warm_up_vector_math
 from training.compile_cache import isolate_inductor_cache
 from training.config import ConfigError
@@ -48,6 +48,8 @@ def check_launch() -> None:
             "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
             "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
         )
+    if _launched_with("FSDP"):
+        _check_fsdp_yaml()
     # accelerate's fp8 swaps every Linear for Transformer Engine's, torchao's or MS-AMP's: weights of their own
     # tensor types, which the checkpoints (safetensors) cannot hold (torchao's run trained, then failed at its
     # first save) and whose numerics no test here covers
@@ -57,6 +59,39 @@ def check_launch() -> None:
             "this project does not train or checkpoint: set mixed_precision: bf16 in the YAML (or pass "
             "--mixed_precision bf16 to accelerate launch); FP8 here is the head's matmul, --fp8-head true on Ada or "
             "Hopper GPUs"
+        )
+
+
+def _check_fsdp_yaml() -> None:
+    """The fsdp_config answers (`accelerate config` offers them) under which this project's FSDP2 runs failed:
+    - a wrap other than one FSDP unit per Block: SIZE_BASED_WRAP failed in fully_shard, a class the model lacks in
+      accelerate, and NO_WRAP (also what a YAML without fsdp_auto_wrap_policy gets) gathers the whole model at once;
+    - FULL_STATE_DICT checkpoints, which a sharded launch, DDP, the export and evals cannot read;
+    - parameters offloaded where there is no GPU: FSDP2 pins their memory for one, and failed."""
+    wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", Block.__name__)  # none: GPT._no_split_modules
+    said = None
+    if wrap != "TRANSFORMER_BASED_WRAP":
+        said = f"fsdp_auto_wrap_policy: {wrap}"
+    elif classes != Block.__name__:
+        said = f"fsdp_transformer_layer_cls_to_wrap: {classes}"
+    if said:
+        raise ConfigError(
+            f"the launch YAML's fsdp_config says {said}; this project's FSDP2 shards the model one transformer block "
+            f"at a time: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP and fsdp_transformer_layer_cls_to_wrap: "
+            f"{Block.__name__} (or leave the class out)"
+        )
+    state_dict = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    if state_dict.upper() != "SHARDED_STATE_DICT":
+        raise ConfigError(
+            f"the launch YAML's fsdp_config says fsdp_state_dict_type: {state_dict}; this project saves FSDP2 "
+            "checkpoints sharded, which any process count, DDP or one process resumes and `python -m training.export` "
+            "makes one model of (the run writes export/ at its end): set fsdp_state_dict_type: SHARDED_STATE_DICT"
+        )
+    if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" and not torch.cuda.is_available():
+        raise ConfigError(
+            "the launch YAML's fsdp_config says fsdp_offload_params: true, which keeps the parameters in CPU memory "
+            "while a GPU computes; there is no GPU here, so they are there already: set fsdp_offload_params: false"
         )
 
 
@@ -76,9 +111,7 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     fsdp_plugin and deepspeed_fp32_gradients.
     """
     if not torch.cuda.is_available():
-        # DeepSpeed's own choice here, stated before it is imported (by accelerate, also for plain DDP runs when
-        # installed), so it does not warn on every CPU run that it found no GPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        quiet_deepspeed()  # before accelerate imports it (also for plain DDP runs, when installed)
         if _launched_with("DEEPSPEED"):
             kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(backend="gloo")]
             _no_shared_memory_all_reduce()

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from accelerate.utils.other import compile_regions_fsdp2
 from torch._dynamo.testing import CompileCounter
@@ -16,9 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
-from testkit import REPO, free_port
+from testkit import REPO, free_port, fsdp_yaml
 from training.config import ConfigError, TrainConfig
-from training.distributed import _configure_deepspeed, deepspeed_fp32_gradients, fsdp_plugin
+from training.distributed import _configure_deepspeed, check_launch, deepspeed_fp32_gradients, fsdp_plugin
 from training.loop import setup
 
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -264,6 +265,57 @@ def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(mon
     with pytest.raises(ConfigError, match=message):
         setup(TrainConfig(out_dir=str(run_dir)))
     assert not run_dir.exists()
+
+
+WRAP = r"this project's FSDP2 shards the model one transformer block at a time: set fsdp_auto_wrap_policy: TRANS"
+
+
+@pytest.mark.parametrize(
+    ("answers", "message"),
+    [
+        ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, rf"fsdp_auto_wrap_policy: SIZE_BASED_WRAP; {WRAP}"),
+        ({"fsdp_auto_wrap_policy": None}, rf"fsdp_auto_wrap_policy: NO_WRAP; {WRAP}"),
+        (
+            {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block"},
+            rf"fsdp_transformer_layer_cls_to_wrap: GPT2Block; {WRAP}",
+        ),
+        (
+            {"fsdp_state_dict_type": "FULL_STATE_DICT"},
+            r"fsdp_state_dict_type: FULL_STATE_DICT; this project saves FSDP2 checkpoints sharded",
+        ),
+        pytest.param(
+            {"fsdp_offload_params": True},
+            r"fsdp_offload_params: true, .* there is no GPU here, so they are there already: set fsdp_offload",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="offloading from a GPU is what it is for"),
+        ),
+    ],
+    ids=["size-based wrap", "no wrap", "a class the model lacks", "full state dict", "offload without a GPU"],
+)
+def test_fsdp_answers_this_project_does_not_run_stop_before_anything_is_written(
+    monkeypatch, tmp_path, answers, message
+):
+    """fsdp_config answers `accelerate config` offers, under which the run failed later (SIZE_BASED_WRAP in
+    fully_shard, a class the model lacks in accelerate, offloading in FSDP2's pinning of memory for a GPU, with
+    tracebacks), trained less sharded than asked (NO_WRAP, also a YAML without the policy: the whole model gathered
+    at once) or wrote checkpoints that only the same YAML could resume (FULL_STATE_DICT: a traceback elsewhere)."""
+    for key, value in launch_env(str(fsdp_yaml(tmp_path, **answers))).items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=f"^the launch YAML's fsdp_config says {message}"):
+        setup(TrainConfig(out_dir=str(run_dir)))
+    assert not run_dir.exists()
+
+
+def test_fsdp2_shards_each_block_when_the_yaml_names_no_class(monkeypatch, tmp_path):
+    """`accelerate config` leaves the wrap class out unless one is typed: accelerate then wraps the model's
+    _no_split_modules (the transformers attribute), and without it wrapped none, sharding the model as one unit."""
+    for key, value in launch_env(str(fsdp_yaml(tmp_path, fsdp_transformer_layer_cls_to_wrap=None))).items():
+        monkeypatch.setenv(key, value)
+    check_launch()
+    plugin, model = fsdp_plugin(), GPT(get_preset("tiny-cpu"))
+    plugin.set_auto_wrap_policy(model)  # as accelerate's FSDP2 prepare does, then fsdp2_prepare_model
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    assert [m for m in model.modules() if policy(m)] == list(model.transformer.h)
 
 
 @pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
