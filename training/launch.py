@@ -60,6 +60,9 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from modeling.device import quiet_deepspeed
+
+    quiet_deepspeed()  # the DeepSpeed launcher imports it here, and the run's processes inherit the setting
     args = launch_command_parser().parse_args()
     if args.quiet:  # each torchelastic module's logger has its own level (LOGLEVEL's), so each is set
         for name in list(logging.root.manager.loggerDict):
