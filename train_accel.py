@@ -66,8 +66,10 @@ def fit(run: Run) -> bool:
 
             if metrics.due(step):
                 row = metrics.log(step, out)
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
-                                mfu=f"{row.get('mfu', 0):.1%}")  # fmt: skip
+                speed = {}  # none yet when a run's (or a resume's) first step, which compiles, is all it has timed
+                if "tokens_per_sec" in row:
+                    speed = {"tok_s": f"{row['tokens_per_sec']:,.0f}", "mfu": f"{row['mfu']:.1%}"}
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", **speed)
             val_loss = None
             if due(cfg.eval_interval, step, last):
                 evals = evaluate(run)

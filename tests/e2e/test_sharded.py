@@ -173,9 +173,12 @@ def test_an_fsdp2_checkpoint_resumes_on_ddp_and_on_one_process(sharded, prepared
     for accelerate_config, shape in (("cpu_ddp2.yaml", ""), (None, ", world size 2 -> 1, micro-batch 4 -> 4, "
                                                                 "accumulation 2 -> 4")):  # fmt: skip
         run_dir = tmp_path / str(accelerate_config)
-        out = run(train_cmd(accelerate_config, run_dir, prepared_books, *COMMON, "--optimizer", "adamw",
-                            "--resume", str(half))).stdout  # fmt: skip
+        result = run(train_cmd(accelerate_config, run_dir, prepared_books, *COMMON, "--optimizer", "adamw",
+                               "--resume", str(half)))  # fmt: skip
+        out = result.stdout
         assert f"resume: FSDP2 shards -> one whole model per process{shape}; data position 3,072 tokens kept" in out
+        # the progress bar: the resumed first step (untimed: it compiles) shows its loss, then the throughput
+        assert ", loss=" in result.stderr and "tok_s=0]" not in result.stderr and ", tok_s=" in result.stderr
         assert_losses_close(losses(run_dir), second_half, **FSDP2_TOL)
 
 
