@@ -21,7 +21,7 @@ from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
-from modeling.device import accelerator_needs_cpu
+from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.runtime import dtype_name, finish
 from modeling.vector_math import warm_up_vector_math
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         tasks = parse_tasks(args.tasks)
+        quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
         model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
         warm_up_vector_math(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
