@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import statistics
 import sys
 import time
@@ -640,7 +641,10 @@ def final_model(run: Run, final_checkpoint: Path) -> GPT | None:
     weights, read as `python -m training.export` reads them."""
     accelerator = run.accelerator
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return load_checkpoint(run.run_dir, final_checkpoint)[0] if accelerator.is_main_process else None
+        if not accelerator.is_main_process:
+            return None
+        with contextlib.redirect_stderr(io.StringIO()):  # zero_to_fp32's progress lines: the run's last are its own
+            return load_checkpoint(run.run_dir, final_checkpoint)[0]
     state_dict = accelerator.get_state_dict(run.model)  # a collective under FSDP2
     if not accelerator.is_main_process:
         return None
