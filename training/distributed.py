@@ -140,9 +140,27 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        check_deepspeed_sections(ds_config)
         _configure_deepspeed(ds_config, gradient_clipping=grad_clip)
         deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
+
+
+def check_deepspeed_sections(ds_config: dict) -> None:
+    """A DeepSpeed config with an optimizer or scheduler of its own (the transformers examples' JSONs have both):
+    accelerate refused it in prepare(), after the model was built, with a traceback advising a code change. The run
+    config chooses both, so one line at start-up says to remove them."""
+    sections = [
+        f"{key} ({ds_config[key].get('type', 'no type')})" for key in ("optimizer", "scheduler") if key in ds_config
+    ]
+    if sections:
+        source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        where = source if source != "none" else "the launch YAML's deepspeed_config"
+        raise ConfigError(
+            f"the DeepSpeed config ({where}) sets {' and '.join(sections)}; this project's run config chooses the "
+            "optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those sections "
+            "from the DeepSpeed config"
+        )
 
 
 def _no_shared_memory_all_reduce() -> None:

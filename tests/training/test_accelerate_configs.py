@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
@@ -19,7 +20,13 @@ from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
 from testkit import REPO, free_port, fsdp_yaml
 from training.config import ConfigError, TrainConfig
-from training.distributed import _configure_deepspeed, check_launch, deepspeed_fp32_gradients, fsdp_plugin
+from training.distributed import (
+    _configure_deepspeed,
+    check_deepspeed_sections,
+    check_launch,
+    deepspeed_fp32_gradients,
+    fsdp_plugin,
+)
 from training.loop import setup
 
 CONFIG_DIR = REPO / "accelerate_configs"
@@ -234,6 +241,34 @@ def test_a_deepspeed_yaml_as_accelerate_config_writes_it_must_agree_with_the_run
         _configure_deepspeed(config(), train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
     with pytest.raises(ConfigError, match=r"sets gradient_clipping: 1.0, but this run needs 0.5 \(from --grad-clip"):
         _configure_deepspeed(config(), gradient_clipping=0.5)
+
+
+def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_line(monkeypatch, tmp_path):
+    """The transformers examples' DeepSpeed JSONs set an optimizer and a scheduler ("auto" values for the Trainer to
+    fill in); accelerate refused them in prepare(), after the model was built, advising a code change."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ds_json = tmp_path / "ds_zero2.json"
+    ds_json.write_text(
+        '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", '
+        '"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": "WarmupLR"}}'
+    )
+    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
+    del config["mixed_precision"]  # the JSON's to set, accelerate says, with a deepspeed_config_file
+    yaml_file = tmp_path / "my_zero2.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    for key, value in launch_env(str(yaml_file)).items():
+        monkeypatch.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    with pytest.raises(ConfigError) as err:
+        check_deepspeed_sections(DeepSpeedPlugin().deepspeed_config)
+    assert str(err.value) == (
+        f"the DeepSpeed config ({ds_json}) sets optimizer (AdamW) and scheduler (WarmupLR); this project's run config "
+        "chooses the optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those "
+        "sections from the DeepSpeed config"
+    )
 
 
 FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file NEW.yaml`"
