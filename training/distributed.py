@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -136,6 +137,9 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         isolate_inductor_cache(accelerator.device)  # before prepare() compiles
+        # Compiling DDP's forward (accelerate compiles the DDP module), dynamo meets the profiler label DDP opens and
+        # warns on every rank that it ignores it; no profiler runs in training.
+        logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_not_the_profiler_label_warning)
     warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
     keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -161,6 +165,10 @@ def check_deepspeed_sections(ds_config: dict) -> None:
             "optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those sections "
             "from the DeepSpeed config"
         )
+
+
+def _not_the_profiler_label_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Profiler record function ")
 
 
 def _no_shared_memory_all_reduce() -> None:
