@@ -89,7 +89,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     # The block class FSDP2 shards one at a time when the launch YAML names none (accelerate reads the transformers
     # attribute; `accelerate config`'s default answer), so every FSDP2 YAML shards per Block.
-    _no_split_modules = ["Block"]
+    _no_split_modules = [Block.__name__]
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
