@@ -17,14 +17,17 @@ stand. `-q` also silences torchrun's per-process log lines.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 PRINTED = "printed"  # an extraInfo key: rank 0 printed this error on the console already
+STATIC_RENDEZVOUS_WAIT_S = 600  # torchrun's static rendezvous (the YAMLs' rdzv_backend) waits this long by default
 
 
 def report_error(line: str) -> None:
@@ -54,11 +57,59 @@ def _root_cause_line(err: Exception) -> str | None:
     return f"error: rank {rank} ended with {how} ({failure.message}); its output above says why"
 
 
+@dataclass(frozen=True)
+class Machines:
+    """Where a launch on several machines meets: the YAML's values, each overridden by its flag if given."""
+
+    rank: int
+    count: int
+    address: str
+    wait_s: int  # how long the rendezvous waits for every machine (--rdzv_conf timeout=S)
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Machines | None:
+        """None for a launch on one machine, or where accelerate will report the YAML itself."""
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        try:
+            config = load_config_from_file(args.config_file)
+        except (FileNotFoundError, ValueError, TypeError):
+            return None
+        count = args.num_machines or getattr(config, "num_machines", 1)
+        if count <= 1:
+            return None
+        ip = args.main_process_ip or getattr(config, "main_process_ip", None)
+        port = args.main_process_port or getattr(config, "main_process_port", None) or 29500
+        rdzv = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+        return cls(
+            rank=args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0),
+            count=count,
+            address=f"{ip}:{port}",
+            wait_s=int(rdzv.get("timeout", STATIC_RENDEZVOUS_WAIT_S)),
+        )
+
+    def meeting(self) -> str:
+        return (
+            f"machine {self.rank} of {self.count}: meeting the others at {self.address} (machine 0's address; up to "
+            f"{self.wait_s} s)"
+        )
+
+    def missing(self) -> str:
+        return (
+            f"error: machine {self.rank} of {self.count} did not meet the others at {self.address} within "
+            f"{self.wait_s} s: start the same command on each of the {self.count} machines, with its own machine_rank "
+            f"(0 to {self.count - 1}) and machine 0's address as main_process_ip, reachable at that port from every "
+            "machine (`--rdzv_conf timeout=SECONDS` waits longer)"
+        )
+
+
 def main() -> None:
     import torch.distributed.run  # noqa: F401  (creates torchelastic's loggers, which -q quiets)
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from modeling.device import quiet_deepspeed
 
@@ -68,8 +119,16 @@ def main() -> None:
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("torch.distributed"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+    machines = Machines.of(args)
+    if machines:  # torchrun says nothing while it waits, and a machine that never comes leaves the others waiting
+        print(machines.meeting(), flush=True)
     try:
         launch_command(args)
+    except (DistStoreError, DistNetworkError, RendezvousError) as err:  # machines that never met: no process ran
+        if machines is None:
+            raise
+        print(f"{machines.missing()} ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+        sys.exit(1)
     except ChildFailedError as err:
         line = _root_cause_line(err)
         if line:

@@ -242,6 +242,26 @@ def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path,
     assert not list(run.glob(".shared-probe-*"))  # the start-up check's file, removed once every rank looked
 
 
+def test_a_machine_launched_alone_says_where_it_waits_and_then_what_to_start(prepared_books, tmp_path):
+    """Machine 0 of 2 alone waited without a word (torchrun prints nothing meanwhile) for 10 minutes, then ended with
+    a DistStoreError traceback; machine 1 without machine 0, with DistNetworkError's. Through `python -m
+    training.launch` (the SLURM script's launcher), each says where it meets the others and, when they do not come
+    (here within --rdzv_conf timeout=2), one line of what to start; no process of the run started."""
+    port = str(free_port())
+    for rank, error in ((0, "DistStoreError"), (1, "DistNetworkError")):
+        launch_args = ["-q", "--main_process_port", port, "--rdzv_conf", "timeout=2"]
+        cmd = launch_cmd(f"2node_cpu_rank{rank}.yaml", tmp_path / "run", prepared_books, launch_args=launch_args)
+        result = run([sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]], expect_rc=1, timeout=90)
+        where = f"127.0.0.1:{port}"
+        assert result.stdout == f"machine {rank} of 2: meeting the others at {where} (machine 0's address; up to 2 s)\n"
+        last = result.stderr.splitlines()[-1]
+        assert last.startswith(
+            f"error: machine {rank} of 2 did not meet the others at {where} within 2 s: start the same command on "
+            "each of the 2 machines, with its own machine_rank (0 to 1) and machine 0's address as main_process_ip"
+        ), result.stderr[-3000:]
+        assert f"({error}: " in last and not (tmp_path / "run").exists()
+
+
 def machine_folders(tmp_path: Path, data: Sequence[Path | None]) -> list[Path]:
     """Each machine's working folder, holding its data/default (None: nothing there yet). The same relative
     path then names another folder on each machine, as a node-local disk's does."""
