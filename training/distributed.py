@@ -25,6 +25,8 @@ from accelerate.utils import (
     gather_object,
 )
 
+from data_prep import DataPrepError
+from data_prep.loader import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
 from modeling.vector_math import warm_up_vector_math
@@ -299,17 +301,37 @@ def check_ranks_agree(accelerator: Accelerator, config: dict[str, Any], run_dir:
         raise ConfigError("; ".join(problems))
 
 
-def check_same_data(accelerator: Accelerator, data_dir: str, fingerprint: str) -> None:
-    """Every rank reads the data the main process does: a data_dir prepared on each machine (not on shared storage)
-    must be the same dataset (its manifest's fingerprint hashes the shards and how they were made)."""
+def read_same_data(accelerator: Accelerator, data_dir: str) -> Manifest:
+    """data_dir's manifest, read (and its shards checked) on every rank, and one gather of what each found.
+
+    A rank that cannot read it (a path prepared on some machines only, a damaged copy) stops every rank with its
+    line, naming its machine: stopping alone, it left the others waiting in their next collective until the process
+    group's timeout (10 minutes over NCCL, 30 over gloo). A data_dir prepared on each machine (not on shared storage)
+    must also be the same dataset: its manifest's fingerprint hashes the shards and how they were made."""
     if accelerator.num_processes == 1:
-        return
-    main_host, _, other = _against_main(accelerator, fingerprint)
+        return load_manifest(data_dir)
+    try:
+        manifest, problem = load_manifest(data_dir), None
+    except DataPrepError as err:
+        manifest, problem = None, str(err)
+    ranks = gather_object(
+        [(accelerator.process_index, socket.gethostname(), manifest and manifest.fingerprint, problem)]
+    )
+    _, main_host, main_fingerprint, main_problem = ranks[0]
+    if main_problem:
+        raise DataPrepError(main_problem)
+    failed = [(rank, host, problem) for rank, host, _, problem in ranks if problem]
+    if failed:
+        rank, host, problem = failed[0]
+        raise DataPrepError(f"data_dir {data_dir} on {host} (rank {rank}): {problem}")
+    other = [(rank, host, fingerprint) for rank, host, fingerprint, _ in ranks if fingerprint != main_fingerprint]
     if other:
         raise ConfigError(
             f"data_dir {data_dir} on {_hosts(other)} holds other data than on {main_host} (their manifest.json "
             "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
         )
+    assert manifest is not None  # no rank failed
+    return manifest
 
 
 def _against_main(accelerator: Accelerator, value: Any) -> tuple[str, Any, list[tuple[int, str, Any]]]:

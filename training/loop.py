@@ -18,7 +18,7 @@ from filelock import FileLock
 
 from data_prep import ensure_default_corpus
 from data_prep.assets import atomic_write_bytes
-from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, load_manifest, prepare_command
+from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, prepare_command
 from data_prep.tokenizer import get_encoding
 from evals.data import load_examples
 from evals.plot import plot_evals
@@ -44,9 +44,9 @@ from training.distributed import (
     build_accelerator,
     check_launch,
     check_ranks_agree,
-    check_same_data,
     decided_on_main,
     generation_model,
+    read_same_data,
     set_deepspeed_batch,
 )
 from training.export import ExportError
@@ -246,7 +246,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
-    check_same_data(accelerator, cfg.data_dir, manifest.fingerprint)
     warning = memorization_warning(cfg, manifest.num_tokens("train"))
     if warning:
         accelerator.print(warning)
@@ -363,7 +362,7 @@ def build_data(
         with accelerator.local_main_process_first():
             if accelerator.is_local_main_process:
                 ensure_default_corpus(cfg.data_dir, log=accelerator.print)
-    manifest = load_manifest(cfg.data_dir)
+    manifest = read_same_data(accelerator, cfg.data_dir)
     if cfg.eval_tasks:
         with accelerator.local_main_process_first():
             for task in parse_tasks(cfg.eval_tasks):

@@ -315,6 +315,20 @@ def test_each_machine_prepares_the_default_corpus_and_one_with_other_data_stops_
     assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock", ".run.lock.json"]  # the lock alone
 
 
+def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_books, tmp_path):
+    """A --data-dir that machine 0 has and machine 1 lacks (a node-local path): machine 1 stopped alone, and machine 0
+    waited in its next collective until the process group's timeout (30 minutes over gloo, 10 over NCCL). Every rank
+    reads the manifest and the ranks agree on what they found: both machines stop with machine 1's line."""
+    cwds = machine_folders(tmp_path, [None, None])
+    (cwds[0] / "books").symlink_to(prepared_books)
+    machines = two_machines([[], []], cwds, [Path("books")] * 2, [tmp_path / "run"] * 2)
+    assert_both_stop_with(
+        machines,
+        f"error: data_dir books on {socket.gethostname()} (rank 1): no prepared dataset in books (manifest.json is "
+        "missing); create it with:",
+    )
+
+
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
 def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_path, ddp_run, config):
     """Recomputed blocks under DDP and under FSDP2 (compiled per block): the plain DDP run's losses.
