@@ -305,9 +305,10 @@ def read_same_data(accelerator: Accelerator, data_dir: str) -> Manifest:
     """data_dir's manifest, read (and its shards checked) on every rank, and one gather of what each found.
 
     A rank that cannot read it (a path prepared on some machines only, a damaged copy) stops every rank with its
-    line, naming its machine: stopping alone, it left the others waiting in their next collective until the process
-    group's timeout (10 minutes over NCCL, 30 over gloo). A data_dir prepared on each machine (not on shared storage)
-    must also be the same dataset: its manifest's fingerprint hashes the shards and how they were made."""
+    line, naming its machine: stopping alone, it left the others to fail in their next collective (gloo's
+    "Connection reset by peer" traceback) or to wait there until its timeout. A data_dir prepared on each machine
+    (not on shared storage) must also be the same dataset: its manifest's fingerprint hashes the shards and how they
+    were made."""
     if accelerator.num_processes == 1:
         return load_manifest(data_dir)
     try:

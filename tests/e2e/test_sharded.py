@@ -316,9 +316,10 @@ def test_each_machine_prepares_the_default_corpus_and_one_with_other_data_stops_
 
 
 def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_books, tmp_path):
-    """A --data-dir that machine 0 has and machine 1 lacks (a node-local path): machine 1 stopped alone, and machine 0
-    waited in its next collective until the process group's timeout (30 minutes over gloo, 10 over NCCL). Every rank
-    reads the manifest and the ranks agree on what they found: both machines stop with machine 1's line."""
+    """A --data-dir that machine 0 has and machine 1 lacks (a node-local path): machine 1 stopped alone with its line,
+    and machine 0 ended with gloo's "Connection reset by peer" traceback (over NCCL a rank may instead wait in its
+    collective until the timeout). Every rank reads the manifest and the ranks agree on what they found: both
+    machines stop with machine 1's line."""
     cwds = machine_folders(tmp_path, [None, None])
     (cwds[0] / "books").symlink_to(prepared_books)
     machines = two_machines([[], []], cwds, [Path("books")] * 2, [tmp_path / "run"] * 2)
