@@ -45,18 +45,18 @@ def _launched_with(engine: str) -> bool:
 def check_launch() -> None:
     """What `accelerate launch` read from the YAML (or its flags) that this project does not run: one ConfigError,
     at the start of setup, before anything is written."""
-    if _launched_with("FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ConfigError(
-            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
-            "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
-            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
-        )
     if _launched_with("FSDP"):
         _check_fsdp_yaml()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if _launched_with("DEEPSPEED") and precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError(  # DeepSpeed's CPU accelerator refused it in prepare(), with a traceback on every rank
+            "the launch asks for DeepSpeed with mixed_precision: fp16, which DeepSpeed does not run on a CPU: set "
+            "mixed_precision: bf16 (or no) in the YAML, or pass --mixed_precision bf16 to accelerate launch"
+        )
     # accelerate's fp8 swaps every Linear for Transformer Engine's, torchao's or MS-AMP's: weights of their own
     # tensor types, which the checkpoints (safetensors) cannot hold (torchao's run trained, then failed at its
     # first save) and whose numerics no test here covers
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
+    if precision == "fp8":
         raise ConfigError(
             "the launch asks for mixed_precision: fp8 (accelerate's conversion of every Linear layer to FP8), which "
             "this project does not train or checkpoint: set mixed_precision: bf16 in the YAML (or pass "
@@ -70,7 +70,14 @@ def _check_fsdp_yaml() -> None:
     - a wrap other than one FSDP unit per Block: SIZE_BASED_WRAP failed in fully_shard, a class the model lacks in
       accelerate, and NO_WRAP (also what a YAML without fsdp_auto_wrap_policy gets) gathers the whole model at once;
     - FULL_STATE_DICT checkpoints, which a sharded launch, DDP, the export and evals cannot read;
-    - parameters offloaded where there is no GPU: FSDP2 pins their memory for one, and failed."""
+    - parameters offloaded where there is no GPU: FSDP2 pins their memory for one, and failed.
+    Before them, the version: FSDP1 is not this project's."""
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(
+            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
+            "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
+            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
+        )
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
     classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", Block.__name__)  # none: GPT._no_split_modules
     said = None

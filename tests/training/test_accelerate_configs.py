@@ -280,8 +280,13 @@ FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, FSDP1),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": None}, FSDP1),
         ({"ACCELERATE_MIXED_PRECISION": "fp8"}, r"mixed_precision: fp8 .*set mixed_precision: bf16 .*--fp8-head true"),
+        pytest.param(
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp16"},
+            r"DeepSpeed with mixed_precision: fp16, which DeepSpeed does not run on a CPU: set mixed_precision: bf16",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed runs fp16 on GPUs"),
+        ),
     ],
-    ids=["fsdp_version 1", "no fsdp_version", "fp8"],
+    ids=["fsdp_version 1", "no fsdp_version", "fp8", "DeepSpeed fp16 on a CPU"],
 )
 def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(monkeypatch, tmp_path, env, message):
     """What `accelerate launch` puts in the environment for such a YAML (or flag) gives one ConfigError saying what
