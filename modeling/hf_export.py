@@ -10,10 +10,12 @@ Every conversion checks every key and shape against the model it feeds, so a sil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import tiktoken
@@ -123,21 +125,30 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)  # left by an interrupted export
     quiet_deepspeed()  # save_pretrained imports it where installed
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for one file
     try:
         hf_model = GPT2LMHeadModel(hf_config(model.config))
         hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
-        hf_model.save_pretrained(tmp_dir)  # safetensors
+        with _no_progress_bars():
+            hf_model.save_pretrained(tmp_dir)  # safetensors
         export_tokenizer(encoding, tmp_dir, model.config.block_size)
         swap_in(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    return out_dir
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' progress bars ("Writing model shards", "Loading weights"): one file each here, and a
+    launch's every rank would print its own."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return out_dir
 
 
 def check_export(config: GPTConfig, encoding: tiktoken.Encoding) -> None:
@@ -224,7 +235,8 @@ def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
     config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows."""
     saved = load_hf_config(folder)
     config = config or saved
-    state_dict = from_hf_state_dict(GPT2LMHeadModel.from_pretrained(folder).state_dict(), saved)
+    with _no_progress_bars():
+        state_dict = from_hf_state_dict(GPT2LMHeadModel.from_pretrained(folder).state_dict(), saved)
     state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state_dict, strict=True)
