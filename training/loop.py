@@ -210,10 +210,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
-    if cfg.push_to_hub:
-        if not cfg.export_hf:
-            raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
-        check_push(cfg.push_to_hub)  # fail now, not after days of training
+    if cfg.push_to_hub and not cfg.export_hf:
+        raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
     model_config = cfg.model_config()
     startup.lap("config")  # the config read, the run folder locked
 
@@ -337,9 +335,12 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
 
 
 def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
-    """What write_outputs needs, checked before any training: the export (transformers, a GPT-2 shape, a one-layer
-    model and the tokenizer written in a temporary folder) and its model card (huggingface_hub, the manifest). Run
-    on the main process, which alone writes them: the other ranks never import transformers."""
+    """What write_outputs needs, checked before any training: the Hub push (a repository id, a token), the export
+    (transformers, a GPT-2 shape, a one-layer model and the tokenizer written in a temporary folder) and its model
+    card (huggingface_hub, the manifest). Run on the main process, which alone writes and pushes them: the other
+    ranks never import transformers, nor need a token (on a cluster, perhaps only machine 0 has one)."""
+    if cfg.push_to_hub:
+        check_push(cfg.push_to_hub)  # fail now, not after days of training
     try:
         from modeling.hf_export import check_export  # imports transformers (~3 s)
 

@@ -77,13 +77,23 @@ sys.modules[__name__] = importlib.import_module(__name__)
 """
 
 
-def broken_transformers(root: Path, rank: str) -> dict[str, str]:
-    """The environment of a launch whose processes import BROKEN_TRANSFORMERS, broken on `rank`."""
+# Run at each process's start (Python imports sitecustomize from the path): no Hub token on the broken rank.
+NO_TOKEN = """
+import os
+if os.environ.get("RANK", "0") == os.environ["BROKEN_RANK"]:
+    os.environ.pop("HF_TOKEN", None)
+"""
+
+
+def broken_rank(root: Path, rank: str) -> dict[str, str]:
+    """The environment of a launch whose processes import BROKEN_TRANSFORMERS, broken on `rank`, and have a Hub
+    token (HF_TOKEN, a made-up one: the start-up check does not reach the network) except on `rank`."""
     package = root / "broken" / "transformers"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(BROKEN_TRANSFORMERS)
+    (package.parent / "sitecustomize.py").write_text(NO_TOKEN)
     path = os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "BROKEN_RANK": rank}
+    return {**os.environ, "PYTHONPATH": path, "BROKEN_RANK": rank, "HF_TOKEN": "hf_not_a_real_token"}
 
 
 def kill_tree(root: int) -> None:
@@ -503,15 +513,16 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
 
     # The export is the main process's to write: it alone tries it at start-up and hands its verdict to rank 1, which
     # stops alike (it would wait in the process group if it went on) ...
-    no_export = run(launch("--export-hf", "true"), expect_rc=1, env=broken_transformers(tmp_path, rank="0"))
+    no_export = run(launch("--export-hf", "true"), expect_rc=1, env=broken_rank(tmp_path, rank="0"))
     assert last_line(no_export.stderr).startswith(
         "error: the export at the end of this run would fail (ImportError: transformers is broken on rank 0)"
     ), no_export.stderr[-3000:]
     assert no_export.stderr.count("error: ") == 1 and "Traceback" not in no_export.stderr, no_export.stderr[-3000:]
 
-    # ... and never imports transformers: where only rank 1's is broken, the run trains (here until the SIGTERM).
-    launcher = start_and_wait(launch("--max-steps", "500", "--checkpoint-interval", "0", "--export-hf", "true"),
-                              run_dir, until_step=3, env=broken_transformers(tmp_path, rank="1"))  # fmt: skip
+    # ... and never imports transformers, nor needs a Hub token for the push, which the main process alone makes:
+    # where only rank 1's transformers is broken and only rank 1 lacks a token, the run trains (until the SIGTERM).
+    args = ["--max-steps", "500", "--checkpoint-interval", "0", "--export-hf", "true", "--push-to-hub", "you/tiny"]
+    launcher = start_and_wait(launch(*args), run_dir, until_step=3, env=broken_rank(tmp_path, rank="1"))
     try:
         os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as docker stop / Kubernetes / SLURM do
         out, _ = launcher.communicate(timeout=120)
