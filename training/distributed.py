@@ -65,10 +65,14 @@ def check_launch() -> None:
         )
 
 
+# One FSDP unit per Block (the model's _no_split_modules), where the launch names no wrap policy.
+DEFAULT_WRAP = "TRANSFORMER_BASED_WRAP"
+
+
 def _check_fsdp_yaml() -> None:
     """The fsdp_config answers (`accelerate config` offers them) under which this project's FSDP2 runs failed:
     - a wrap other than one FSDP unit per Block: SIZE_BASED_WRAP failed in fully_shard, a class the model lacks in
-      accelerate, and NO_WRAP (also what a YAML without fsdp_auto_wrap_policy gets) gathers the whole model at once;
+      accelerate, and NO_WRAP gathers the whole model at once;
     - FULL_STATE_DICT checkpoints, which a sharded launch, DDP, the export and evals cannot read;
     - parameters offloaded where there is no GPU: FSDP2 pins their memory for one, and failed.
     Before them, the version: FSDP1 is not this project's."""
@@ -78,7 +82,7 @@ def _check_fsdp_yaml() -> None:
             "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
             "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
         )
-    wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper()
+    wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP).upper()  # fsdp_plugin's default
     classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", Block.__name__)  # none: GPT._no_split_modules
     said = None
     if wrap != "TRANSFORMER_BASED_WRAP":
@@ -210,14 +214,17 @@ def fsdp_plugin() -> FullyShardedDataParallelPlugin:
     every wrapped module's outputs, the loss included (rounded to bf16). Here parameters are all-gathered in the low
     dtype, gradients reduced in fp32, and outputs left as computed: the loss in fp32, a block's output in autocast's
     dtype (output_dtype fp32 would apply to every block too, handing the root's bf16 LayerNorm fp32 inputs, which
-    CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default."""
+    CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default.
+    Where the launch names no wrap policy (`accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy), one FSDP
+    unit per Block, as every YAML here says, not accelerate's default NO_WRAP (the whole model gathered at once)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP's imports here: 0.7 s of every other process
 
+    wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if low is None:
-        return FullyShardedDataParallelPlugin()
+        return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
-    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+    return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap, mixed_precision_policy=policy)
 
 
 def deepspeed_fp32_gradients(ds_config: dict, mixed_precision: str) -> None:

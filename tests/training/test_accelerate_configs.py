@@ -314,7 +314,7 @@ WRAP = r"this project's FSDP2 shards the model one transformer block at a time: 
     ("answers", "message"),
     [
         ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, rf"fsdp_auto_wrap_policy: SIZE_BASED_WRAP; {WRAP}"),
-        ({"fsdp_auto_wrap_policy": None}, rf"fsdp_auto_wrap_policy: NO_WRAP; {WRAP}"),
+        ({"fsdp_auto_wrap_policy": "NO_WRAP"}, rf"fsdp_auto_wrap_policy: NO_WRAP; {WRAP}"),
         (
             {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block"},
             rf"fsdp_transformer_layer_cls_to_wrap: GPT2Block; {WRAP}",
@@ -336,8 +336,8 @@ def test_fsdp_answers_this_project_does_not_run_stop_before_anything_is_written(
 ):
     """fsdp_config answers `accelerate config` offers, under which the run failed later (SIZE_BASED_WRAP in
     fully_shard, a class the model lacks in accelerate, offloading in FSDP2's pinning of memory for a GPU, with
-    tracebacks), trained less sharded than asked (NO_WRAP, also a YAML without the policy: the whole model gathered
-    at once) or wrote checkpoints that only the same YAML could resume (FULL_STATE_DICT: a traceback elsewhere)."""
+    tracebacks), trained less sharded than asked (NO_WRAP: the whole model gathered at once) or wrote checkpoints
+    that only the same YAML could resume (FULL_STATE_DICT: a traceback elsewhere)."""
     for key, value in launch_env(str(fsdp_yaml(tmp_path, **answers))).items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
@@ -346,10 +346,17 @@ def test_fsdp_answers_this_project_does_not_run_stop_before_anything_is_written(
     assert not run_dir.exists()
 
 
-def test_fsdp2_shards_each_block_when_the_yaml_names_no_class(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "left_out",
+    [("fsdp_transformer_layer_cls_to_wrap",), ("fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap")],
+    ids=["no class", "no wrap policy"],
+)
+def test_fsdp2_shards_each_block_when_the_launch_names_no_class_or_policy(monkeypatch, tmp_path, left_out):
     """`accelerate config` leaves the wrap class out unless one is typed: accelerate then wraps the model's
-    _no_split_modules (the transformers attribute), and without it wrapped none, sharding the model as one unit."""
-    for key, value in launch_env(str(fsdp_yaml(tmp_path, fsdp_transformer_layer_cls_to_wrap=None))).items():
+    _no_split_modules (the transformers attribute), and without it wrapped none, sharding the model as one unit.
+    `accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy names no policy either (accelerate: NO_WRAP)."""
+    yaml_file = fsdp_yaml(tmp_path, **dict.fromkeys(left_out))
+    for key, value in launch_env(str(yaml_file)).items():
         monkeypatch.setenv(key, value)
     check_launch()
     plugin, model = fsdp_plugin(), GPT(get_preset("tiny-cpu"))
