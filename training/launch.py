@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass
 
 PRINTED = "printed"  # an extraInfo key: rank 0 printed this error on the console already
-STATIC_RENDEZVOUS_WAIT_S = 600  # torchrun's static rendezvous (the YAMLs' rdzv_backend) waits this long by default
+# How long torchrun's rendezvous waits for every machine by default, and its --rdzv_conf key, by --rdzv_backend
+RENDEZVOUS_WAIT_S = 600
+RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
 
 
 def report_error(line: str) -> None:
@@ -64,13 +66,18 @@ class Machines:
     rank: int
     count: int
     address: str
-    wait_s: int  # how long the rendezvous waits for every machine (--rdzv_conf timeout=S)
+    wait_key: str  # the rendezvous's name for how long it waits for every machine (--rdzv_conf KEY=SECONDS)
+    wait_s: int
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Machines | None:
-        """None for a launch on one machine, or where accelerate will report the YAML itself."""
+        """None for a launch on one machine, or where accelerate will report the YAML itself, or for a rendezvous
+        other than torchrun's static and c10d ones (--rdzv_backend; accelerate 1.15 reads it from the flag alone)."""
         from accelerate.commands.config.config_args import load_config_from_file
 
+        wait_key = RENDEZVOUS_WAIT_KEYS.get(args.rdzv_backend)
+        if wait_key is None:
+            return None
         try:
             config = load_config_from_file(args.config_file)
         except (FileNotFoundError, ValueError, TypeError):
@@ -85,7 +92,8 @@ class Machines:
             rank=args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0),
             count=count,
             address=f"{ip}:{port}",
-            wait_s=int(rdzv.get("timeout", STATIC_RENDEZVOUS_WAIT_S)),
+            wait_key=wait_key,
+            wait_s=int(rdzv.get(wait_key, RENDEZVOUS_WAIT_S)),
         )
 
     def meeting(self) -> str:
@@ -99,7 +107,7 @@ class Machines:
             f"error: machine {self.rank} of {self.count} did not meet the others at {self.address} within "
             f"{self.wait_s} s: start the same command on each of the {self.count} machines, with its own machine_rank "
             f"(0 to {self.count - 1}) and machine 0's address as main_process_ip, reachable at that port from every "
-            "machine (`--rdzv_conf timeout=SECONDS` waits longer)"
+            f"machine (`--rdzv_conf {self.wait_key}=SECONDS` waits longer)"
         )
 
 

@@ -246,10 +246,13 @@ def test_a_machine_launched_alone_says_where_it_waits_and_then_what_to_start(pre
     """Machine 0 of 2 alone waited without a word (torchrun prints nothing meanwhile) for 10 minutes, then ended with
     a DistStoreError traceback; machine 1 without machine 0, with DistNetworkError's. Through `python -m
     training.launch` (the SLURM script's launcher), each says where it meets the others and, when they do not come
-    (here within --rdzv_conf timeout=2), one line of what to start; no process of the run started."""
+    (here within 2 s), one line of what to start; no process of the run started. Under torchrun's static rendezvous
+    (the YAMLs') and its c10d one (`--rdzv_backend c10d`), whose wait is another --rdzv_conf key."""
     port = str(free_port())
-    for rank, error in ((0, "DistStoreError"), (1, "DistNetworkError")):
-        launch_args = ["-q", "--main_process_port", port, "--rdzv_conf", "timeout=2"]
+    static, c10d = ["--rdzv_conf", "timeout=2"], ["--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=2"]
+    for rank, rendezvous, error in ((0, static, "DistStoreError"), (1, static, "DistNetworkError"),
+                                    (0, c10d, "RendezvousTimeoutError")):  # fmt: skip
+        launch_args = ["-q", "--main_process_port", port, *rendezvous]
         cmd = launch_cmd(f"2node_cpu_rank{rank}.yaml", tmp_path / "run", prepared_books, launch_args=launch_args)
         result = run([sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]], expect_rc=1, timeout=90)
         where = f"127.0.0.1:{port}"
