@@ -329,20 +329,19 @@ def read_same_data(accelerator: Accelerator, data_dir: str) -> Manifest:
         manifest, problem = load_manifest(data_dir), None
     except DataPrepError as err:
         manifest, problem = None, str(err)
-    ranks = gather_object(
-        [(accelerator.process_index, socket.gethostname(), manifest and manifest.fingerprint, problem)]
+    main_host, (main_fingerprint, main_problem), other = _against_main(
+        accelerator, (manifest and manifest.fingerprint, problem)
     )
-    _, main_host, main_fingerprint, main_problem = ranks[0]
     if main_problem:
         raise DataPrepError(main_problem)
-    failed = [(rank, host, problem) for rank, host, _, problem in ranks if problem]
+    failed = [(rank, host, problem) for rank, host, (_, problem) in other if problem]
     if failed:
         rank, host, problem = failed[0]
         raise DataPrepError(f"data_dir {data_dir} on {host} (rank {rank}): {problem}")
-    other = [(rank, host, fingerprint) for rank, host, fingerprint, _ in ranks if fingerprint != main_fingerprint]
-    if other:
+    differ = [(rank, host, fingerprint) for rank, host, (fingerprint, _) in other if fingerprint != main_fingerprint]
+    if differ:
         raise ConfigError(
-            f"data_dir {data_dir} on {_hosts(other)} holds other data than on {main_host} (their manifest.json "
+            f"data_dir {data_dir} on {_hosts(differ)} holds other data than on {main_host} (their manifest.json "
             "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
         )
     assert manifest is not None  # no rank failed
