@@ -48,6 +48,13 @@ def train_cmd(
             "--data-dir", str(data_dir), "--out-dir", str(run_dir), *args]  # fmt: skip
 
 
+def through_training_launch(cmd: list[str]) -> list[str]:
+    """An `accelerate launch` command (train_cmd's) run by `python -m training.launch`, which takes the same
+    arguments: accelerate's launch without its tracebacks, as the README's cluster commands launch."""
+    assert cmd[: len(ACCELERATE_LAUNCH)] == ACCELERATE_LAUNCH, cmd
+    return [sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]]
+
+
 def fsdp_yaml(folder: Path, **answers: object) -> Path:
     """accelerate_configs/cpu_fsdp2.yaml with some fsdp_config answers changed (None: left out), as `accelerate
     config` may write them, saved in `folder`."""

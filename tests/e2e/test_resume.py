@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import ACCELERATE_LAUNCH, REPO, make_train_recipe, run, train_cmd
+from testkit import REPO, make_train_recipe, run, through_training_launch, train_cmd
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
@@ -499,7 +499,7 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
 
     def launch(*args: str) -> list[str]:
         cmd = tiny_cmd("cpu_ddp2.yaml", run_dir, prepared_books, *args, launch_args=["-q"])
-        return [sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]]  # in place of the launcher
+        return through_training_launch(cmd)
 
     data = tmp_path / "data"
     shutil.copytree(prepared_books, data)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from evals.generate import main as generate_main
 from evals.loading import load_model
 from evals.runner import run_task
 from modeling.runs import RunError
-from testkit import ACCELERATE_LAUNCH, REPO, free_port, fsdp_yaml, run, train_cmd
+from testkit import REPO, free_port, fsdp_yaml, run, through_training_launch, train_cmd
 from training.checkpoint import check_zero_resume, checkpoint_dir
 from training.config import DEFAULT_DATA_DIR, ConfigError
 from training.export import export_checkpoint
@@ -94,9 +93,8 @@ def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]
         pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
     straight, resumed = root / "straight", root / "resumed"
-    # through `python -m training.launch`, as the README's cluster commands launch
     cmd = launch_cmd(config, straight, prepared_books, "--sample-interval", str(HALF), "--sample-tokens", "4")
-    result = run([sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]])
+    result = run(through_training_launch(cmd))
     out = result.stdout
     # no engine's Python warnings reach the user, nor DeepSpeed's that it found no GPU (its launcher imports it)
     assert "Warning: " not in result.stderr and "[WARNING]" not in out + result.stderr, result.stderr[-3000:]
@@ -254,7 +252,7 @@ def test_a_machine_launched_alone_says_where_it_waits_and_then_what_to_start(pre
                                     (0, c10d, "RendezvousTimeoutError")):  # fmt: skip
         launch_args = ["-q", "--main_process_port", port, *rendezvous]
         cmd = launch_cmd(f"2node_cpu_rank{rank}.yaml", tmp_path / "run", prepared_books, launch_args=launch_args)
-        result = run([sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]], expect_rc=1, timeout=90)
+        result = run(through_training_launch(cmd), expect_rc=1, timeout=90)
         where = f"127.0.0.1:{port}"
         assert result.stdout == f"machine {rank} of 2: meeting the others at {where} (machine 0's address; up to 2 s)\n"
         last = result.stderr.splitlines()[-1]
