@@ -42,6 +42,14 @@ def _launched_with(engine: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
 
 
+def yaml_activation_checkpointing() -> bool:
+    """Whether the launch YAML's fsdp_config says `fsdp_activation_checkpointing: true` (`accelerate config` asks).
+    The run takes it as --activation-checkpointing true: the model recomputes each Block itself, as under every
+    other engine, so `--micro-batch-size auto` sizes for it and config.yaml says so; fsdp_plugin turns accelerate's
+    own wrapper off, which would checkpoint each Block a second time."""
+    return _launched_with("FSDP") and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+
+
 def check_launch() -> None:
     """What `accelerate launch` read from the YAML (or its flags) that this project does not run: one ConfigError,
     at the start of setup, before anything is written."""
@@ -216,15 +224,17 @@ def fsdp_plugin() -> FullyShardedDataParallelPlugin:
     dtype (output_dtype fp32 would apply to every block too, handing the root's bf16 LayerNorm fp32 inputs, which
     CPU layer_norm rejects). fp32 runs keep FSDP2's no-cast default.
     Where the launch names no wrap policy (`accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy), one FSDP
-    unit per Block, as every YAML here says, not accelerate's default NO_WRAP (the whole model gathered at once)."""
+    unit per Block, as every YAML here says, not accelerate's default NO_WRAP (the whole model gathered at once).
+    Activation checkpointing is the model's own (yaml_activation_checkpointing), never accelerate's wrapper."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP's imports here: 0.7 s of every other process
 
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    plugin = dict(auto_wrap_policy=wrap, activation_checkpointing=False)
     if low is None:
-        return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap)
+        return FullyShardedDataParallelPlugin(**plugin)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
-    return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap, mixed_precision_policy=policy)
+    return FullyShardedDataParallelPlugin(**plugin, mixed_precision_policy=policy)
 
 
 def deepspeed_fp32_gradients(ds_config: dict, mixed_precision: str) -> None:

@@ -48,6 +48,7 @@ from training.distributed import (
     generation_model,
     read_same_data,
     set_deepspeed_batch,
+    yaml_activation_checkpointing,
 )
 from training.export import ExportError
 from training.hub import check_model_card, check_push, push, write_model_card
@@ -206,6 +207,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup = startup or StartupClock()
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     check_launch()  # before anything is written
+    if yaml_activation_checkpointing():
+        cfg = dataclasses.replace(cfg, activation_checkpointing=True)
     check_trackers(trackers)
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)

@@ -333,17 +333,21 @@ def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_b
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
 def test_activation_checkpointing_trains_as_the_plain_model(prepared_books, tmp_path, ddp_run, config):
-    """Recomputed blocks under DDP and under FSDP2 (compiled per block): the plain DDP run's losses.
+    """Recomputed blocks under DDP and under FSDP2 (compiled per block): the plain DDP run's losses. Under FSDP2
+    they are asked for by the YAML's fsdp_activation_checkpointing, which the run takes as its own flag (config.yaml
+    says so, and accelerate's checkpoint wrapper stays off: the model holds no CheckpointWrapper).
 
     FSDP2 with the other answers of `accelerate config` for a big model: no wrap class (accelerate then wraps
     GPT._no_split_modules) and RAM-efficient loading (rank 0's weights broadcast into the other ranks' models on the
     meta device, a move that unties the head until accelerate calls the model's tie_weights; untied, the losses
     left DDP's from step 2 on, by 0.84 at step 6)."""
     run_dir = tmp_path / "run"
-    if config == "cpu_fsdp2.yaml":
+    checkpointing = ["--activation-checkpointing", "true"]
+    if config == "cpu_fsdp2.yaml":  # asked for as `accelerate config` asks, in the YAML: the run takes it as the flag
         answers = dict(fsdp_transformer_layer_cls_to_wrap=None, fsdp_cpu_ram_efficient_loading=True)
-        config = str(fsdp_yaml(tmp_path, **answers, fsdp_sync_module_states=True))  # accelerate wants both
-    out = launch(config, run_dir, prepared_books, "--activation-checkpointing", "true")
+        answers.update(fsdp_sync_module_states=True, fsdp_activation_checkpointing=True)  # accelerate wants both
+        config, checkpointing = str(fsdp_yaml(tmp_path, **answers)), []
+    out = launch(config, run_dir, prepared_books, *checkpointing)
     assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text() and "2 process(es)" in out
     assert_losses_close(losses(run_dir), losses(ddp_run), **(FSDP2_TOL if "fsdp" in config else RESUME_TOL))
 

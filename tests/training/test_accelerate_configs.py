@@ -26,6 +26,7 @@ from training.distributed import (
     check_launch,
     deepspeed_fp32_gradients,
     fsdp_plugin,
+    yaml_activation_checkpointing,
 )
 from training.loop import setup
 
@@ -76,6 +77,17 @@ def test_yaml_loads_and_says_what_it_claims(name):
     assert config.dynamo_config.get("dynamo_backend") == dynamo
     # use_cpu makes `accelerate launch` start a single process whatever num_processes says
     assert config.use_cpu == (name in ("cpu.yaml", "cpu_bf16.yaml", "cpu_eager.yaml"))
+
+
+def test_the_yamls_fsdp_activation_checkpointing_is_the_runs_own(monkeypatch, tmp_path):
+    """`fsdp_activation_checkpointing: true` (`accelerate config` asks) runs as --activation-checkpointing true: the
+    model recomputes its Blocks, which `--micro-batch-size auto` and config.yaml know of, and accelerate's
+    checkpoint wrapper, which would recompute each Block a second time, stays off."""
+    for key, value in launch_env(str(fsdp_yaml(tmp_path, fsdp_activation_checkpointing=True))).items():
+        monkeypatch.setenv(key, value)
+    assert yaml_activation_checkpointing() and fsdp_plugin().activation_checkpointing is False
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
+    assert not yaml_activation_checkpointing()
 
 
 @pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
