@@ -111,7 +111,21 @@ class Machines:
         )
 
 
+def _quiet_cpp_logs_in_this_process() -> None:
+    """libtorch logs each failed connection to machine 0 with a C++ stack trace, every few seconds while a machine
+    waits for it; the meeting line says where it waits, and a meeting that fails ends with one line. c10 reads its
+    level once, as torch loads, so the run's processes, started later without it, keep their C++ warnings. A level
+    the user set stays."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    import torch  # noqa: F401
+
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main() -> None:
+    _quiet_cpp_logs_in_this_process()
     import torch.distributed.run  # noqa: F401  (creates torchelastic's loggers, which -q quiets)
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed import DistNetworkError, DistStoreError

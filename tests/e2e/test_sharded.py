@@ -244,8 +244,8 @@ def test_a_machine_launched_alone_says_where_it_waits_and_then_what_to_start(pre
     """Machine 0 of 2 alone waited without a word (torchrun prints nothing meanwhile) for 10 minutes, then ended with
     a DistStoreError traceback; machine 1 without machine 0, with DistNetworkError's. Through `python -m
     training.launch` (the SLURM script's launcher), each says where it meets the others and, when they do not come
-    (here within 2 s), one line of what to start; no process of the run started. Under torchrun's static rendezvous
-    (the YAMLs') and its c10d one (`--rdzv_backend c10d`), whose wait is another --rdzv_conf key."""
+    (here within 2 s), one line of what to start, and nothing else; no process of the run started. Under torchrun's
+    static rendezvous (the YAMLs') and its c10d one (`--rdzv_backend c10d`), whose wait is another --rdzv_conf key."""
     port = str(free_port())
     static, c10d = ["--rdzv_conf", "timeout=2"], ["--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=2"]
     for rank, rendezvous, error in ((0, static, "DistStoreError"), (1, static, "DistNetworkError"),
@@ -255,7 +255,7 @@ def test_a_machine_launched_alone_says_where_it_waits_and_then_what_to_start(pre
         result = run(through_training_launch(cmd), expect_rc=1, timeout=90)
         where = f"127.0.0.1:{port}"
         assert result.stdout == f"machine {rank} of 2: meeting the others at {where} (machine 0's address; up to 2 s)\n"
-        last = result.stderr.splitlines()[-1]
+        [last] = result.stderr.splitlines()  # nothing else: libtorch logged each retry with a C++ stack trace
         assert last.startswith(
             f"error: machine {rank} of 2 did not meet the others at {where} within 2 s: start the same command on "
             "each of the 2 machines, with its own machine_rank (0 to 1) and machine 0's address as main_process_ip"
