@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 # The threads: OMP_NUM_THREADS if set, else one per physical core, as accelerate picks for one CPU process, but named,
 # so that accelerate does not print its "values were not passed" warning about having picked it.
 train: install
-	yaml=$$($(PY) -m training.pick_cpu_config) && \
+	@yaml=$$($(PY) -m training.pick_cpu_config) && \
 	threads=$${OMP_NUM_THREADS:-$$($(PY) -c "import psutil; print(psutil.cpu_count(logical=False) or 1)")} && \
 	trap '' INT && $(VENV)/bin/accelerate launch -q --config_file $$yaml --num_cpu_threads_per_process $$threads \
 	train_accel.py --config configs/cpu_small.yaml
