@@ -55,6 +55,7 @@ def check_launch() -> None:
     at the start of setup, before anything is written."""
     if _launched_with("FSDP"):
         _check_fsdp_yaml()
+    _check_gpu_count()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if _launched_with("DEEPSPEED") and precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError(  # DeepSpeed's CPU accelerator refused it in prepare(), with a traceback on every rank
@@ -75,6 +76,24 @@ def check_launch() -> None:
 
 # One FSDP unit per Block (the model's _no_split_modules), where the launch names no wrap policy.
 DEFAULT_WRAP = "TRANSFORMER_BASED_WRAP"
+
+
+def _check_gpu_count() -> None:
+    """A YAML for more GPUs than this machine has (the README's 4xa100.yaml on a machine of 2): accelerate gives
+    each process the GPU of its local rank, so the ranks past the last GPU died in accelerate with CUDA's "invalid
+    device ordinal", and the others with torchrun's. One line instead, from every rank alike. Without CUDA a
+    MULTI_GPU YAML runs DDP over gloo on the CPU, any number of processes."""
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's: this machine's processes
+    if not torch.cuda.is_available() or here <= (gpus := torch.cuda.device_count()):
+        return
+    machines = int(os.environ.get("WORLD_SIZE", here)) // here
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise ConfigError(
+        f"the launch starts {here} processes on this machine, one per GPU, but it has {gpus} GPU(s){seen}: pass "
+        f"--num_processes {gpus * machines} to accelerate launch (the total over all machines), use a YAML for "
+        f"{gpus} GPU(s) (accelerate_configs/1xgpu.yaml for one), or write one for this machine with `accelerate config`"
+    )
 
 
 def _check_fsdp_yaml() -> None:

@@ -283,6 +283,27 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_
     )
 
 
+@pytest.mark.parametrize("machines", [1, 2])
+def test_more_processes_than_gpus_on_a_machine_stops_with_one_line(monkeypatch, machines):
+    """4xa100.yaml on a machine of 2 GPUs: the ranks past the last GPU died with CUDA's "invalid device ordinal".
+    No GPU here: torch is told of 2 (the count is all the check reads), as torchrun tells each rank its launch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("WORLD_SIZE", str(2 * machines))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_launch()  # one process per GPU
+    monkeypatch.setenv("WORLD_SIZE", str(4 * machines))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as err:
+        check_launch()
+    assert str(err.value) == (
+        "the launch starts 4 processes on this machine, one per GPU, but it has 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1): "
+        f"pass --num_processes {2 * machines} to accelerate launch (the total over all machines), use a YAML for 2 "
+        "GPU(s) (accelerate_configs/1xgpu.yaml for one), or write one for this machine with `accelerate config`"
+    )
+
+
 FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file NEW.yaml`"
 
 
