@@ -46,7 +46,9 @@ def fit(run: Run) -> bool:
     batches = iter(run.train_loader)
     save_timed = False  # the first save of this launch is timed: what a stop costs
     # a with block: an error or a stop closes the bar before its line is printed, so that line stays the last on screen
-    with tqdm(total=run.total_steps, initial=progress.step, disable=not accelerator.is_local_main_process) as bar:
+    # no bar for a finished run launched again: it has nothing to show
+    shown = accelerator.is_local_main_process and progress.step < run.total_steps
+    with tqdm(total=run.total_steps, initial=progress.step, disable=not shown) as bar:
         while progress.step < run.total_steps:
             metrics.step_started()
             out = trainer.train_step(batches)

@@ -442,8 +442,8 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     """Relaunched as it was (resume auto is the default), a run whose newest checkpoint was truncated and whose next
     save was killed mid-write (a step-N.tmp folder) names the damaged one in one warning, resumes the one before
     (saved without a manifest, as before manifests existed: load-tested instead), clears the partial save and logs
-    each step once; that damaged checkpoint given by path stops with one line; --resume never moves the whole run
-    into previous-<time>/ and starts afresh."""
+    each step once; launched once more it has nothing to train and says so; that damaged checkpoint given by path
+    stops with one line; --resume never moves the whole run into previous-<time>/ and starts afresh."""
     run_dir = tmp_path / "run"
     args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3"]
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "6", *args))
@@ -466,6 +466,11 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     assert checkpoint_damage(damaged) == damage
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000006", "step-00000008"]
     assert not list(run_dir.rglob("*.tmp"))  # the partial save cleared, not set aside with the damaged checkpoint
+
+    # once more, finished (a requeued job): it says so, trains nothing and draws no progress bar
+    done = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "8", *args))
+    assert "the run is at step 8 of 8: nothing to train (to go on, raise --max-steps" in done.stdout
+    assert done.stderr == "" and train_steps(run_dir) == list(range(1, 9)), done.stderr
 
     refused = run(tiny_cmd(None, run_dir, prepared_books, "--resume", str(damaged)), expect_rc=1)
     [line] = refused.stderr.strip().splitlines()
