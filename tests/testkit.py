@@ -83,13 +83,14 @@ def launch(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: 
     return run(train_cmd(accelerate_config, run_dir, data_dir, *args))
 
 
-def make_train_recipe() -> str:
-    """The shell command `make train` runs (it picks the YAML first), with this venv; flags appended to it win."""
+def make_train_recipe(args: str = "") -> str:
+    """The shell command `make train ARGS="args"` runs (it picks the YAML first), with this venv; flags appended to
+    it win."""
     venv = Path(sys.executable).parent.parent
     # Under `make test` this make is a sub-make, which prints "make[1]: Entering directory" unless told not to.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}"], cwd=REPO,
-                         env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    make = ["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}", f"ARGS={args}"]
+    dry = subprocess.run(make, cwd=REPO, env=env, capture_output=True, text=True, check=True)
     return dry.stdout.strip()
 
 

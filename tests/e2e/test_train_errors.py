@@ -106,11 +106,10 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
     """The launch `make train` runs, given bad input: our `error:` line is the only thing on stderr after the
     precision line (accelerate's `-q`; the threads named, or accelerate warns on a machine of several cores, in a
     shell without OMP_NUM_THREADS, that it picked them), and every launch under scripts/ passes -q too."""
-    recipe = make_train_recipe()
+    recipe = make_train_recipe(args=f"--out-dir {shlex.quote(str(tmp_path / 'run'))} --lr -1")  # make train ARGS=
     assert "accelerate launch -q" in recipe, recipe
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # a user's shell; conftest sets it
-    result = run(["bash", "-c", f"{recipe} --out-dir {shlex.quote(str(tmp_path / 'run'))} --lr -1"], expect_rc=1,
-                 timeout=300, env=env)  # fmt: skip
+    result = run(["bash", "-c", recipe], expect_rc=1, timeout=300, env=env)
     precision, error = result.stderr.strip().splitlines()  # the precision make train picked (its first line)
     assert precision.startswith("precision: ") and error == "error: lr must be > 0, got -1.0", result.stderr[-3000:]
     launches = r"^\s*(?:accelerate launch|python -m training.launch) [^\n]*"  # the latter: multi-node SLURM
