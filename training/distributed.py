@@ -50,6 +50,20 @@ def yaml_activation_checkpointing() -> bool:
     return _launched_with("FSDP") and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
 
 
+def no_gpu_note(device: torch.device) -> str | None:
+    """A one-process launch for a GPU (the YAML's `use_cpu: false`, as 1xgpu.yaml and `accelerate config` on a GPU
+    machine write it) that finds none trains on the CPU, a GPU recipe at a CPU's speed: said at once, with why (a
+    CPU-only torch, or a CUDA torch that sees no GPU). accelerate's one-process launcher says use_cpu in
+    ACCELERATE_USE_CPU; other launches (several processes, `python train_accel.py`) are left alone."""
+    if device.type != "cpu" or os.environ.get("ACCELERATE_USE_CPU", "").lower() != "false":
+        return None
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch for the GPU)"
+    else:
+        why = f"torch {torch.__version__} sees no GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)"
+    return f"note: the launch YAML is for a GPU (use_cpu: false), but {why}: this run trains on the CPU"
+
+
 def check_launch() -> None:
     """What `accelerate launch` read from the YAML (or its flags) that this project does not run: one ConfigError,
     at the start of setup, before anything is written."""

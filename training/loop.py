@@ -46,6 +46,7 @@ from training.distributed import (
     check_ranks_agree,
     decided_on_main,
     generation_model,
+    no_gpu_note,
     read_same_data,
     set_deepspeed_batch,
     yaml_activation_checkpointing,
@@ -229,8 +230,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
     # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
     resume_from, resume_notes = decided_on_main(accelerator, lambda: plan_resume(cfg))
-    if engine_note:
-        accelerator.print(engine_note)
+    for note in (no_gpu_note(accelerator.device), engine_note):
+        if note:
+            accelerator.print(note)
     world_size = accelerator.num_processes
     if auto:  # the run from here on is the one launched with the size picked
         size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)

@@ -10,7 +10,7 @@ from accelerate.commands.config.config_args import ClusterConfig, load_config_fr
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from accelerate.utils.other import compile_regions_fsdp2
 from torch._dynamo.testing import CompileCounter
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,6 +26,7 @@ from training.distributed import (
     check_launch,
     deepspeed_fp32_gradients,
     fsdp_plugin,
+    no_gpu_note,
     yaml_activation_checkpointing,
 )
 from training.loop import setup
@@ -302,6 +303,28 @@ def test_more_processes_than_gpus_on_a_machine_stops_with_one_line(monkeypatch, 
         f"pass --num_processes {2 * machines} to accelerate launch (the total over all machines), use a YAML for 2 "
         "GPU(s) (accelerate_configs/1xgpu.yaml for one), or write one for this machine with `accelerate config`"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU YAML finds its GPU")
+@pytest.mark.parametrize("name", ["1xgpu.yaml", "1xgpu_fp16.yaml", "cpu.yaml", "cpu_ddp2.yaml"])
+def test_a_gpu_launch_that_finds_no_gpu_says_it_trains_on_the_cpu(monkeypatch, name):
+    """1xgpu.yaml (one process, use_cpu: false) on a machine where torch sees no GPU: one note at start-up, before
+    a GPU recipe crawls on the CPU. The CPU YAMLs, and the gloo twins of the multi-GPU ones, say nothing. The
+    environment is the one accelerate's own launcher for the YAML gives the process."""
+    parser = launch_command_parser()
+    args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", str(CONFIG_DIR / name), "x.py"]))
+    env = prepare_multi_gpu_env(args) if args.multi_gpu else prepare_simple_launcher_cmd_env(args)[1]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    note = no_gpu_note(torch.device("cpu"))
+    if name.startswith("cpu"):
+        assert note is None
+    else:
+        cpu_build = "is a CPU-only build (install a CUDA build of torch for the GPU)"
+        why = cpu_build if torch.version.cuda is None else "sees no GPU (check the driver with nvidia-smi"
+        said = f"note: the launch YAML is for a GPU (use_cpu: false), but torch {torch.__version__} {why}"
+        assert note.startswith(said), note
+        assert note.endswith(": this run trains on the CPU")
 
 
 FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file NEW.yaml`"
