@@ -40,6 +40,8 @@
 #             (accelerate_configs/cpu_bf16.yaml): tok/s and MFU against the measured bf16 matmul peak; then
 #             python -m bench.profile on the same step: its time by kind, each matmul's time within it by shape
 #             (cpu_speed/profile.md), on the AMX Xeons GPU machines have had
+#   gpus      accelerate_configs/8xh100.yaml (8 processes) on this machine's fewer GPUs: every rank must stop at
+#             start-up with the one line that gives the --num_processes that fits (no GPU to count with --dry-run)
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
@@ -48,9 +50,10 @@
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes, on an H100 where
 # one is lent (the start-up target is an H100's; the last three calls all got H200s):
-#   FIRST_LIGHT_STEPS="environment train recipe cpu_speed" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
+#   FIRST_LIGHT_STEPS="environment gpus train recipe cpu_speed" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
-# and reads from summary.md: the start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of
+# and reads from summary.md: that 8xh100.yaml on this machine's fewer GPUs stops with one line (gpus, ~10 s); the
+# start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of
 # it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 470-484k, MFU 41%, with Muon's
 # Newton-Schulz matrix by matrix; target 560k), now with each shape's matrices iterated as one batch; the recipe
 # step's Muon against AdamW tok/s in one run (393k against 459k on the H100 at 64k-token steps, matrix by matrix);
@@ -84,7 +87,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed"
+ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed gpus"
 STEPS=${FIRST_LIGHT_STEPS:-$ALL_STEPS}
 for name in $STEPS; do
     [[ " $ALL_STEPS " == *" $name "* ]] || die "unknown step $name in FIRST_LIGHT_STEPS (the steps: $ALL_STEPS)"
@@ -270,6 +273,20 @@ EOF
         --data-dir "$DATA" --out-dir "$OUT/nccl"
 }
 
+gpus() {  # more processes than GPUs: one line, from check_launch, before any process group or model
+    [[ $DRY == 1 ]] && { echo "dry run: no GPU to count (test_accelerate_configs.py tests the line)"; return; }
+    local n
+    n=$(nvidia-smi -L | wc -l)
+    ((n < 8)) || { echo "this machine has $n GPUs: 8xh100.yaml fits, nothing to check"; return; }
+    "${TO[@]}" "${LAUNCH[@]}" --config_file accelerate_configs/8xh100.yaml train_accel.py --preset tiny-cpu \
+        --max-steps 1 "${QUIET[@]}" --data-dir "$DATA" --out-dir "$OUT/gpus" >"$OUT/gpus.out" 2>&1
+    local rc=$?
+    cat "$OUT/gpus.out"
+    ((rc == 1)) || { echo "error: exit status $rc, not 1"; return 1; }
+    grep -q "^error: the launch starts 8 processes on this machine, one per GPU, but it has $n GPU(s)" "$OUT/gpus.out" \
+        || { echo "error: no one-line refusal above"; return 1; }
+}
+
 QUIET=(--eval-interval 0 --sample-interval 0 --checkpoint-interval 0 --export-hf false)
 for name in $STEPS; do
     case $name in
@@ -287,6 +304,7 @@ for name in $STEPS; do
         nccl) step nccl nccl ;;
         cpu) step cpu cpu_tests ;;
         cpu_speed) step cpu_speed cpu_speed ;;
+        gpus) step gpus gpus ;;
         hellaswag) step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
             --json "$OUT/hellaswag.json" ;;
     esac

@@ -16,7 +16,9 @@ from testkit import REPO, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
-STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu", "cpu_speed"]
+# in the script's order (its ALL_STEPS)
+STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
+STEPS += ["cpu_speed", "gpus"]
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
