@@ -21,6 +21,16 @@ from modeling.config import EOT_ID
 from modeling.device import default_device
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """EvalError for settings generate_text cannot sample with (the CLI checks them before loading a model)."""
+    if max_new_tokens <= 0:
+        raise EvalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise EvalError(f"--temperature must be >= 0 (0 is greedy decoding), got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise EvalError(f"--top-k must be positive (0 on the command line: no cut-off), got {top_k}")
+
+
 def generate_text(
     model: torch.nn.Module,
     prompt: str,
@@ -32,12 +42,7 @@ def generate_text(
     """The prompt followed by `max_new_tokens` sampled tokens, decoded; the same seed gives the same text.
 
     temperature 0 is greedy decoding; top_k None samples from the whole vocabulary."""
-    if max_new_tokens <= 0:
-        raise EvalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
-        raise EvalError(f"--temperature must be >= 0 (0 is greedy decoding), got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise EvalError(f"--top-k must be positive (0 on the command line: no cut-off), got {top_k}")
+    check_sampling(max_new_tokens, temperature, top_k)
     encoding = get_encoding()
     device = next(model.parameters()).device
     tokens = encoding.encode_ordinary(prompt) or [EOT_ID]
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k or None)  # before the model loads
         model, source = load_model_from_args(args)
         print(f"model: {source}", file=sys.stderr)  # stdout is the text alone
         model.to(default_device())

@@ -45,6 +45,9 @@ def test_generate_cli_prints_the_continuation(tiny_run, capsys):
     assert capsys.readouterr().out.startswith("Hello")
     with pytest.raises(SystemExit, match="--temperature must be >= 0"):
         generate_main(["--run", str(tiny_run), "--prompt", "Hello", "--temperature", "-1"])
+    # checked before the model loads (which would fail here first)
+    with pytest.raises(SystemExit, match="--max-new-tokens must be positive, got 0"):
+        generate_main(["--run", str(tiny_run / "nowhere"), "--max-new-tokens", "0"])
 
 
 @pytest.mark.parametrize(
