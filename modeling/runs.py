@@ -83,8 +83,16 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
             )
         try:
             config, source = load_hf_config(init_from), f"{init_from}'s"
-        except (OSError, ValueError) as err:  # no such folder or Hub id, or a GPT-2 shape our GPT cannot take
+        except ValueError as err:  # a GPT-2 shape our GPT cannot take
             raise ValueError(f"init_from {init_from}: {err}") from None
+        except OSError as err:  # a folder without config.json, no such Hub id, or no way to the Hub
+            said = " ".join(str(err).split())  # transformers' messages run over several lines
+            if not Path(init_from).exists():  # a Hub id
+                said += (
+                    f" A Hub id is read from huggingface.co: where it cannot be reached, download it where it can "
+                    f"(hf download {init_from} --local-dir DIR) and give --init-from DIR"
+                )
+            raise ValueError(f"init_from {init_from}: {said}") from None
     else:
         config, source = get_preset(preset), f"the {preset} preset's"
     if block_size is None:

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from modeling.config import get_preset
 from modeling.gpt import GPT
-from modeling.runs import plain_state_dict
+from modeling.runs import model_shape, plain_state_dict
 
 
 @pytest.fixture
@@ -38,3 +38,20 @@ def test_plain_state_dict_loads_the_weights_whatever_wraps_the_model(one_process
         fresh.load_state_dict(plain_state_dict(wrapper.state_dict()))  # strict: every key, no other
         for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
             assert torch.equal(a, b), (name, key)
+
+
+def test_a_hub_id_out_of_reach_is_one_line_saying_how_to_do_without(monkeypatch, tmp_path):
+    """--init-from gpt2 on a machine that cannot reach huggingface.co (offline mode: the same answer without the
+    retries): transformers' message ran over two lines and said nothing of what to give instead. A folder without
+    config.json is not a Hub id: no download advice there."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as err:
+        model_shape("gpt2-124m", init_from="gpt2")
+    said = str(err.value)
+    assert "\n" not in said and said.startswith("init_from gpt2: ")
+    assert said.endswith("(hf download gpt2 --local-dir DIR) and give --init-from DIR"), said
+    with pytest.raises(ValueError) as err:
+        model_shape("gpt2-124m", init_from=str(tmp_path))
+    assert "\n" not in str(err.value) and "hf download" not in str(err.value)
