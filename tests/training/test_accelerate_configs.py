@@ -135,7 +135,7 @@ def test_cpu_twins_test_the_gpu_engine_settings(gpu, cpu):
 
 def launch_env(name: str) -> dict[str, str]:
     """The environment `accelerate launch --config_file accelerate_configs/<name>` (or an absolute path) gives the
-    training processes."""
+    training processes, from the launcher accelerate picks for it (DeepSpeed's, torchrun or one process)."""
     parser = launch_command_parser()
     args, defaults, mp_from_config = _validate_launch_command(
         parser.parse_args(["--config_file", str(CONFIG_DIR / name), "train_accel.py"])
@@ -144,7 +144,9 @@ def launch_env(name: str) -> dict[str, str]:
         fields = [*defaults.deepspeed_config, *["mixed_precision"] * mp_from_config]
         args.deepspeed_fields_from_accelerate_config = ",".join(fields)
         return prepare_deepspeed_cmd_env(args)[1]
-    return prepare_multi_gpu_env(args)
+    if (args.use_fsdp or args.multi_gpu) and not args.cpu:  # torchrun, as launch_command picks it
+        return prepare_multi_gpu_env(args)
+    return prepare_simple_launcher_cmd_env(args)[1]  # one process
 
 
 def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
@@ -311,10 +313,7 @@ def test_a_gpu_launch_that_finds_no_gpu_says_it_trains_on_the_cpu(monkeypatch, n
     """1xgpu.yaml (one process, use_cpu: false) on a machine where torch sees no GPU: one note at start-up, before
     a GPU recipe crawls on the CPU. The CPU YAMLs, and the gloo twins of the multi-GPU ones, say nothing. The
     environment is the one accelerate's own launcher for the YAML gives the process."""
-    parser = launch_command_parser()
-    args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", str(CONFIG_DIR / name), "x.py"]))
-    env = prepare_multi_gpu_env(args) if args.multi_gpu else prepare_simple_launcher_cmd_env(args)[1]
-    for key, value in env.items():
+    for key, value in launch_env(name).items():
         monkeypatch.setenv(key, value)
     note = no_gpu_note(torch.device("cpu"))
     if name.startswith("cpu"):
