@@ -94,9 +94,10 @@ DEFAULT_WRAP = "TRANSFORMER_BASED_WRAP"
 
 def _check_gpu_count() -> None:
     """A YAML for more GPUs than this machine has (the README's 4xa100.yaml on a machine of 2): accelerate gives
-    each process the GPU of its local rank, so the ranks past the last GPU died in accelerate with CUDA's "invalid
-    device ordinal", and the others with torchrun's. One line instead, from every rank alike. Without CUDA a
-    MULTI_GPU YAML runs DDP over gloo on the CPU, any number of processes."""
+    each process the GPU of its local rank (cuda:LOCAL_RANK) and checks nothing, so the ranks past the last GPU die
+    in accelerate with CUDA's "invalid device ordinal" (read from accelerate 1.15's code, not yet seen on a GPU:
+    first light's `gpus` step launches it there). One line instead, from every rank alike. Without CUDA a MULTI_GPU
+    YAML runs DDP over gloo on the CPU, any number of processes."""
     here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's: this machine's processes
     if not torch.cuda.is_available() or here <= (gpus := torch.cuda.device_count()):
         return

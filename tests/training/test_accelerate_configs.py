@@ -288,7 +288,7 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_
 
 @pytest.mark.parametrize("machines", [1, 2])
 def test_more_processes_than_gpus_on_a_machine_stops_with_one_line(monkeypatch, machines):
-    """4xa100.yaml on a machine of 2 GPUs: the ranks past the last GPU died with CUDA's "invalid device ordinal".
+    """4xa100.yaml on a machine of 2 GPUs: the ranks past the last GPU would die with CUDA's "invalid device ordinal".
     No GPU here: torch is told of 2 (the count is all the check reads), as torchrun tells each rank its launch."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
