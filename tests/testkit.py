@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -98,6 +102,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def whoami(name: str = "you", role: str = "write", orgs: Sequence[str] = ()) -> dict:
+    """The Hub's /api/whoami-v2 answer for a user's access token (as huggingface.co gives it, trimmed)."""
+    return {
+        "type": "user", "name": name, "orgs": [{"type": "org", "name": org} for org in orgs],
+        "auth": {"type": "access_token", "accessToken": {"displayName": "ci", "role": role}},
+    }  # fmt: skip
+
+
+@contextmanager
+def hub_endpoint(status: int = 200, answer: dict | None = None) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A local HTTP server standing in for huggingface.co's whoami (HF_ENDPOINT, or huggingface_hub's
+    constants.ENDPOINT in-process), answering `status` and `answer` (default: whoami()): its URL, and the headers of
+    each whoami request it gets."""
+    body = json.dumps(answer if answer is not None else whoami()).encode()
+    requests: list[dict[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/api/whoami-v2"  # anything else huggingface_hub asks for is not found
+            if found:
+                requests.append({k.lower(): v for k, v in self.headers.items()})
+            self.send_response(status if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # no request lines on the test's stderr
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # The in-process compiled model tests (tests/modeling: compiled == eager, activation checkpointing compiled) compile

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,7 @@ from modeling.runs import read_metrics
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
+    from huggingface_hub.errors import HfHubHTTPError
 
 
 class HubError(RuntimeError):
@@ -125,15 +128,74 @@ def check_model_card(config: dict) -> None:
     ModelCard(f"---\n{card_data('check', config, _manifest(config), {'val_loss': 1.0}).to_yaml()}\n---\n")
 
 
-def check_push(repo_id: str) -> None:
-    """Raise now what push(repo_id) would raise before reaching the network: a malformed repo id, no token."""
+# How long the start-up check waits for the Hub's answer: huggingface_hub's session has no timeout of its own, and
+# behind a firewall that drops packets the start would otherwise hang.
+WHOAMI_TIMEOUT_S = 30.0
+
+
+def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAMI_TIMEOUT_S) -> str | None:
+    """Raise now, as one HubError, what would stop push(repo_id) at the end of the run: a malformed repo id, no
+    token, or what the Hub says of the token (one whoami call): refused (expired, revoked), read-only, or not its
+    user's nor their organizations' namespace; a Hub out of reach stops the run too, as the push could not happen.
+    Returns a note where the Hub answered without saying (a rate limit, a server error): the push is then tried at
+    the end."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
-    require_token()
+    token = require_token()
+    answer = _whoami(token, timeout, repo_id, run_dir)
+    new_token = f"make a write token at {constants.ENDPOINT}/settings/tokens, then `hf auth login` or set HF_TOKEN"
+    if not isinstance(answer, dict):  # the Hub answered with an HTTP error
+        reason = f"{answer.response.status_code} {answer.response.reason_phrase}"
+        if answer.response.status_code == 401:
+            where = "in HF_TOKEN " if os.environ.get("HF_TOKEN") else ""  # HF_TOKEN wins over `hf auth login`'s
+            raise HubError(f"the Hub refused the Hugging Face token {where}for --push-to-hub ({reason}): {new_token}")
+        return f"note: could not check the Hub token ({reason}); the push to {repo_id} is tried at the end"
+    access = (answer.get("auth") or {}).get("accessToken") or {}
+    if access.get("role") == "read":
+        name = access.get("displayName", "")
+        raise HubError(f"the Hugging Face token {name!r} can only read, and --push-to-hub writes: {new_token}")
+    namespaces = [answer["name"], *(org["name"] for org in answer.get("orgs", []))]
+    namespace, _, name = repo_id.rpartition("/")
+    if namespace and namespace not in namespaces:
+        raise HubError(
+            f"--push-to-hub {repo_id}: this token (user {answer['name']}) can create repositories under "
+            f"{', '.join(namespaces)} only; give e.g. {namespaces[0]}/{name}"
+        )
+    return None
+
+
+def _whoami(token: str, timeout: float, repo_id: str, run_dir: str) -> dict | HfHubHTTPError:
+    """The Hub's whoami answer for `token`, or the HTTP error it answered with; a HubError where no answer came
+    (no route, refused, none in `timeout` seconds)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    answer: dict[str, object] = {}
+
+    def ask() -> None:
+        try:
+            answer["info"] = HfApi(token=token).whoami()
+        except Exception as err:  # read below, in the caller's thread
+            answer["error"] = err
+
+    # A daemon thread: one stuck on a socket that never answers is left behind and does not hold the exit.
+    thread = threading.Thread(target=ask, name="hub-whoami", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    err = answer.get("error")
+    if "info" in answer or (isinstance(err, HfHubHTTPError) and err.response is not None):
+        return answer.get("info", err)
+    reason = f"{type(err).__name__}: {err}" if err else f"no answer in {timeout:g} s"
+    raise HubError(
+        f"cannot reach the Hub ({constants.ENDPOINT}: {reason}) to check the token for --push-to-hub, so the push at "
+        "the end would fail too: train without it and push the run folder later where the Hub can be reached "
+        f"(python -m training.hub {run_dir} --repo-id {repo_id})"
+    )
 
 
 def render_model_card(run_dir: str | Path) -> str:

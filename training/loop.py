@@ -283,7 +283,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     # What the end of the run writes, tried now by the main process, which writes it, while the other ranks build
     # their model (it is the main process's start-up they wait for in prepare()); every rank stops alike.
     if cfg.export_hf:
-        decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
+        hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
+        if hub_note:
+            accelerator.print(hub_note)
         startup.lap("export_check")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     startup.lap("prepare")
@@ -339,13 +341,14 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     return run
 
 
-def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
-    """What write_outputs needs, checked before any training: the Hub push (a repository id, a token), the export
+def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> str | None:
+    """What write_outputs needs, checked before any training: the Hub push (a repository id, a token the Hub takes
+    for it, or a note where the Hub could not say; training.hub.check_push), the export
     (transformers, a GPT-2 shape, a one-layer model and the tokenizer written in a temporary folder) and its model
     card (huggingface_hub, the manifest). Run on the main process, which alone writes and pushes them: the other
     ranks never import transformers, nor need a token (on a cluster, perhaps only machine 0 has one)."""
-    if cfg.push_to_hub:
-        check_push(cfg.push_to_hub)  # fail now, not after days of training
+    # fail now, not after days of training
+    hub_note = check_push(cfg.push_to_hub, cfg.out_dir) if cfg.push_to_hub else None
     try:
         from modeling.hf_export import check_export  # imports transformers (~3 s)
 
@@ -356,6 +359,7 @@ def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> None:
             f"the export at the end of this run would fail ({type(err).__name__}: {err}); fix that, or train "
             "without it: --export-hf false"
         ) from err
+    return hub_note
 
 
 def build_data(

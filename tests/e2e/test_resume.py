@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import REPO, make_train_recipe, run, through_training_launch, train_cmd
+from testkit import REPO, hub_endpoint, make_train_recipe, run, through_training_launch, train_cmd
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
@@ -526,8 +526,12 @@ def test_a_two_process_launch_ends_with_our_line_once(prepared_books, tmp_path):
 
     # ... and never imports transformers, nor needs a Hub token for the push, which the main process alone makes:
     # where only rank 1's transformers is broken and only rank 1 lacks a token, the run trains (until the SIGTERM).
+    # The main process alone asks the Hub (a local stand-in) of its token at start-up, once.
     args = ["--max-steps", "500", "--checkpoint-interval", "0", "--export-hf", "true", "--push-to-hub", "you/tiny"]
-    launcher = start_and_wait(launch(*args), run_dir, until_step=3, env=broken_rank(tmp_path, rank="1"))
+    with hub_endpoint() as (endpoint, asked):
+        env = {**broken_rank(tmp_path, rank="1"), "HF_ENDPOINT": endpoint}
+        launcher = start_and_wait(launch(*args), run_dir, until_step=3, env=env)
+    assert [r["authorization"] for r in asked] == ["Bearer hf_not_a_real_token"]
     try:
         os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as docker stop / Kubernetes / SLURM do
         out, _ = launcher.communicate(timeout=120)

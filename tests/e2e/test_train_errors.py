@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import REPO, make_train_recipe, run, train_cmd
+from testkit import REPO, hub_endpoint, make_train_recipe, run, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,11 @@ def workspace(prepared_books, tmp_path):
     return data, run_dir
 
 
-def fails(run_dir: Path, data_dir: Path, *args: str) -> str:
+def fails(run_dir: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """A launch that must stop before touching anything; --resume never (a case's own --resume comes later and
     wins) would set the earlier run aside, so the snapshot proves the checks come first."""
-    result = run(train_cmd(None, run_dir, data_dir, "--resume", "never", *args), expect_rc=1, timeout=300)
+    cmd = train_cmd(None, run_dir, data_dir, "--resume", "never", *args)
+    result = run(cmd, expect_rc=1, timeout=300, env=env)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     return result.stderr
 
@@ -99,6 +100,20 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
     stderr = fails(run_dir, data, *args)
     assert stderr.startswith("error: ")
     assert re.search(message, stderr), stderr
+    assert snapshot(data, run_dir) == before
+
+
+def test_a_hub_token_the_push_would_fail_with_stops_the_run_before_training(workspace, tmp_path):
+    """--push-to-hub with a token the Hub refuses (expired, revoked): the Hub is asked at start-up (here a local
+    stand-in for it, HF_ENDPOINT), and the run stops then with one line, not after training at the push."""
+    data, run_dir = workspace
+    before = snapshot(data, run_dir)
+    with hub_endpoint(status=401) as (endpoint, asked):
+        env = {**os.environ, "HF_TOKEN": "hf_expired", "HF_ENDPOINT": endpoint}
+        stderr = fails(run_dir, data, "--export-hf", "true", "--push-to-hub", "you/tiny-books", env=env)
+    assert [r["authorization"] for r in asked] == ["Bearer hf_expired"]
+    assert stderr.startswith("error: the Hub refused the Hugging Face token in HF_TOKEN for --push-to-hub "), stderr
+    assert stderr.count("\n") == 1 and stderr.endswith("`hf auth login` or set HF_TOKEN\n"), stderr
     assert snapshot(data, run_dir) == before
 
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
+import time
 
 import pytest
 import yaml
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, constants
 
 from data_prep.prepare import prepare
 from data_prep.tokenizer import get_encoding
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
-from testkit import write_pg19_copy
+from testkit import hub_endpoint, whoami, write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
 from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
 
@@ -167,10 +169,20 @@ def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch)
     assert set(after) - set(before) == {str(finished_run / "export" / "README.md")}  # only the card was added
 
 
-def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatch):
-    """What a run's start-up checks for --push-to-hub: no network needed to find either."""
+def check_on_hub(monkeypatch, repo_id: str, status: int = 200, answer: dict | None = None, **kw) -> str | None:
+    """check_push(repo_id) with a made-up token, against a local stand-in for the Hub answering whoami so."""
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
-    check_push("someone/tiny-books")
+    with hub_endpoint(status, answer) as (url, requests):
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        note = check_push(repo_id, **kw)
+    assert [r["authorization"] for r in requests] == ["Bearer hf_not_a_real_token"]
+    return note
+
+
+def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatch):
+    """What a run's start-up finds for --push-to-hub before asking the Hub anything."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail
     with pytest.raises(
         HubError, match=r"^--push-to-hub 'not a repo/id!' is not a Hub repository id \(.*\); use you/name"
     ):
@@ -179,3 +191,52 @@ def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatc
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
     with pytest.raises(HubError, match="no Hugging Face token found"):
         check_push("someone/tiny-books")
+
+
+@pytest.mark.parametrize("repo_id", ["you/tiny-books", "club/tiny-books", "tiny-books"])
+def test_check_push_passes_a_write_token_for_its_users_or_their_organizations_namespace(monkeypatch, repo_id):
+    assert check_on_hub(monkeypatch, repo_id, answer=whoami("you", orgs=["club"])) is None
+
+
+HUB_REFUSALS = {
+    "expired": (401, None, "you/x", r"^the Hub refused the Hugging Face token in HF_TOKEN for --push-to-hub \(401 "),
+    "read_only": (200, whoami(role="read"), "you/x", r"^the Hugging Face token 'ci' can only read, and --push-to-hub"),
+    "namespace": (
+        200, whoami("you", orgs=["club"]), "gpt2/x",
+        r"^--push-to-hub gpt2/x: this token \(user you\) can create repositories under you, club only; "
+        r"give e\.g\. you/x$",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HUB_REFUSALS)
+def test_check_push_refuses_a_token_the_push_would_fail_with(monkeypatch, case):
+    status, answer, repo_id, message = HUB_REFUSALS[case]
+    with pytest.raises(HubError, match=message) as refused:
+        check_on_hub(monkeypatch, repo_id, status, answer)
+    if case != "namespace":  # where to make a token that can push: the Hub's own settings page
+        assert str(refused.value).endswith("/settings/tokens, then `hf auth login` or set HF_TOKEN")
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_hub_that_cannot_say_leaves_a_note_and_the_push_for_the_end(monkeypatch, status):
+    note = check_on_hub(monkeypatch, "you/x", status)
+    assert note.startswith(f"note: could not check the Hub token ({status} ") and note.endswith("tried at the end")
+
+
+def test_a_hub_out_of_reach_stops_at_start_up(monkeypatch):
+    """Refused at once (nothing listens) or never answering (a firewall that drops packets): either way the push
+    at the end could not happen, and the start waits no longer than the check's timeout."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(HubError, match=r"^cannot reach the Hub \(http://127.0.0.1:9: Connect"):
+        check_push("you/x")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        start = time.monotonic()
+        later = r"push the run folder later .* \(python -m training.hub runs/x --repo-id you/x\)$"
+        with pytest.raises(HubError, match=r"^cannot reach the Hub \(.*: no answer in 0.5 s\) .*" + later):
+            check_push("you/x", "runs/x", timeout=0.5)
+        assert time.monotonic() - start < 5
