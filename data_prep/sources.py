@@ -251,11 +251,6 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-def default_book_names() -> list[str]:
-    """Names accepted by `default:NAME,...`, e.g. "hamlet", "paradise_regained"."""
-    return sorted(_read_default_corpus())
-
-
 def _read_default_corpus() -> dict[str, tuple[str, str, str]]:
     """name -> (document id, title, raw text) for the books of the embedded corpus."""
     wanted: dict[str, bytes] = {}

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from modeling import cpu_attention
-from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
+from modeling.config import REAL_VOCAB_SIZE, GPTConfig
 from modeling.cpu_linear import Linear
 from modeling.fused_ce import linear_cross_entropy
 
@@ -125,10 +125,6 @@ class GPT(nn.Module):
         again by accelerate (the transformers method's name) after its FSDP2 ram-efficient loading moved the model to
         the meta device, which gives each module its own copy."""
         self.transformer.wte.weight = self.lm_head.weight
-
-    @classmethod
-    def from_preset(cls, name: str) -> GPT:
-        return cls(get_preset(name))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

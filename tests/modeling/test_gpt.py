@@ -60,7 +60,7 @@ def test_config_rejects_bad_shapes(fields, message):
 )  # fmt: skip
 def test_gpt2_parameter_counts_with_tied_padded_vocab(name, expected):
     with torch.device("meta"):  # shapes only: no memory, no init time
-        model = GPT.from_preset(name)
+        model = GPT(get_preset(name))
     assert model.num_params() == expected
     assert model.num_params(exclude_embeddings=True) == expected - model.config.block_size * model.config.n_embd
 
@@ -155,7 +155,7 @@ def test_muon_groups_take_the_blocks_matrices_and_leave_the_rest_to_adamw():
 
 def test_flops_per_token_small_cpu():
     with torch.device("meta"):
-        model = GPT.from_preset("small-cpu")
+        model = GPT(get_preset("small-cpu"))
     n = model.num_params(exclude_embeddings=True)  # ~16.0M, 12.9M of them the tied head
     assert model.flops_per_token() == 6 * n + 12 * 4 * 256 * 256
     assert model.flops_per_token() == pytest.approx(99.3e6, rel=0.01)
