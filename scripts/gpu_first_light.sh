@@ -217,9 +217,19 @@ EOF
     "${TO[@]}" $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"
 }
 
-cpu_tests() {  # -v: each result on its own line as it comes, so a step stopped at --time-limit still names them
-    lscpu | grep -E "^(Model name|CPU\(s\)):"
+cpu_named() {  # the CPU, its ISA, and which logical CPUs share a physical core with cpu_speed's two
+    lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core):"
     echo "ISA: $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    # two threads on one core's siblings share its matmul units (AMX's tiles too): the peak the MFU is judged by,
+    # one thread's rate x 2, is then out of reach
+    local c
+    for c in 0 1; do
+        echo "cpu$c: core siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null || echo '?')"
+    done
+}
+
+cpu_tests() {  # -v: each result on its own line as it comes, so a step stopped at --time-limit still names them
+    cpu_named
     local workers=()
     ((CPU_WORKERS > 0)) && $PY -c "import xdist" 2>/dev/null && workers=(-n "$CPU_WORKERS" --dist loadfile)
     # each failure's traceback as it comes: pytest prints them at its end, which a stop at --time-limit never reaches
@@ -236,6 +246,7 @@ EOF
 cpu_speed() {  # two cores, as the CI VMs and a laptop have them; all of them where taskset is missing
     local pin=(taskset -c 0,1)
     command -v taskset >/dev/null || { pin=(); echo "note: no taskset here: the step runs on every core"; }
+    cpu_named
     "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.ladder --device cpu --rungs 11 \
         --accelerate-config accelerate_configs/cpu_bf16.yaml --data-dir "$DATA" --out "$OUT/cpu_speed" \
         "${CPU_SPEED_ARGS[@]}" || return
@@ -325,10 +336,17 @@ done
     if [[ -n $cpu_log ]]; then
         echo "## cpu: the unit tests on this machine's CPU"
         echo
-        grep -aE "^(Model name|ISA):" "$cpu_log"
+        grep -aE "^(Model name|Thread\(s\) per core|ISA|cpu[01]):" "$cpu_log"
         grep -aE "(FAILED|ERROR) tests/|tests/\S+ (FAILED|ERROR)|^=+ .*(passed|failed|error)" "$cpu_log" | sort -u
         echo
         grep -aE "^(---- |E  )" "$cpu_log" | head -80  # each failure and its error lines (report_now.py)
+        echo
+    fi
+    cpu_speed_log=$(compgen -G "$OUT/*-cpu_speed.log")
+    if [[ -n $cpu_speed_log ]]; then
+        echo "## cpu_speed: the CPU it ran on (taskset -c 0,1)"
+        echo
+        grep -aE "^(Model name|Thread\(s\) per core|ISA|cpu[01]):" "$cpu_speed_log"
         echo
     fi
     for f in ladder/ladder.md loss/loss_speed.md cpu_speed/ladder.md cpu_speed/profile.md; do

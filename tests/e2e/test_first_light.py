@@ -67,6 +67,8 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     cpu_speed = json.loads((out / "cpu_speed" / "ladder.json").read_text())
     assert [(r["label"], r["status"]) for r in cpu_speed["rows"]] == [("11", "ok")]
     assert "## cpu_speed/ladder.md" in summary and "cpu_bf16.yaml" in summary, summary
+    # on which CPUs: whether its two threads share a physical core (and its matmul units) is in summary.md
+    assert re.search(r"## cpu_speed: the CPU .*\n\n.*\n.*\nISA: .*\ncpu0: core siblings \S+\ncpu1: ", summary), summary
     # and where its time goes: bench.profile's table of the step's matmuls, each with its time within the step
     assert "## cpu_speed/profile.md" in summary and "| matmul | dtype | calls/step | ms in step |" in summary, summary
     # its MFU against the ladder's peak (one thread's matmul rate x 2), the figure the CPU speed target is set in
