@@ -52,6 +52,7 @@ from training.distributed import (
     yaml_activation_checkpointing,
 )
 from training.export import ExportError
+from training.export_check import ExportCheck, export_failure, export_problem
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
     JSONLTracker,
@@ -227,6 +228,10 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         project_dir=str(run_dir),
     )
     check_ranks_agree(accelerator, dataclasses.asdict(cfg), run_dir)
+    # The export the end of the run writes, tried by the main process, which writes it: beside a GPU in a process
+    # of its own from now on (training.export_check); on a CPU in check_outputs, below.
+    child_check = cfg.export_hf and accelerator.is_main_process and accelerator.device.type != "cpu"
+    export_check = ExportCheck(model_config) if child_check else None
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
     # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
     resume_from, resume_notes = decided_on_main(accelerator, lambda: plan_resume(cfg))
@@ -280,13 +285,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)
     startup.lap("model")
-    # What the end of the run writes, tried now by the main process, which writes it, while the other ranks build
-    # their model (it is the main process's start-up they wait for in prepare()); every rank stops alike.
-    if cfg.export_hf:
-        hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config))
-        if hub_note:
-            accelerator.print(hub_note)
-        startup.lap("export_check")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     startup.lap("prepare")
     progress = TrainProgress()
@@ -305,6 +303,14 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         if changes:
             epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
             accelerator.print(f"resume: {', '.join(changes)}; data position {train_loader.tokens:,} tokens{epoch} kept")
+        startup.lap("resume")
+    # What the end of the run writes, decided by the main process, which writes it, before this launch writes
+    # anything; every rank stops alike.
+    if cfg.export_hf:
+        hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config, export_check))
+        if hub_note:
+            accelerator.print(hub_note)
+        startup.lap("export_check")
     if accelerator.is_main_process:
         moved = set_aside(run_dir, progress.step)  # the first write of this launch: one run per folder from here
         if moved:
@@ -314,8 +320,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         if warning:
             print(warning, flush=True)
     accelerator.wait_for_everyone()
-    if resume_from is not None:
-        startup.lap("resume")
     startup.mark()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
@@ -341,24 +345,23 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     return run
 
 
-def check_outputs(cfg: TrainConfig, model_config: GPTConfig) -> str | None:
+def check_outputs(cfg: TrainConfig, model_config: GPTConfig, export_check: ExportCheck | None) -> str | None:
     """What write_outputs needs, checked before any training: the Hub push (a repository id, a token the Hub takes
-    for it, or a note where the Hub could not say; training.hub.check_push), the export
-    (transformers, a GPT-2 shape, a one-layer model and the tokenizer written in a temporary folder) and its model
-    card (huggingface_hub, the manifest). Run on the main process, which alone writes and pushes them: the other
-    ranks never import transformers, nor need a token (on a cluster, perhaps only machine 0 has one)."""
+    for it, or a note where the Hub could not say; training.hub.check_push), the model card (huggingface_hub, the
+    manifest) and the export (transformers, a GPT-2 shape, a one-layer model and the tokenizer written in a
+    temporary folder: the verdict of export_check, started at start-up beside a GPU, else the check run here).
+    Run on the main process, which alone writes and pushes them: the other ranks never import transformers, nor
+    need a token (on a cluster, perhaps only machine 0 has one)."""
     # fail now, not after days of training
     hub_note = check_push(cfg.push_to_hub, cfg.out_dir) if cfg.push_to_hub else None
     try:
-        from modeling.hf_export import check_export  # imports transformers (~3 s)
-
-        check_export(model_config, get_encoding())
         check_model_card(dataclasses.asdict(cfg))
-    except Exception as err:  # a missing package, a shape GPT-2 lacks, an unwritable temp folder: all stop here
-        raise ConfigError(
-            f"the export at the end of this run would fail ({type(err).__name__}: {err}); fix that, or train "
-            "without it: --export-hf false"
-        ) from err
+    except Exception as err:  # huggingface_hub missing or broken, a manifest it cannot read
+        raise export_failure(f"{type(err).__name__}: {err}") from err
+    if export_check is not None:
+        export_check.verdict()
+    elif problem := export_problem(model_config):
+        raise export_failure(problem)
     return hub_note
 
 

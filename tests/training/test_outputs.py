@@ -3,21 +3,24 @@ still fails after it keeps the checkpoints and names the command that exports th
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from data_prep.tokenizer import get_encoding
-from modeling.config import REAL_VOCAB_SIZE
+from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.hf_export import load_hf
 from training.checkpoint import list_checkpoints, save_checkpoint
 from training.config import ConfigError, TrainConfig
 from training.export import ExportError
 from training.export import main as export_main
-from training.loop import TrainMetrics, setup, trainer_for, write_outputs
+from training.export_check import ExportCheck
+from training.loop import TrainMetrics, check_outputs, setup, trainer_for, write_outputs
 
 
 def tiny_config(data_dir, out_dir) -> TrainConfig:
@@ -27,18 +30,39 @@ def tiny_config(data_dir, out_dir) -> TrainConfig:
     )  # fmt: skip
 
 
+def python_path_with(monkeypatch, folder: Path, module: str, code: str) -> None:
+    """PYTHONPATH leads with `folder`, where `module` is `code`: what the processes this test starts import."""
+    (folder / f"{module}.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+
+
+EXPORT_FAILS = r"^the export at the end of this run would fail \({}\); fix that, or train without it: --export-hf false"
+
+
 def test_an_export_that_could_not_run_stops_the_run_before_it_trains(
     prepared_books, tmp_path, monkeypatch, fresh_accelerate_state
 ):
+    """On the CPU the run checks in its own process, before the launch writes anything."""
     monkeypatch.setitem(sys.modules, "transformers", None)  # as an image without transformers
     monkeypatch.delitem(sys.modules, "modeling.hf_export", raising=False)
-    with pytest.raises(
-        ConfigError,
-        match=r"^the export at the end of this run would fail \(ModuleNotFoundError: import of transformers halted; "
-        r"None in sys.modules\); fix that, or train without it: --export-hf false$",
-    ):
+    reason = "ModuleNotFoundError: import of transformers halted; None in sys.modules"
+    with pytest.raises(ConfigError, match=EXPORT_FAILS.format(reason) + "$"):
         setup(tiny_config(prepared_books, tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # nothing else
+
+
+def test_the_export_check_in_a_process_of_its_own(prepared_books, tmp_path, monkeypatch):
+    """As a run beside a GPU checks: in a child started early, whose verdict check_outputs waits for. It passes
+    where the export works, and stops the run where the child's transformers is broken or the child dies."""
+    cfg = tiny_config(prepared_books, tmp_path / "run")
+    assert check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config())) is None
+    python_path_with(monkeypatch, tmp_path, "transformers", "raise ImportError('transformers is broken here')")
+    with pytest.raises(ConfigError, match=EXPORT_FAILS.format("ImportError: transformers is broken here")):
+        check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config()))
+    # killed (the OOM killer, say) before it could say why: its exit status is the reason
+    python_path_with(monkeypatch, tmp_path, "sitecustomize", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    with pytest.raises(ConfigError, match=EXPORT_FAILS.format("its check ended with exit status -9")):
+        ExportCheck(get_preset("tiny-cpu")).verdict()
 
 
 def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_exports_them(
