@@ -199,13 +199,31 @@ def _score(seed: int, doc_id: str) -> float:
     return int.from_bytes(hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()[:8], "big") / 2**64
 
 
+# The "split" of a corpus's only document (a single input.txt): whole documents cannot give both splits, so its
+# last val_fraction of tokens is the val split (_parts), as nanoGPT splits its one text file.
+BY_POSITION = "train+val"
+
+
 def _splitter(books: Plan, val_fraction: float, seed: int) -> Callable[[str], str]:
-    """The split of each document: its source's where it names one, else the hash rule."""
+    """The split of each document: its source's where it names one, else the hash rule; BY_POSITION for a corpus
+    of one document."""
     if books.ids is None:  # a streamed source: ids come as it is read, so only the hash rule applies
         return lambda doc_id: books.splits.get(doc_id) or ("val" if _score(seed, doc_id) < val_fraction else "train")
     free = [i for i in books.ids if i not in books.splits]
+    if free == books.ids == books.ids[:1]:
+        log.info("one document: its last %g%% of tokens are the val split (--val-fraction)", 100 * val_fraction)
+        return lambda doc_id: BY_POSITION
     hashed = assign_splits(free, val_fraction, seed) if free else {}
     return lambda doc_id: books.splits.get(doc_id) or hashed[doc_id]
+
+
+def _parts(doc_id: str, split: str, tokens: np.ndarray, val_fraction: float) -> list[tuple[str, str, np.ndarray]]:
+    """(id, split, tokens) of what a document is written as: itself, or split BY_POSITION its head in train and
+    its last val_fraction of tokens in val (id + "#val"), each ending in <|endoftext|>."""
+    if split != BY_POSITION or len(tokens) < 3:  # under 2 tokens of text: nothing to split (train takes it)
+        return [(doc_id, "train" if split == BY_POSITION else split, tokens)]
+    cut = min(max(1, round((len(tokens) - 1) * (1 - val_fraction))), len(tokens) - 2)
+    return [(doc_id, "train", np.append(tokens[:cut], EOT_ID).astype(DTYPE)), (f"{doc_id}#val", "val", tokens[cut:])]
 
 
 def tokenize_records(records: list[Record]) -> list[tuple[str, str, np.ndarray]]:
@@ -322,10 +340,10 @@ def _build(
     with open(index_path, "ab") as index, tqdm(total=total, initial=done, desc="Preparing", unit="book") as bar:
         for count, docs in _tokenized(_batches(books.records(done)), num_proc):
             for doc_id, title, tokens in docs:
-                split = split_of(doc_id)
-                writers[split].write(tokens)
-                line = {"id": doc_id, "title": title, "split": split, "num_tokens": len(tokens)}
-                index.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+                for part_id, split, part in _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"]):
+                    writers[split].write(part)
+                    line = {"id": part_id, "title": title, "split": split, "num_tokens": len(part)}
+                    index.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             done += count
             bar.update(count)
             if key is not None:  # a source that can be listed again can be resumed

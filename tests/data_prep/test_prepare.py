@@ -94,6 +94,22 @@ def test_split_is_stable_when_books_are_added_and_never_empty():
     assert assign_splits(ids[:1], 0.5) == {ids[0]: "train"}
 
 
+def test_a_corpus_of_one_document_is_split_by_position(tmp_path):
+    """One input.txt, as nanoGPT users bring: whole documents cannot give a val split, so the document's last
+    val_fraction of tokens is val; the two parts are the document's tokens, cut once, each ending in EOT."""
+    book = _write_books(tmp_path / "one", n=1) / "book0.txt"
+    data = tmp_path / "data"
+    prepare(f"files:{book}", data, val_fraction=0.25)
+    manifest = load_manifest(data, verify="sha256")
+    [doc] = iter_documents(f"files:{book}")
+    assert [(d["id"], d["split"]) for d in manifest.documents()] == [(doc.id, "train"), (doc.id + "#val", "val")]
+    whole = get_encoding().encode_ordinary(doc.text)
+    train, val = _split_tokens(data, "train"), _split_tokens(data, "val")
+    assert train[-1] == val[-1] == EOT_ID and train[:-1].tolist() + val[:-1].tolist() == whole
+    assert len(val) - 1 == pytest.approx(0.25 * len(whole), abs=1)
+    assert manifest.splits["val"]["num_documents"] == manifest.splits["train"]["num_documents"] == 1
+
+
 def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
     books = _write_books(tmp_path / "books")
     out = tmp_path / "data"
