@@ -210,7 +210,7 @@ def _splitter(books: Plan, val_fraction: float, seed: int) -> Callable[[str], st
     if books.ids is None:  # a streamed source: ids come as it is read, so only the hash rule applies
         return lambda doc_id: books.splits.get(doc_id) or ("val" if _score(seed, doc_id) < val_fraction else "train")
     free = [i for i in books.ids if i not in books.splits]
-    if free == books.ids == books.ids[:1]:
+    if len(books.ids) == 1 and not books.splits:  # one document, and its source names no split for it
         log.info("one document: its last %g%% of tokens are the val split (--val-fraction)", 100 * val_fraction)
         return lambda doc_id: BY_POSITION
     hashed = assign_splits(free, val_fraction, seed) if free else {}

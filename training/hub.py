@@ -147,7 +147,14 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
     except HFValidationError as err:
         raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
     token = require_token()
-    answer = _whoami(token, timeout, repo_id, run_dir)
+    try:
+        answer = _whoami(token, timeout)
+    except ConnectionError as err:
+        raise HubError(
+            f"cannot reach the Hub ({constants.ENDPOINT}: {err}) to check the token for --push-to-hub, so the push at "
+            "the end would fail too: train without it and push the run folder later where the Hub can be reached "
+            f"(python -m training.hub {run_dir} --repo-id {repo_id})"
+        ) from None
     new_token = f"make a write token at {constants.ENDPOINT}/settings/tokens, then `hf auth login` or set HF_TOKEN"
     if not isinstance(answer, dict):  # the Hub answered with an HTTP error
         reason = f"{answer.response.status_code} {answer.response.reason_phrase}"
@@ -169,10 +176,10 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
     return None
 
 
-def _whoami(token: str, timeout: float, repo_id: str, run_dir: str) -> dict | HfHubHTTPError:
-    """The Hub's whoami answer for `token`, or the HTTP error it answered with; a HubError where no answer came
-    (no route, refused, none in `timeout` seconds)."""
-    from huggingface_hub import HfApi, constants
+def _whoami(token: str, timeout: float) -> dict | HfHubHTTPError:
+    """The Hub's whoami answer for `token`, or the HTTP error it answered with; a ConnectionError saying why where
+    no answer came (no route, refused, none in `timeout` seconds)."""
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     answer: dict[str, object] = {}
@@ -190,12 +197,7 @@ def _whoami(token: str, timeout: float, repo_id: str, run_dir: str) -> dict | Hf
     err = answer.get("error")
     if "info" in answer or (isinstance(err, HfHubHTTPError) and err.response is not None):
         return answer.get("info", err)
-    reason = f"{type(err).__name__}: {err}" if err else f"no answer in {timeout:g} s"
-    raise HubError(
-        f"cannot reach the Hub ({constants.ENDPOINT}: {reason}) to check the token for --push-to-hub, so the push at "
-        "the end would fail too: train without it and push the run folder later where the Hub can be reached "
-        f"(python -m training.hub {run_dir} --repo-id {repo_id})"
-    )
+    raise ConnectionError(f"{type(err).__name__}: {err}" if err else f"no answer in {timeout:g} s")
 
 
 def render_model_card(run_dir: str | Path) -> str:
