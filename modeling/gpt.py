@@ -86,6 +86,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class LMHead(Linear):
+    """The output head (the token embedding's matrix, tied): the logits of hidden states, or, given targets, the
+    training loss in the form modeling.fused_ce picks. The loss is this module's forward so that a compile of the head
+    compiles it: regional compilation (the FSDP2 YAMLs, `accelerate config`'s offer) compiles each repeated block and
+    every other leaf module on its own, and the model's own code around them runs eagerly: the loss computed there
+    cost a CPU's bf16 FSDP2 step 15-25% (BENCHMARKS.md, "The loss under regional compilation")."""
+
+    def forward(self, x: Tensor, targets: Tensor | None = None, fp8: bool = False) -> Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x.flatten(0, 1), self.weight, targets.flatten(), fp8=fp8)
+
+
 class GPT(nn.Module):
     # The block class FSDP2 shards one at a time when the launch YAML names none (accelerate reads the transformers
     # attribute; `accelerate config`'s default answer), so every FSDP2 YAML shards per Block.
@@ -103,7 +116,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False)
         # Trade compute for memory: store only each block's input and recompute its activations in backward
         # (training.config.TrainConfig.activation_checkpointing sets it; not part of the architecture).
         self.activation_checkpointing = False
@@ -156,7 +169,7 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x), None
-        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), fp8=self.fp8_head)
+        return None, self.lm_head(x, targets, fp8=self.fp8_head)
 
     @torch.no_grad()
     def generate(
