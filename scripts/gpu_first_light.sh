@@ -42,6 +42,10 @@
 #             (cpu_speed/profile.md), on the AMX Xeons GPU machines have had
 #   gpus      accelerate_configs/8xh100.yaml (8 processes) on this machine's fewer GPUs: every rank must stop at
 #             start-up with the one line that gives the --num_processes that fits (no GPU to count with --dry-run)
+#   fsdp      accelerate_configs/8xh100_fsdp.yaml in one process (--num_processes 1) for FSDP_STEPS (30) steps, with
+#             --micro-batch-size auto, an eval, a sharded checkpoint and the export gathered from the shards: FSDP2,
+#             its per-block compile and the head's compiled loss, never yet run on a GPU; its start-up line and tok/s
+#             go into summary.md (--dry-run: cpu_fsdp2.yaml in one process, dynamo's eager backend)
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
@@ -50,7 +54,7 @@
 #
 # What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes, on an H100 where
 # one is lent (the start-up target is an H100's; the last three calls all got H200s):
-#   FIRST_LIGHT_STEPS="environment gpus train recipe cpu_speed" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
+#   FIRST_LIGHT_STEPS="environment gpus train recipe cpu_speed fsdp" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
 # and reads from summary.md: that 8xh100.yaml on this machine's fewer GPUs stops with one line (gpus, ~10 s); the
 # start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of
@@ -58,7 +62,8 @@
 # Newton-Schulz matrix by matrix; target 560k), now with each shape's matrices iterated as one batch; the recipe
 # step's Muon against AdamW tok/s in one run (393k against 459k on the H100 at 64k-token steps, matrix by matrix);
 # and the CPU step on the box's CPU at two cores (#36: >= 40% of the measured bf16 peak at small-cpu on AMX; 22.7%
-# so far), with bench.profile's table of its matmuls' times within the step. The ladder (1.03x, 1.04x
+# so far), with bench.profile's table of its matmuls' times within the step; last, where time is left, FSDP2 on
+# one GPU (fsdp: that it trains, checkpoints and exports, its start-up line and tok/s). The ladder (1.03x, 1.04x
 # build-nanogpt), loss, tests and cpu steps (the unit tests on the box's AMX Xeon: 310 passed on 2026-11-27
 # afternoon, the one failure fixed since), measured on 2026-11-26/27, are left out for time.
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
@@ -87,7 +92,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed gpus"
+ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed gpus fsdp"
 STEPS=${FIRST_LIGHT_STEPS:-$ALL_STEPS}
 for name in $STEPS; do
     [[ " $ALL_STEPS " == *" $name "* ]] || die "unknown step $name in FIRST_LIGHT_STEPS (the steps: $ALL_STEPS)"
@@ -123,6 +128,9 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
         --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
+    FSDP_YAML=(accelerate_configs/cpu_fsdp2.yaml --dynamo_backend eager)  # tests/e2e/test_sharded.py compiles it
+    FSDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 2 --eval-windows 2
+        --sample-interval 0 --checkpoint-interval 2)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
     # 8 val windows: its 12 evals (2 recipes x 3 points x 2 val sets) on tiny_cpu.yaml's 64 took 20 of its 32 s
     RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --eval-windows 8 --data-dir '$DATA'"
@@ -141,6 +149,9 @@ else
     TRAIN_ARGS=(--max-steps "${TRAIN_STEPS:-200}" --log-interval 25 --eval-interval 100 --sample-interval 100
         --checkpoint-interval "${TRAIN_STEPS:-200}" --micro-batch-size auto)
     DDP_ARGS=(--max-steps 20 --log-interval 5)
+    FSDP_YAML=(accelerate_configs/8xh100_fsdp.yaml)
+    FSDP_ARGS=(--max-steps "${FSDP_STEPS:-30}" --log-interval 10 --eval-interval "${FSDP_STEPS:-30}"
+        --sample-interval 0 --checkpoint-interval "${FSDP_STEPS:-30}" --micro-batch-size auto)
     TESTS=(tests/modeling/test_fused_ce.py tests/modeling/test_fp8_head.py "$VERDICT_TEST")
     # 64k-token steps: 100 of them are 3.8 epochs of data/default's 1.7M train tokens (the recipe's 524k-token step
     # would repeat the corpus 4 times in 13 steps)
@@ -316,6 +327,8 @@ for name in $STEPS; do
         cpu) step cpu cpu_tests ;;
         cpu_speed) step cpu_speed cpu_speed ;;
         gpus) step gpus gpus ;;
+        fsdp) step fsdp "${LAUNCH[@]}" --config_file "${FSDP_YAML[@]}" --num_processes 1 train_accel.py "${FSDP_ARGS[@]}" \
+            --data-dir "$DATA" --out-dir "$OUT/fsdp" ;;
         hellaswag) step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
             --json "$OUT/hellaswag.json" ;;
     esac
@@ -323,7 +336,7 @@ done
 
 {
     echo
-    for log in "$OUT"/*-train.log "$OUT"/*-fp8.log; do
+    for log in "$OUT"/*-train.log "$OUT"/*-fp8.log "$OUT"/*-fsdp.log; do
         [[ -f $log ]] || continue
         echo "## $(basename "$log"): the micro-batch, the start-up, the FP8 head"
         echo
@@ -358,7 +371,7 @@ done
         sed -n '/^python -m bench.time_to_loss/,$p' "$recipe_log"
         echo
     fi
-    for run in train fp8; do
+    for run in train fp8 fsdp; do
         if [[ -f $OUT/$run/metrics.jsonl ]]; then
             echo "## $run/metrics.jsonl (last rows)"
             echo

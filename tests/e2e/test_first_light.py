@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
 # in the script's order (its ALL_STEPS)
 STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
-STEPS += ["cpu_speed", "gpus"]
+STEPS += ["cpu_speed", "gpus", "fsdp"]
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
@@ -48,7 +48,11 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     assert "note: fp8_head is off on cpu" in summary, summary
     assert fp8_log.rstrip().endswith("(checkpoints: 1, loss.png)") and not (out / "fp8" / "export").exists()
     assert (out / "nccl_backend.txt").read_text().startswith("distributed_type DistributedType.MULTI_CPU, backend gloo")
-    for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl"):
+    # the fsdp step: FSDP2 in one process, its sharded checkpoint and the export gathered from it
+    assert "## 13-fsdp.log" in summary and "## fsdp/metrics.jsonl" in summary, summary
+    assert (out / "fsdp" / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0").is_dir()
+    for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl",
+              "fsdp/export/config.json"):  # fmt: skip
         assert (out / f).is_file(), f
     ladder = json.loads((out / "ladder" / "ladder.json").read_text())
     assert [r["label"] for r in ladder["rows"] if r["status"] == "ok"] == ["0", "11"]
