@@ -327,8 +327,8 @@ for name in $STEPS; do
         cpu) step cpu cpu_tests ;;
         cpu_speed) step cpu_speed cpu_speed ;;
         gpus) step gpus gpus ;;
-        fsdp) step fsdp "${LAUNCH[@]}" --config_file "${FSDP_YAML[@]}" --num_processes 1 train_accel.py "${FSDP_ARGS[@]}" \
-            --data-dir "$DATA" --out-dir "$OUT/fsdp" ;;
+        fsdp) step fsdp "${LAUNCH[@]}" --config_file "${FSDP_YAML[@]}" --num_processes 1 train_accel.py \
+            "${FSDP_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT/fsdp" ;;
         hellaswag) step hellaswag $PY -m evals --model "$OUT/train/export" --tasks hellaswag --limit "$HELLASWAG" \
             --json "$OUT/hellaswag.json" ;;
     esac
