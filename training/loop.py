@@ -403,13 +403,16 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
     """The run's facts to every tracker and config.yaml to the run folder, and one summary line."""
     cfg, accelerator = run.cfg, run.accelerator
     world_size, device = accelerator.num_processes, accelerator.device
-    dynamo = str(accelerator.state.dynamo_plugin.backend)
+    plugin = accelerator.state.dynamo_plugin
+    dynamo = str(plugin.backend)
+    per_block = plugin.backend != "NO" and bool(plugin.use_regional_compilation)  # each Block compiled on its own
     run_info = {
         **dataclasses.asdict(cfg),
         "grad_accum_steps": run.grad_accum,
         "world_size": world_size,
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": dynamo,
+        "dynamo_regional": per_block,
         "params": num_params,
         "peak_tflops_per_device": run.peak_tflops,
         "peak_tflops_source": peak_source,
@@ -421,7 +424,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
             atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
         f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
-        f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo} | "
+        f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo}{' per block' if per_block else ''} | "
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {describe_steps(run)} | "
         f"{run.manifest.num_tokens('train'):,} train tokens ({len(run.train_loader)} micro-batches/epoch/rank) | "
