@@ -12,10 +12,11 @@ from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from accelerate.utils.other import compile_regions_fsdp2
-from torch._dynamo.testing import CompileCounter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import modeling.fused_ce
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
 from testkit import REPO, free_port, fsdp_yaml
@@ -449,6 +450,52 @@ def test_regional_compilation_compiles_our_block_once_for_every_layer():
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_fp8_head_under_fsdp2_compiled_per_block_is_the_unsharded_models(monkeypatch):
+    """8xh100_fsdp.yaml with --fp8-head true, as on a Hopper GPU: FSDP2's bf16 policy, each Block and the head
+    compiled on their own, the loss on the rule's CUDA branch (the full logits where compiled, so the FP8 matmul,
+    which runs on the CPU too). The head's FP8 form runs inside its compiled frame on the gathered tied weight: the
+    loss and the embedding's gradient are the unsharded bf16 model's, compiled the same way, bit for bit, and not
+    those of its bf16 head."""
+    for key, value in launch_env("8xh100_fsdp.yaml").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(modeling.fused_ce, "takes_full_logits", lambda device, compiling, *sizes: compiling)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
+    x, y = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+
+    def loss_and_grad(fp8: bool, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(config)
+        model.fp8_head = fp8
+        if not sharded:  # what the bf16 policy gathers
+            model = model.to(torch.bfloat16)
+        counter = CompileCounterWithBackend("aot_eager")  # the graphs dynamo captures, without inductor's builds
+        compile_regions_fsdp2(model, backend=counter)  # before fully_shard, as accelerate's FSDP2 prepare
+        if sharded:
+            mesh = init_device_mesh("cpu", (1,))
+            policy = fsdp_plugin().mixed_precision_policy
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+        try:
+            with torch.autocast("cpu", torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+        finally:
+            torch._dynamo.reset()
+        assert counter.frame_count == 2  # the Block's, once for both, and the head's loss: no graph break
+        grad = model.transformer.wte.weight.grad
+        return loss.detach().float(), (grad.full_tensor() if sharded else grad).float()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        sharded = loss_and_grad(fp8=True, sharded=True)
+    finally:
+        dist.destroy_process_group()
+    unsharded, bf16_head = loss_and_grad(fp8=True, sharded=False), loss_and_grad(fp8=False, sharded=False)
+    assert torch.equal(sharded[0], unsharded[0]) and torch.equal(sharded[1], unsharded[1])
+    assert not torch.equal(unsharded[0], bf16_head[0])  # the FP8 matmul ran
 
 
 def test_zero2_yamls_differ_from_zero3_only_in_stage():
