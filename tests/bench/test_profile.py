@@ -15,10 +15,14 @@ from modeling.config import get_preset
 from modeling.cpu_attention import causal_attention
 
 
+def recorded_layouts(calls: dict[tuple, tuple[int, float]]) -> bool:
+    """Whether the profiler recorded each matmul's input strides and dtypes, which timing it alone needs (torch 2.13
+    does; torch 2.11, the GPU machines' image, does not, and the report then times none alone)."""
+    return all(strides is not None for _, _, strides, _ in calls)
+
+
 def skip_without_layouts(calls: dict[tuple, tuple[int, float]]) -> None:
-    """Timing a matmul alone needs the layouts the profiler recorded (torch 2.13 records input strides and dtypes;
-    torch 2.11, the GPU machines' image, none): skipped where it recorded none, as the report then times none."""
-    if any(strides is None for _, _, strides, _ in calls):
+    if not recorded_layouts(calls):
         pytest.skip(f"torch {torch.__version__}'s profiler records no input strides or dtypes: no matmul timed alone")
 
 
@@ -90,7 +94,7 @@ def test_without_recorded_layouts_the_matmuls_are_reported_as_they_ran_in_the_st
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         layer(x).square().sum().backward()
     calls = matmul_calls(prof, steps=1)
-    if all(strides is not None for _, _, strides, _ in calls):  # torch 2.13: timed alone, the bound's sum
+    if recorded_layouts(calls):  # torch 2.13: timed alone, the bound's sum
         print_matmul_bound(calls, in_step_ms=1.0, step_ms=2.0)
         assert "take" in capsys.readouterr().out.splitlines()[-1]
     as_on_torch_2_11 = {(op, shapes, None, None): value for (op, shapes, _, _), value in calls.items()}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +16,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from accelerate.utils.other import compile_regions_fsdp2
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import modeling.fused_ce
@@ -162,6 +165,25 @@ def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(m
     assert plugin.mixed_precision_policy == bf16_policy
 
 
+@contextmanager
+def one_process_mesh() -> Iterator[DeviceMesh]:
+    """A 1-process gloo group and a CPU mesh over it, for fully_shard in this process. The CPU mesh also where a GPU
+    is present: fully_shard's default mesh is the accelerator's (cuda:0 on the GPU machines, where a CPU twin's loss
+    could then not be compared with the sharded model's)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_per_block(model: GPT, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
+    """fully_shard as accelerate applies it under FSDP2: each Block, then the root."""
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
     """Applied as accelerate applies it (each Block, then the root) on a 1-process gloo group: the loss and the
     gradients are those of the model's bf16 copy under autocast, bit for bit, handed back in fp32; accelerate's
@@ -177,25 +199,17 @@ def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
         _, want = twin(x, x)
     want.backward()
     accelerate_default = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        # on the CPU where a GPU is present too: fully_shard's default mesh is the accelerator's (cuda:0 on the GPU
-        # machines, where the twin's CPU loss could then not be compared with it)
-        mesh = init_device_mesh("cpu", (1,))
-        got, grads = {}, {}
+    got, grads = {}, {}
+    with one_process_mesh() as mesh:
         for name, policy in (("ours", fsdp_plugin().mixed_precision_policy), ("default", accelerate_default)):
             torch.manual_seed(0)
             model = GPT(config)
-            for block in model.transformer.h:
-                fully_shard(block, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+            shard_per_block(model, mesh, policy)
             with torch.autocast("cpu", torch.bfloat16):
                 _, got[name] = model(x, x)
             got[name].backward()
             grads[name] = model.transformer.h[0].mlp.c_fc.weight.grad.full_tensor()
             assert grads[name].dtype == torch.float32
-    finally:
-        dist.destroy_process_group()
     assert got["ours"].dtype == torch.float32 and got["default"].dtype == torch.bfloat16
     assert torch.equal(got["ours"], want)
     assert torch.equal(grads["ours"], twin.transformer.h[0].mlp.c_fc.weight.grad.float())
@@ -464,20 +478,17 @@ def test_the_fp8_head_under_fsdp2_compiled_per_block_is_the_unsharded_models(mon
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
     x, y = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (0, 1))
 
-    def loss_and_grad(fp8: bool, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_grad(fp8: bool, mesh: DeviceMesh | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the embedding's gradient, sharded over `mesh` (None: the unsharded bf16 model)."""
         torch.manual_seed(0)
         model = GPT(config)
         model.fp8_head = fp8
-        if not sharded:  # what the bf16 policy gathers
+        if mesh is None:  # what the bf16 policy gathers
             model = model.to(torch.bfloat16)
         counter = CompileCounterWithBackend("aot_eager")  # the graphs dynamo captures, without inductor's builds
         compile_regions_fsdp2(model, backend=counter)  # before fully_shard, as accelerate's FSDP2 prepare
-        if sharded:
-            mesh = init_device_mesh("cpu", (1,))
-            policy = fsdp_plugin().mixed_precision_policy
-            for block in model.transformer.h:
-                fully_shard(block, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+        if mesh is not None:
+            shard_per_block(model, mesh, fsdp_plugin().mixed_precision_policy)
         try:
             with torch.autocast("cpu", torch.bfloat16):
                 _, loss = model(x, y)
@@ -486,14 +497,11 @@ def test_the_fp8_head_under_fsdp2_compiled_per_block_is_the_unsharded_models(mon
             torch._dynamo.reset()
         assert counter.frame_count == 2  # the Block's, once for both, and the head's loss: no graph break
         grad = model.transformer.wte.weight.grad
-        return loss.detach().float(), (grad.full_tensor() if sharded else grad).float()
+        return loss.detach().float(), (grad if mesh is None else grad.full_tensor()).float()
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        sharded = loss_and_grad(fp8=True, sharded=True)
-    finally:
-        dist.destroy_process_group()
-    unsharded, bf16_head = loss_and_grad(fp8=True, sharded=False), loss_and_grad(fp8=False, sharded=False)
+    with one_process_mesh() as mesh:
+        sharded = loss_and_grad(fp8=True, mesh=mesh)
+    unsharded, bf16_head = loss_and_grad(fp8=True), loss_and_grad(fp8=False)
     assert torch.equal(sharded[0], unsharded[0]) and torch.equal(sharded[1], unsharded[1])
     assert not torch.equal(unsharded[0], bf16_head[0])  # the FP8 matmul ran
 
