@@ -231,7 +231,9 @@ def precision_name(mixed_precision: str) -> str:
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
-NO_NATIVE_BF16 = 5.0  # bf16 this many times slower than fp32 is emulated (AVX2-only), not native (>= ~0.5x fp32)
+# bf16 this many times slower than fp32 is emulated, not native (>= ~0.5x fp32 without AMX): AVX2-only cores run it
+# 30-300x slower, AVX-512 cores without its bf16 instructions (Intel Cascade Lake) 4.5-7x (BENCHMARKS.md)
+NO_NATIVE_BF16 = 3.0
 
 
 def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
