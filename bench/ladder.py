@@ -42,7 +42,7 @@ from bench.rungs import (
 )
 from data_prep import ensure_default_corpus
 from modeling.config import get_preset
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("--max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     device = torch.device(args.device)
-    isolate_inductor_cache(device)  # rungs 8-11 and the compiled peer compile
+    set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     config = get_preset(args.preset)
     ensure_default_corpus(args.data_dir, log=partial(print, flush=True))
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modeling.fused_ce import fused_linear_cross_entropy
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 
 IGNORE_EVERY = 9  # every 9th row is ignore_index, as padded or masked positions are
 FP16_LOSS_SCALE = 2.0**16  # torch.amp.GradScaler's initial scale
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)")
     args = parser.parse_args()
-    isolate_inductor_cache(torch.device(args.device))
+    set_up_compile_cache(torch.device(args.device))
     fns = {
         "F.cross_entropy": plain_cross_entropy,
         "fused": fused_linear_cross_entropy,

@@ -37,7 +37,7 @@ from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset
 from modeling.cpu_attention import bf16_products
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 from training.config import OPTIMIZERS
 from training.metrics import peak_tflops
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    isolate_inductor_cache(torch.device("cpu"))
+    set_up_compile_cache(torch.device("cpu"))
     inductor_config.cpp.enable_kernel_profile = True  # each generated kernel under its own name in the profile
     ensure_default_corpus(args.data_dir, log=print)
     step, step_gflop = build_step(

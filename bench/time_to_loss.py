@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from bench import peer
 from bench.report import cpu_model, device_name
 from bench.rungs import REPO, launch_config
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 from training.config import parse_config
 from training.loop import Run, evaluate, setup, trainer_for
 
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_bf16.yaml" if device.type == "cpu" else "1xgpu.yaml"
     )
     os.environ.update(launch_env(launch_path))
-    isolate_inductor_cache(device)
+    set_up_compile_cache(device)
     args.out.mkdir(parents=True, exist_ok=True)
 
     curves = []

@@ -26,7 +26,7 @@ from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
 from testkit import NO_DATASETS, TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 
 # Four plays of the embedded corpus; with val_fraction 0.1 Twelfth Night is the val book.
 BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
@@ -36,7 +36,7 @@ BOOKS_SOURCE = "default:hamlet,macbeth,tempest,twelfth_night"
 def cpu_process_set_up() -> None:
     """As train_accel.py sets up its processes, for the tests that compute in this one: a compile cache per ISA,
     and no first call of MKL's vector math inside a comparison."""
-    isolate_inductor_cache(torch.device("cpu"))
+    set_up_compile_cache(torch.device("cpu"))
     warm_up_vector_math(torch.device("cpu"))
 
 
@@ -132,3 +132,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     than one long file running alone at the end."""
     launches = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in launches)
+
+
+# Test files that compile the same graph, run by one pytest-xdist worker one after the other: the second is served
+# the first one's build from the compile cache. Taken by two workers at once, each builds it (testkit.COMPILED_TINY:
+# ~23 C++ kernels, 30 s of CPU on a 2-core Cascade Lake).
+SAME_WORKER = {"tests/modeling/test_activation_checkpointing.py": "tests/modeling/test_gpt.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a GPU image may lack
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` (make test's), with the files of SAME_WORKER as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCompiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return SharedCompiles(config, log)

@@ -1,4 +1,5 @@
-"""One torch.compile cache folder per CPU vector ISA.
+"""The torch.compile cache, set up before a process's first compile: one folder per CPU vector ISA, and whole
+graphs cached, our autograd.Functions in them.
 
 Inductor's FX graph cache keys a compiled graph on the graph, its inputs and inductor's config, but not on the
 vector ISA its C++ kernels were generated for (AVX-512, AVX2 or none: picked from the CPU's flags and
@@ -7,6 +8,14 @@ loops with 16-lane vectors, which write past their buffers: heap corruption, the
 (torch 2.13; BENCHMARKS.md, "Compile cache"). It happens on one machine (ATEN_CPU_CAPABILITY=avx2 is how AVX2-only
 CPUs are emulated) and across machines sharing a cache folder (a home directory on NFS). A subfolder per ISA makes
 every hit one this process may run.
+
+AOTAutograd's cache (the traced forward and backward graphs, partitioned) takes no graph holding a custom
+autograd.Function unless told to (torch 2.13: autograd_cache_allow_custom_autograd_functions, off while PyTorch
+tests it, pytorch#149751: the Function's traced forward and backward are part of the graph, and so of the key). The
+fused loss is one (modeling.fused_ce: the loss on the CPU, and wherever the logits are too large to hold), and the FP8
+head another, so such launches traced and partitioned their graphs again although inductor's kernels were cached:
+2.5 s of a 5.7 s recompile at tiny-cpu on a Cascade Lake (BENCHMARKS.md, "Compile cache"). Allowed, a launch on a
+warm cache is served its graphs whole, the same numbers bit for bit (tests/modeling/test_gpt.py).
 
 Only CPU compiles generate C++ kernels. On a GPU the cache stays where it is: picking the ISA builds and loads ten
 probe programs on a machine that has not done so before, 42 s of a fresh H100 machine's start-up (2026-11-26), for
@@ -24,11 +33,14 @@ import torch
 PREFIX = "isa-"
 
 
-def isolate_inductor_cache(device: torch.device) -> Path | None:
-    """For compiles on the CPU, point TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for
-    the ISA this process compiles for, and return it; elsewhere leave it as it is and return None. Call before the
-    first compile. Idempotent; a child process that inherits the variable but compiles for another ISA moves to the
-    sibling subfolder."""
+def set_up_compile_cache(device: torch.device) -> Path | None:
+    """Let AOTAutograd cache graphs with custom autograd.Functions; for compiles on the CPU, point
+    TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for the ISA this process compiles for,
+    and return it; elsewhere leave it as it is and return None. Call before the first compile. Idempotent; a child
+    process that inherits the variable but compiles for another ISA moves to the sibling subfolder."""
+    import torch._functorch.config
+
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     if device.type != "cpu":
         return None
     # inductor is imported here, for a compile: an eager process is spared its import of torch._dynamo (1.9 s)
@@ -37,6 +49,9 @@ def isolate_inductor_cache(device: torch.device) -> Path | None:
 
     current = Path(cache_dir())
     base = current.parent if current.name.startswith(PREFIX) else current
+    # Picking builds inductor's ISA probe programs in the cache folder of the moment, once per folder (~9 s of C++
+    # builds on a 2-core Cascade Lake): in the base, for every ISA, also where a child inherited its parent's subfolder.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base)
     folder = base / (PREFIX + re.sub(r"\W+", "_", str(pick_vec_isa())).lower())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder

@@ -30,7 +30,7 @@ from data_prep.loader import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
 from modeling.vector_math import warm_up_vector_math
-from training.compile_cache import isolate_inductor_cache
+from training.compile_cache import set_up_compile_cache
 from training.config import ConfigError
 from training.malloc import keep_freed_memory
 
@@ -191,7 +191,7 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
-        isolate_inductor_cache(accelerator.device)  # before prepare() compiles
+        set_up_compile_cache(accelerator.device)  # before prepare() compiles
         # Compiling DDP's forward (accelerate compiles the DDP module), dynamo meets the profiler label DDP opens and
         # warns on every rank that it ignores it; no profiler runs in training.
         logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_not_the_profiler_label_warning)

@@ -5,10 +5,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from modeling.config import PRESETS, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT, CausalSelfAttention, TanhGELU
 from testkit import COMPILED_TINY, compiled_tiny_batch
+from training.compile_cache import set_up_compile_cache
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)
 
@@ -203,6 +205,28 @@ def test_compiled_forward_backward_matches_eager():
     torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_recompile_is_served_its_graphs_whole_and_computes_the_same():
+    """training.compile_cache: AOTAutograd's cache takes the graph with the fused loss's autograd.Function in it, so a
+    compile of a model compiled before (a relaunch, a resume) skips tracing and partitioning its forward and backward
+    (torch 2.13 bypasses that cache for such graphs by default); its loss is the first compile's, and so are its
+    gradients, up to the order in which threads add into the embedding's (as between any two compiles)."""
+    set_up_compile_cache(torch.device("cpu"))  # as every compiling process does before its first compile
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()  # a fresh process's dynamo; the compile cache on disk stays
+        counters.clear()
+        model = tiny_model(COMPILED_TINY)
+        _, loss = torch.compile(model)(*compiled_tiny_batch())
+        loss.backward()
+        runs.append([loss.detach(), *(p.grad for p in model.parameters())])
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    first, second = runs
+    assert torch.equal(first[0], second[0])
+    for a, b in zip(first[1:], second[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
 # --- GELU --------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from testkit import run
-from training.compile_cache import PREFIX, isolate_inductor_cache
+from training.compile_cache import PREFIX, set_up_compile_cache
 
 # ATEN_CPU_CAPABILITY=default: no vector ISA (scalar kernels) on every CPU, so another ISA than the native one even
 # on an AVX2-only machine.
@@ -23,16 +23,16 @@ CPU = torch.device("cpu")
 def test_one_subfolder_per_isa_under_the_users_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    native = isolate_inductor_cache(CPU)
+    native = set_up_compile_cache(CPU)
     assert native.parent == tmp_path and native.name.startswith(PREFIX)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(native)
-    assert isolate_inductor_cache(CPU) == native  # idempotent: train_accel.py's processes inherit the variable
+    assert set_up_compile_cache(CPU) == native  # idempotent: train_accel.py's processes inherit the variable
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", SCALAR["ATEN_CPU_CAPABILITY"])
-    scalar = isolate_inductor_cache(CPU)  # a child with another ISA moves to the sibling, not below
+    scalar = set_up_compile_cache(CPU)  # a child with another ISA moves to the sibling, not below
     assert scalar.parent == tmp_path and scalar != native
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    assert isolate_inductor_cache(CPU) == native
+    assert set_up_compile_cache(CPU) == native
 
 
 def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch._inductor.cpu_vec_isa, "pick_vec_isa", pick_vec_isa)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert isolate_inductor_cache(torch.device("cuda")) is None
+    assert set_up_compile_cache(torch.device("cuda")) is None
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
@@ -52,8 +52,8 @@ PROBE = textwrap.dedent("""
     import json, sys, torch
     from torch._dynamo.utils import counters
     if sys.argv[1] == "isolate":
-        from training.compile_cache import isolate_inductor_cache
-        isolate_inductor_cache(torch.device('cpu'))
+        from training.compile_cache import set_up_compile_cache
+        set_up_compile_cache(torch.device('cpu'))
     f = lambda x: torch.nn.functional.gelu(x * 2 + 1).sum(-1)
     x = torch.randn(37, 40)  # ragged against every vector width
     torch.testing.assert_close(torch.compile(f)(x), f(x))
@@ -72,13 +72,17 @@ def compile_probe(cache: Path, isolate: bool, env: dict[str, str] | None = None)
 @pytest.mark.slow
 def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
     """With the subfolders, a process vectorizing for this CPU is not served the scalar build: it compiles its own,
-    and a third process finds it. Without them (the scalar build's folder as the one cache) inductor serves the
-    scalar build to the vectorizing process (torch 2.13): the cache key misses the ISA."""
+    and a third process finds it, even one that inherited the scalar subfolder as a child does, which builds
+    nothing there (inductor's ISA probe programs stay in the base folder). Without them (the scalar build's folder
+    as the one cache) inductor serves the scalar build to the vectorizing process (torch 2.13): the cache key misses
+    the ISA."""
     compile_probe(tmp_path, isolate=True, env=SCALAR)
     (scalar,) = tmp_path.glob(PREFIX + "*")  # the scalar build's subfolder
     second = compile_probe(tmp_path, isolate=True)
     assert second.get("fxgraph_cache_hit", 0) == 0 and second["fxgraph_cache_miss"] == 1
-    assert compile_probe(tmp_path, isolate=True)["fxgraph_cache_hit"] == 1
+    scalar_files = sorted(scalar.rglob("*"))
+    assert compile_probe(scalar, isolate=True)["fxgraph_cache_hit"] == 1
+    assert sorted(scalar.rglob("*")) == scalar_files
 
     served = compile_probe(scalar, isolate=False).get("fxgraph_cache_hit", 0)
     assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
