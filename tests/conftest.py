@@ -132,24 +132,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     than one long file running alone at the end."""
     launches = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in launches)
-
-
-# Test files that compile the same graph, run by one pytest-xdist worker one after the other: the second is served
-# the first one's build from the compile cache. Taken by two workers at once, each builds it (testkit.COMPILED_TINY:
-# ~23 C++ kernels, 30 s of CPU on a 2-core Cascade Lake).
-SAME_WORKER = {"tests/modeling/test_activation_checkpointing.py": "tests/modeling/test_gpt.py"}
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a GPU image may lack
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`--dist loadfile` (make test's), with the files of SAME_WORKER as one unit of work."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class SharedCompiles(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return SAME_WORKER.get(scope, scope)
-
-    return SharedCompiles(config, log)
