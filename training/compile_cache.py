@@ -15,7 +15,9 @@ tests it, pytorch#149751: the Function's traced forward and backward are part of
 fused loss is one (modeling.fused_ce: the loss on the CPU, and wherever the logits are too large to hold), and the FP8
 head another, so such launches traced and partitioned their graphs again although inductor's kernels were cached:
 2.5 s of a 5.7 s recompile at tiny-cpu on a Cascade Lake (BENCHMARKS.md, "Compile cache"). Allowed, a launch on a
-warm cache is served its graphs whole, the same numbers bit for bit (tests/modeling/test_gpt.py).
+warm cache is served its graphs whole and computes what a fresh compile does: the same loss bit for bit, and the
+same gradients up to the order threads add into the embedding's, as between any two compiles
+(tests/modeling/test_gpt.py).
 
 Only CPU compiles generate C++ kernels. On a GPU the cache stays where it is: picking the ISA builds and loads ten
 probe programs on a machine that has not done so before, 42 s of a fresh H100 machine's start-up (2026-11-26), for
