@@ -152,11 +152,11 @@ def size_estimate(source: str, books: int, text_bytes: int, num_proc: int) -> st
     """One line: the books, their text, the tokens and shard disk to expect, and the time at our measured rate."""
     tokens = text_bytes / BYTES_PER_TOKEN
     seconds = tokens / (TOKENS_PER_SECOND * num_proc)
-    took = f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(seconds / 60, 1):.0f} min"
+    took = f"~{seconds / 3600:.1f} h" if seconds >= 3600 else f"~{seconds / 60:.0f} min" if seconds >= 60 else "<1 min"
     return (
         f"{source}: {books:,} books, {_amount(text_bytes, ' GB', ' MB', ' kB')} of text, "
         f"~{_amount(tokens, 'B', 'M', 'k')} tokens (at ~{BYTES_PER_TOKEN:g} bytes a token), "
-        f"~{_amount(2 * tokens, ' GB', ' MB', ' kB')} of shards, ~{took} with {num_proc} process(es) at "
+        f"~{_amount(2 * tokens, ' GB', ' MB', ' kB')} of shards, {took} with {num_proc} process(es) at "
         f"~{TOKENS_PER_SECOND / 1e6:g}M tokens/s each (--num-proc N divides it)"
     )
 
