@@ -9,7 +9,9 @@ its own name. Prints the step's self time by kind (matmuls, the fused loss's sof
 the other fused kernels, attention, optimizer, clipping, zeroing, casts and copies, data) and the top ops. Then
 the step's matmul bound: every matmul the step ran (op, shapes, strides, dtypes, as the profiler recorded them),
 its time per call within the step, and timed alone on fresh tensors, summed per step, beside the step's own time;
-last, the step's MFU against the peak train_accel.py and bench.ladder measure.
+last, the step's MFU against the peak train_accel.py and bench.ladder measure (one thread's matmul rate x threads)
+and, with several threads, against their rate when each multiplies at once (short of that peak where they share a
+core's matmul units).
 With --threads 1 both are timed in process CPU time, which other jobs on a shared machine disturb far less than wall
 time (the profiler's shares stay wall time); with more threads in wall time, as idle threads spin. A torch whose
 profiler records no input strides or dtypes (2.11, on the GPU machines) gets the times within the step alone.
@@ -39,7 +41,7 @@ from modeling.config import get_preset
 from modeling.cpu_attention import bf16_products
 from training.compile_cache import set_up_compile_cache
 from training.config import OPTIMIZERS
-from training.metrics import peak_tflops
+from training.metrics import cpu_matmul_tflops_at_once, peak_tflops
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
 MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
@@ -215,9 +217,20 @@ def main(argv: list[str] | None = None) -> None:
     # kernels), measured within a few seconds whatever the CPU: bf16 without native kernels (AVX2) is 100x slower
     peak, source = peak_tflops(torch.device("cpu"), "bf16" if args.precision == "bf16" else "no")
     step_tflops = step_gflop / step_ms
+    threads = torch.get_num_threads()
+    at_once = ""
+    if threads > 1:  # is that peak within reach: do the threads each have a core's matmul units of their own?
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        one, together = cpu_matmul_tflops_at_once(dtype, threads)
+        print(
+            f"\nthreads at once: {threads} threads, each multiplying 512x512 {args.precision} matrices of its own, "
+            f"{together * 1e3:.0f} GFLOP/s together, {together / one:.2f}x one thread's {one * 1e3:.0f} (about "
+            f"{threads}x: cores of their own; less: they share a core's matmul units or its memory bandwidth)"
+        )
+        at_once = f"; {step_tflops / together:.1%} of the {threads} threads' {together * 1e3:.0f} GFLOP/s at once"
     print(
         f"MFU: the step's model FLOPs (6N + 12LTC, {step_gflop:.0f} GFLOP) at {step_tflops * 1e3:.0f} GFLOP/s, "
-        f"{step_tflops / peak:.1%} of {peak * 1e3:.0f} GFLOP/s ({source})"
+        f"{step_tflops / peak:.1%} of {peak * 1e3:.0f} GFLOP/s ({source}){at_once}"
     )
 
 

@@ -240,7 +240,8 @@ cpu_named() {  # the CPU, its ISA, and which logical CPUs share a physical core 
     lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core):"
     echo "ISA: $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
     # two threads on one core's siblings share its matmul units (AMX's tiles too): the peak the MFU is judged by,
-    # one thread's rate x 2, is then out of reach
+    # one thread's rate x 2, is then out of reach (bench.profile's "threads at once" line measures it; a VM's vCPUs
+    # may be siblings on the host whatever this topology says)
     local c
     for c in 0 1; do
         echo "cpu$c: core siblings $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null || echo '?')"

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,46 @@ def _time_one_matmul(dtype: torch.dtype, n: int) -> float:
     start = time.perf_counter()
     matmul(a, a)
     return time.perf_counter() - start
+
+
+def cpu_matmul_tflops_at_once(
+    dtype: torch.dtype, threads: int, n: int = 512, seconds: float = 1.0
+) -> tuple[float, float]:
+    """(one thread's TFLOP/s, `threads` threads' together) of n x n CPU matmuls, each thread multiplying matrices of
+    its own at the same time as the others, with no barrier between their matmuls; the best of three windows each,
+    alternating. measure_matmul_tflops counts the first times the threads as the peak; the second falls short of
+    that where the threads share one core's matmul units (two hyperthreads: a VM's vCPUs may be, whatever the
+    topology it shows) or its memory bandwidth."""
+
+    def window(count: int) -> float:
+        done = [0] * count
+        ready = threading.Barrier(count + 1)
+
+        def work(i: int) -> None:
+            torch.set_num_threads(1)  # this thread's OpenMP team too: a new thread's is OMP_NUM_THREADS
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            matmul(a, b)  # warm-up: oneDNN builds its kernel on the first
+            ready.wait()
+            end = time.perf_counter() + seconds / 6
+            while not done[i] or time.perf_counter() < end:
+                matmul(a, b)
+                done[i] += 1
+
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+        for worker in workers:
+            worker.start()
+        ready.wait()
+        start = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        return 2 * n**3 * sum(done) / (time.perf_counter() - start) / 1e12
+
+    before = torch.get_num_threads()
+    try:
+        rounds = [(window(1), window(threads)) for _ in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    return max(one for one, _ in rounds), max(together for _, together in rounds)
 
 
 def cuda_matmul_kind(mixed_precision: str) -> str:

@@ -82,6 +82,9 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     # its MFU against the ladder's peak (one thread's matmul rate x 2), the figure the CPU speed target is set in
     profile_mfu = (out / "cpu_speed" / "profile.md").read_text().splitlines()[-1]
     assert profile_mfu.startswith("MFU: ") and f"({cpu_speed['peak_tflops_source']['bf16']})" in profile_mfu
+    # and whether that peak, one thread's rate x 2, is within reach of two threads multiplying at once
+    assert "\nthreads at once: 2 threads, each multiplying 512x512 bf16 matrices of its own, " in summary, summary
+    assert profile_mfu.endswith(" GFLOP/s at once"), profile_mfu
     with tarfile.open(out / "first_light.tgz") as tar:
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names

@@ -14,6 +14,7 @@ from training.metrics import (
     JSONLTracker,
     check_trackers,
     cpu_matmul_speeds,
+    cpu_matmul_tflops_at_once,
     cpu_precision_hint,
     cuda_matmul_kind,
     datasheet_peak,
@@ -100,6 +101,18 @@ def test_matmul_probe_keeps_a_budget_far_below_one_slow_matmul():
     start = time.perf_counter()
     tflops = measure_matmul_tflops(torch.device("cpu"), torch.bfloat16, seconds=0.2)
     assert tflops > 0 and time.perf_counter() - start < 2.0
+
+
+def test_matmuls_at_once_leave_torchs_threads_as_they_were():
+    """Each thread of the probe sets its own thread count to one (a new thread's OpenMP team is OMP_NUM_THREADS);
+    torch's count is the caller's again afterwards, whatever it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        one, together = cpu_matmul_tflops_at_once(torch.float32, 2, n=64, seconds=0.1)
+        assert one > 0 and together > 0 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(
