@@ -140,13 +140,15 @@ def cpu_matmul_tflops_at_once(
     topology it shows) or its memory bandwidth."""
 
     def window(count: int) -> float:
+        operands = [(torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)) for _ in range(count)]
+        for a, b in operands:
+            matmul(a, b)  # warm-up (oneDNN builds its kernel on the first), here: a failure is the caller's
         done = [0] * count
         ready = threading.Barrier(count + 1)
 
         def work(i: int) -> None:
             torch.set_num_threads(1)  # this thread's OpenMP team too: a new thread's is OMP_NUM_THREADS
-            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-            matmul(a, b)  # warm-up: oneDNN builds its kernel on the first
+            a, b = operands[i]
             ready.wait()
             end = time.perf_counter() + seconds / 6
             while not done[i] or time.perf_counter() < end:
@@ -163,6 +165,7 @@ def cpu_matmul_tflops_at_once(
         return 2 * n**3 * sum(done) / (time.perf_counter() - start) / 1e12
 
     before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the warm-ups too
     try:
         rounds = [(window(1), window(threads)) for _ in range(3)]
     finally:

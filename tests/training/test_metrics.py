@@ -105,12 +105,16 @@ def test_matmul_probe_keeps_a_budget_far_below_one_slow_matmul():
 
 def test_matmuls_at_once_leave_torchs_threads_as_they_were():
     """Each thread of the probe sets its own thread count to one (a new thread's OpenMP team is OMP_NUM_THREADS);
-    torch's count is the caller's again afterwards, whatever it was."""
+    torch's count is the caller's again afterwards, whatever it was, also when it fails."""
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         one, together = cpu_matmul_tflops_at_once(torch.float32, 2, n=64, seconds=0.1)
         assert one > 0 and together > 0 and torch.get_num_threads() == 3
+        # operands it cannot make (randn of integers) fail in the caller, before any thread starts: nothing hangs
+        with pytest.raises(NotImplementedError):
+            cpu_matmul_tflops_at_once(torch.int64, 2, n=8, seconds=0.1)
+        assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
 
