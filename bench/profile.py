@@ -221,9 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     at_once = ""
     if threads > 1:  # is that peak within reach: do the threads each have a core's matmul units of their own?
         dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-        one, together = cpu_matmul_tflops_at_once(dtype, threads)
+        n = 512  # a small model's matmul, as the start-up probes time
+        one, together = cpu_matmul_tflops_at_once(dtype, threads, n)
         print(
-            f"\nthreads at once: {threads} threads, each multiplying 512x512 {args.precision} matrices of its own, "
+            f"\nthreads at once: {threads} threads, each multiplying {n}x{n} {args.precision} matrices of its own, "
             f"{together * 1e3:.0f} GFLOP/s together, {together / one:.2f}x one thread's {one * 1e3:.0f} (about "
             f"{threads}x: cores of their own; less: they share a core's matmul units or its memory bandwidth)"
         )
