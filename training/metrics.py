@@ -137,8 +137,8 @@ def cpu_matmul_tflops_at_once(
     its own at the same time as the others, with no barrier between their matmuls; the best of three windows each,
     alternating. measure_matmul_tflops counts the first times the threads as the peak; the second falls short of
     that where the threads share one core's matmul units (two hyperthreads: a VM's vCPUs may be, whatever the
-    topology it shows) or its memory bandwidth. Sustained rates, so other work on the cores lowers them (a busy
-    2-core VM gave 1.4x where a quiet one gave 2.0x): compare on a quiet machine."""
+    topology it shows) or its memory bandwidth. Sustained rates, so other work on the cores lowers them: compare
+    on a quiet machine (BENCHMARKS.md has a busy VM's figure beside a quiet one's)."""
 
     def window(count: int) -> float:
         operands = [(torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)) for _ in range(count)]
