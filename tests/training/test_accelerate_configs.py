@@ -88,8 +88,7 @@ def test_the_yamls_fsdp_activation_checkpointing_is_the_runs_own(monkeypatch, tm
     """`fsdp_activation_checkpointing: true` (`accelerate config` asks) runs as --activation-checkpointing true: the
     model recomputes its Blocks, which `--micro-batch-size auto` and config.yaml know of, and accelerate's
     checkpoint wrapper, which would recompute each Block a second time, stays off."""
-    for key, value in launch_env(str(fsdp_yaml(tmp_path, fsdp_activation_checkpointing=True))).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, str(fsdp_yaml(tmp_path, fsdp_activation_checkpointing=True)))
     assert yaml_activation_checkpointing() and fsdp_plugin().activation_checkpointing is False
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
     assert not yaml_activation_checkpointing()
@@ -153,9 +152,14 @@ def launch_env(name: str) -> dict[str, str]:
     return prepare_simple_launcher_cmd_env(args)[1]  # one process
 
 
-def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
-    for key, value in launch_env("8xh100_fsdp.yaml").items():
+def launch_as(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """This process's environment as `accelerate launch --config_file <name>` gives a training process (launch_env)."""
+    for key, value in launch_env(name).items():
         monkeypatch.setenv(key, value)
+
+
+def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
+    launch_as(monkeypatch, "8xh100_fsdp.yaml")
     plugin = fsdp_plugin()
     bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None)
     assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == ["Block"]
@@ -189,8 +193,7 @@ def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
     gradients are those of the model's bf16 copy under autocast, bit for bit, handed back in fp32; accelerate's
     default policy would hand the loss back rounded to bf16. (The twin, not the fp32 model under autocast: FSDP's
     bf16 parameters make a bf16 residual stream, 3e-5 from autocast's loss on a Zen 3 and more with other kernels.)"""
-    for key, value in launch_env("8xh100_fsdp.yaml").items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, "8xh100_fsdp.yaml")
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
@@ -216,8 +219,7 @@ def test_fsdp2_bf16_policy_keeps_the_loss_and_gradients_fp32(monkeypatch):
 
 
 def test_fsdp2_in_fp32_casts_nothing(monkeypatch):
-    for key, value in launch_env("cpu_fsdp2.yaml").items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, "cpu_fsdp2.yaml")
     assert fsdp_plugin().mixed_precision_policy in (None, MixedPrecisionPolicy())
 
 
@@ -256,8 +258,7 @@ def test_a_deepspeed_yaml_as_accelerate_config_writes_it_must_agree_with_the_run
     yaml.write_text(
         text.replace("  zero_stage: 2", "  zero_stage: 2\n  gradient_accumulation_steps: 1\n  gradient_clipping: 1.0")
     )
-    for key, value in launch_env(str(yaml)).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, str(yaml))
     from accelerate.utils import DeepSpeedPlugin
 
     def config() -> dict:
@@ -288,8 +289,7 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_
     del config["mixed_precision"]  # the JSON's to set, accelerate says, with a deepspeed_config_file
     yaml_file = tmp_path / "my_zero2.yaml"
     yaml_file.write_text(yaml.safe_dump(config))
-    for key, value in launch_env(str(yaml_file)).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, str(yaml_file))
     from accelerate.utils import DeepSpeedPlugin
 
     with pytest.raises(ConfigError) as err:
@@ -328,8 +328,7 @@ def test_a_gpu_launch_that_finds_no_gpu_says_it_trains_on_the_cpu(monkeypatch, n
     """1xgpu.yaml (one process, use_cpu: false) on a machine where torch sees no GPU: one note at start-up, before
     a GPU recipe crawls on the CPU. The CPU YAMLs, and the gloo twins of the multi-GPU ones, say nothing. The
     environment is the one accelerate's own launcher for the YAML gives the process."""
-    for key, value in launch_env(name).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, name)
     note = no_gpu_note(torch.device("cpu"))
     if name.startswith("cpu"):
         assert note is None
@@ -408,8 +407,7 @@ def test_fsdp_answers_this_project_does_not_run_stop_before_anything_is_written(
     fully_shard, a class the model lacks in accelerate, offloading in FSDP2's pinning of memory for a GPU, with
     tracebacks), trained less sharded than asked (NO_WRAP: the whole model gathered at once) or wrote checkpoints
     that only the same YAML could resume (FULL_STATE_DICT: a traceback elsewhere)."""
-    for key, value in launch_env(str(fsdp_yaml(tmp_path, **answers))).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, str(fsdp_yaml(tmp_path, **answers)))
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match=f"^the launch YAML's fsdp_config says {message}"):
         setup(TrainConfig(out_dir=str(run_dir)))
@@ -426,8 +424,7 @@ def test_fsdp2_shards_each_block_when_the_launch_names_no_class_or_policy(monkey
     _no_split_modules (the transformers attribute), and without it wrapped none, sharding the model as one unit.
     `accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy names no policy either (accelerate: NO_WRAP)."""
     yaml_file = fsdp_yaml(tmp_path, **dict.fromkeys(left_out))
-    for key, value in launch_env(str(yaml_file)).items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, str(yaml_file))
     check_launch()
     plugin, model = fsdp_plugin(), GPT(get_preset("tiny-cpu"))
     plugin.set_auto_wrap_policy(model)  # as accelerate's FSDP2 prepare does, then fsdp2_prepare_model
@@ -472,8 +469,7 @@ def test_the_fp8_head_under_fsdp2_compiled_per_block_is_the_unsharded_models(mon
     which runs on the CPU too). The head's FP8 form runs inside its compiled frame on the gathered tied weight: the
     loss and the embedding's gradient are the unsharded bf16 model's, compiled the same way, bit for bit, and not
     those of its bf16 head."""
-    for key, value in launch_env("8xh100_fsdp.yaml").items():
-        monkeypatch.setenv(key, value)
+    launch_as(monkeypatch, "8xh100_fsdp.yaml")
     monkeypatch.setattr(modeling.fused_ce, "takes_full_logits", lambda device, compiling, *sizes: compiling)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=128)
     x, y = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (0, 1))
