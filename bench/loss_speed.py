@@ -32,8 +32,8 @@ from bench.report import device_name
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.fused_ce import CHUNK_ROWS, cuda_memory_bytes, fused_linear_cross_entropy, takes_full_logits
+from modeling.runtime import set_up_compute
 from training.compile_cache import set_up_compile_cache
-from training.malloc import keep_freed_memory
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 FORMS = ("eager", "compiled")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     config, device = get_preset(args.preset), torch.device(args.device)
     set_up_compile_cache(device)
-    keep_freed_memory(device)  # as training does: no page faults on every big buffer
+    set_up_compute(device)  # as training sets its process up: no page faults on every big buffer
     n = args.micro_batch_size * config.block_size
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, config.n_embd, generator=g).to(device).requires_grad_()

@@ -22,8 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
 from modeling.reference import GELU, LayerNorm, MultiHeadAttention, ReferenceGPT
+from modeling.runtime import set_up_compute
 from training.config import TrainConfig
-from training.malloc import keep_freed_memory
 from training.metrics import dtype_name
 from training.optim import build_optimizer
 from training.step import Trainer as StepTrainer
@@ -298,7 +298,7 @@ def full_recipe_trainer(
             dynamic=dynamo.get("dynamo_use_dynamic"),
         ),
     )
-    keep_freed_memory(accelerator.device)  # as build_accelerator does for train_accel.py
+    set_up_compute(accelerator.device)  # as build_accelerator does for train_accel.py
     model = GPT(config)
     built = build_optimizer(
         model.optimizer_groups(TRAIN.weight_decay, muon=optimizer == "muon"),

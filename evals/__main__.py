@@ -22,8 +22,7 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
-from modeling.runtime import dtype_name, finish
-from modeling.vector_math import warm_up_vector_math
+from modeling.runtime import dtype_name, finish, set_up_compute
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
         model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
-        warm_up_vector_math(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
+        set_up_compute(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
         model.to(accelerator.device)
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}

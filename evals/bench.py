@@ -15,6 +15,7 @@ from data_prep.tokenizer import get_encoding
 from evals.runner import DEFAULT_BATCH_SIZE, run_task
 from modeling.config import get_preset
 from modeling.gpt import GPT
+from modeling.runtime import set_up_compute
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as in a bf16 training run")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    set_up_compute(torch.device(device))  # as `python -m evals` sets its process up
     model = GPT(get_preset(args.preset)).to(device)
     encoding = get_encoding()
     run_task(model, "hellaswag", encoding, limit=args.batch_size // 4 or 1, batch_size=args.batch_size)  # warm-up

@@ -1,5 +1,5 @@
-"""What every process that runs the model shares, training and evals alike: precision names and the end of a
-(possibly multi-process) run."""
+"""What every process that runs the model shares, training and evals alike: its set-up on a CPU, precision names
+and the end of a (possibly multi-process) run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,20 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
+from modeling.malloc import keep_freed_memory
+from modeling.vector_math import warm_up_vector_math
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+def set_up_compute(device: torch.device) -> None:
+    """Before a process computes on `device` (its threads set): on the CPU, MKL's vector math warmed up on every
+    thread, so that its first step or batch is the one any other process computes, and glibc's malloc keeping
+    freed memory, so that the big buffers each step or eval batch allocates afresh are not faulted in every time.
+    No-op elsewhere."""
+    warm_up_vector_math(device)
+    keep_freed_memory(device)
 
 
 def dtype_name(mixed_precision: str) -> str:

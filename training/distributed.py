@@ -29,10 +29,9 @@ from data_prep import DataPrepError
 from data_prep.loader import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
-from modeling.vector_math import warm_up_vector_math
+from modeling.runtime import set_up_compute
 from training.compile_cache import set_up_compile_cache
 from training.config import ConfigError
-from training.malloc import keep_freed_memory
 
 T = TypeVar("T")
 
@@ -195,8 +194,7 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         # Compiling DDP's forward (accelerate compiles the DDP module), dynamo meets the profiler label DDP opens and
         # warns on every rank that it ignores it; no profiler runs in training.
         logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_not_the_profiler_label_warning)
-    warm_up_vector_math(accelerator.device)  # a fresh process's first step is the one any other process computes
-    keep_freed_memory(accelerator.device)  # no page faults for the big buffers every CPU step allocates afresh
+    set_up_compute(accelerator.device)  # MKL's vector math warmed up, freed memory kept for the next step
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         check_deepspeed_sections(ds_config)

@@ -1,11 +1,13 @@
-"""Keep the memory a CPU training step frees, instead of handing it back to the kernel and faulting it in again.
+"""Keep the memory a CPU step frees, instead of handing it back to the kernel and faulting it in again.
 
 glibc serves every allocation above its mmap threshold (32 MB at most) with a fresh mmap and unmaps it on free. A
-CPU step allocates and frees the same big buffers every time (the fused loss's (chunk, vocab) logits and its bf16
-head-grad products, the 50,304 x 256 gradients): small-cpu B8 page-faults ~88,000 times a step in bf16, ~58,000 in
-fp32, 130-280 ms of kernel time a step on one core (BENCHMARKS.md, "Profile (Zen bf16)"). With mmap off and no
-trimming, freed blocks stay in the process and the next step reuses them: the process holds its peak, as it would
-in the middle of a step anyway.
+CPU training step allocates and frees the same big buffers every time (the fused loss's (chunk, vocab) logits and
+its bf16 head-grad products, the 50,304 x 256 gradients): small-cpu B8 page-faults ~88,000 times a step in bf16,
+~58,000 in fp32, 130-280 ms of kernel time a step on one core (BENCHMARKS.md, "Profile (Zen bf16)"). With mmap off
+and no trimming, freed blocks stay in the process and the next step reuses them: the process holds its peak, as it
+would in the middle of a step anyway. Scoring is the same: each eval batch's logits, (batch, length, 50,304), are
+such a buffer (`python -m evals` on HellaSwag and LAMBADA: 1.74M page faults against 0.19M, BENCHMARKS.md,
+"Evaluation speed").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""training.malloc: after keep_freed_memory a process reuses the big blocks a step frees instead of faulting in
+"""modeling.malloc: after keep_freed_memory a process reuses the big blocks a step frees instead of faulting in
 fresh ones every step."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from testkit import run
 PROBE = textwrap.dedent("""
     import resource, sys, torch
     from modeling.fused_ce import fused_linear_cross_entropy
-    from training.malloc import keep_freed_memory
+    from modeling.malloc import keep_freed_memory
     if sys.argv[1] == "keep":
         keep_freed_memory(torch.device("cpu"))
     h = torch.randn(1024, 16, requires_grad=True)
