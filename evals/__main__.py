@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
         model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
-        set_up_compute(accelerator.device)  # 1 and 2 processes score alike only with no sloppier first exp
+        # VML warmed up (1 and 2 processes score alike only with no sloppier first exp), freed memory kept (each
+        # batch's logits, far over glibc's mmap limit, reuse the last batch's pages)
+        set_up_compute(accelerator.device)
         model.to(accelerator.device)
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}
