@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import tarfile
 from pathlib import Path
 
@@ -52,6 +53,67 @@ def get_encoding() -> tiktoken.Encoding:
                 f"and {provision_error}\n(or extract {_WHISPER_MEMBER} from that archive to {path})"
             ) from provision_error
     return _from_ranks_file(str(path))
+
+
+def vocab_and_merges_path() -> Path:
+    """Where gpt2_vocab_and_merges keeps what it derives from the ranks."""
+    return cache_dir() / "tokenizer" / "gpt2-vocab-merges.json"
+
+
+@functools.cache
+def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's vocab.json and merges.txt contents (what the export's transformers tokenizer is built from),
+    derived from the BPE ranks (~2 s) once per machine and kept beside them, under the ranks' sha256; a missing or
+    damaged file is derived again (and a cache that cannot be written, each time)."""
+    path = vocab_and_merges_path()
+    try:
+        saved = json.loads(path.read_bytes())
+        if saved["ranks_sha256"] == TOKENIZER_SHA256 and len(saved["vocab"]) == VOCAB_SIZE:
+            return saved["vocab"], [(left, right) for left, right in saved["merges"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    vocab, merges = _derive_vocab_and_merges(get_encoding())
+    try:
+        saved = {"ranks_sha256": TOKENIZER_SHA256, "vocab": vocab, "merges": merges}
+        atomic_write_bytes(path, json.dumps(saved, ensure_ascii=False).encode())
+    except OSError:
+        pass
+    return vocab, merges
+
+
+def _derive_vocab_and_merges(encoding: tiktoken.Encoding) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """From tiktoken's BPE ranks (no blobfile, no network): a token is its bytes spelled in GPT-2's byte-to-unicode
+    alphabet, and the merge that made the token of rank r is the last step of BPE over its bytes with the ranks
+    below r."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}
+    alphabet = bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[byte] for byte in token)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = _last_merge(token, rank, ranks)
+            merges.append((spell(left), spell(right)))
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    vocab.update({name: encoding.encode_single_token(name) for name in encoding.special_tokens_set})
+    return vocab, merges
+
+
+def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        merged = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        best, i = min(merged)
+        if best >= rank:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} (rank {rank}) is not one merge of two lower-ranked tokens: not a BPE")
+    return parts[0], parts[1]
 
 
 def _provision_ranks() -> None:

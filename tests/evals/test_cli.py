@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from evals import EvalError
 from evals.__main__ import main as evals_main
 from evals.generate import generate_text
@@ -27,7 +27,7 @@ def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(model.state_dict().values(), by_name.state_dict().values(), strict=True)
     )
-    export = export_hf(model, tmp_path / "export", get_encoding())
+    export = export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())
     from_export, _ = load_model(export=export)
     for temperature in (0.0, 1.0):
         texts = {generate_text(m, "Once upon a time", 8, temperature, 50, seed=3) for m in (model, from_export)}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from evals import lambada
 from evals.data import load_examples, provision
 from evals.runner import evaluate_tasks, run_task
@@ -54,7 +54,7 @@ def reference_scores(hf: GPT2LMHeadModel, context: str, continuation: str) -> tu
 @torch.no_grad()
 def test_predictions_match_transformers_on_the_export(tmp_path):
     model = decisive_random_gpt(TINY, seed=0)
-    hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp_path / "export", get_encoding())).eval()
+    hf = GPT2LMHeadModel.from_pretrained(export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())).eval()
     assert hf.config.n_positions == TINY.block_size
 
     ours = run_task(model, "hellaswag", get_encoding(), limit=10, batch_size=3)  # 3: examples span batches

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from data_prep.sources import iter_documents
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
 from modeling.hf_export import (
@@ -33,7 +33,7 @@ def export(tiny_gpt: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The export with blobfile hidden from this process (as in an image without it): `import blobfile` fails."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "blobfile", None)
-        return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", get_encoding())
+        return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", gpt2_vocab_and_merges())
 
 
 def ids() -> torch.Tensor:
@@ -78,13 +78,11 @@ def test_auto_tokenizer_encodes_a_whole_book_like_tiktoken(export: Path):
 
 def test_check_export_refuses_what_the_export_would_refuse_and_passes_without_blobfile(monkeypatch):
     monkeypatch.setitem(sys.modules, "blobfile", None)
-    rng = torch.get_rng_state()
-    check_export(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304), get_encoding())
+    rng, tokenizer = torch.get_rng_state(), gpt2_vocab_and_merges()
+    check_export(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304), tokenizer)
     assert torch.equal(torch.get_rng_state(), rng)  # the run's init is the same with or without the check
     with pytest.raises(ValueError, match="only bias=True models can be exported"):
-        check_export(
-            GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False), get_encoding()
-        )
+        check_export(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False), tokenizer)
 
 
 def test_conversion_rejects_a_missing_key_or_a_wrong_shape(tiny_gpt: GPT):

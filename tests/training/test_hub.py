@@ -12,7 +12,7 @@ import yaml
 from huggingface_hub import ModelCard, constants
 
 from data_prep.prepare import prepare
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
@@ -35,7 +35,7 @@ def finished_run(tmp_path, prepared_books):
         {"step": 2, "val_loss": 9.5},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    export_hf(GPT(get_preset("tiny-cpu")), run / "export", get_encoding())
+    export_hf(GPT(get_preset("tiny-cpu")), run / "export", gpt2_vocab_and_merges())
     return run
 
 
