@@ -2,7 +2,8 @@
 
 Lookup order: our cached copy of the BPE ranks, then tiktoken's own "gpt2" (network or
 TIKTOKEN_CACHE_DIR), then provisioning the ranks from the `openai-whisper` sdist on PyPI,
-which ships them byte-identical to tiktoken's r50k_base.
+which ships them byte-identical to tiktoken's r50k_base. The transformers export's tokenizer is built from
+GPT-2's vocab.json and merges.txt contents, derived from the ranks and cached beside them.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
         if saved["ranks_sha256"] == TOKENIZER_SHA256 and len(saved["vocab"]) == VOCAB_SIZE:
             return saved["vocab"], [(left, right) for left, right in saved["merges"]]
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        pass  # none yet, or damaged: derived again below
     vocab, merges = _derive_vocab_and_merges(get_encoding())
     try:
         saved = {"ranks_sha256": TOKENIZER_SHA256, "vocab": vocab, "merges": merges}
         atomic_write_bytes(path, json.dumps(saved, ensure_ascii=False).encode())
     except OSError:
-        pass
+        pass  # a read-only or full cache: the export has what it needs, the next process derives again
     return vocab, merges
 
 
