@@ -19,6 +19,7 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from modeling.config import EOT_ID
 from modeling.device import default_device
+from modeling.runtime import set_up_compute
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k or None)  # before the model loads
         model, source = load_model_from_args(args)
         print(f"model: {source}", file=sys.stderr)  # stdout is the text alone
-        model.to(default_device())
+        device = default_device()
+        set_up_compute(device)  # as training and `python -m evals` set their processes up
+        model.to(device)
         print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
     except EvalError as err:
         sys.exit(f"error: {err}")

@@ -8,10 +8,14 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-from data_prep.tokenizer import get_encoding
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from evals.loading import load_model
 from evals.runner import run_task
+from modeling.config import GPTConfig
+from modeling.gpt import GPT
+from modeling.hf_export import export_hf
 from testkit import ACCELERATE_LAUNCH, REPO, TINY_MODEL, run
 from training.checkpoint import checkpoint_dir
 
@@ -70,3 +74,38 @@ def test_scoring_reuses_the_memory_each_batch_frees(tiny_run):
     faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_SCORING]).stdout.split()[-1])
     one_batch_of_logits = batch * TINY_MODEL.block_size * TINY_MODEL.vocab_size * 4 // 4096
     assert faults < one_batch_of_logits, (faults, one_batch_of_logits)
+
+
+# evals.generate's main() as `python -m evals.generate` runs it, twice in one process: the page faults of the second
+# one's generation (its model's loading left out)
+FAULTS_OF_A_SECOND_GENERATION = textwrap.dedent("""
+    import resource, sys
+    import evals.generate as cli
+    generate_text, faults = cli.generate_text, []
+    def counted(*args, **kwargs):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        text = generate_text(*args, **kwargs)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return text
+    cli.generate_text = counted
+    cli.main(sys.argv[1:])
+    cli.main(sys.argv[1:])
+    print(faults[-1])
+""")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_generation_reuses_the_memory_each_token_frees(tmp_path):
+    """`python -m evals.generate` sets its process up as training does (modeling.runtime.set_up_compute): each new
+    token's forward pass over a long prompt reuses the buffers the last one freed instead of faulting them in afresh
+    (gpt2-124m after 900 tokens on a Cascade Lake: 1.37M page faults and 61-63 s for 40 tokens without, none and 55 s
+    with). Here a 2-layer, 256-wide model writes 20 tokens after 1,000: generating again in the same process faults
+    in fewer pages than a tenth of one of its MLP's activations (none in 3 runs on the Cascade Lake; 996-60,540
+    with the set-up taken out)."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=1024)
+    export = export_hf(GPT(config), tmp_path / "export", gpt2_vocab_and_merges())
+    args = ["--model", str(export), "--prompt", "word " * 1000, "--max-new-tokens", "20", "--temperature", "0"]
+    faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_GENERATION]).stdout.split()[-1])
+    mlp_activations = 1000 * 4 * config.n_embd * 4 // 4096  # pages: 1,000 positions x 4 n_embd fp32
+    assert faults < mlp_activations // 10, (faults, mlp_activations)
