@@ -13,6 +13,7 @@ import hashlib
 import json
 import tarfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tiktoken
 import tiktoken.load
@@ -20,6 +21,9 @@ import tiktoken.load
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes, cache_dir, sdist
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from modeling.hf_export import VocabAndMerges  # imports transformers: for the type alone
 
 TOKENIZER_NAME = "gpt2"
 # sha256 of the BPE ranks in tiktoken's file format (identical for gpt2 and r50k_base).
@@ -62,7 +66,7 @@ def vocab_and_merges_path() -> Path:
 
 
 @functools.cache
-def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def gpt2_vocab_and_merges() -> VocabAndMerges:
     """GPT-2's vocab.json and merges.txt contents (what the export's transformers tokenizer is built from),
     derived from the BPE ranks (~2 s) once per machine and kept beside them, under the ranks' sha256; a missing or
     damaged file is derived again (and a cache that cannot be written, each time)."""
@@ -82,7 +86,7 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def _derive_vocab_and_merges(encoding: tiktoken.Encoding) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _derive_vocab_and_merges(encoding: tiktoken.Encoding) -> VocabAndMerges:
     """From tiktoken's BPE ranks (no blobfile, no network): a token is its bytes spelled in GPT-2's byte-to-unicode
     alphabet, and the merge that made the token of rank r is the last step of BPE over its bytes with the ranks
     below r."""

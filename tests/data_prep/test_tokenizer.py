@@ -96,13 +96,12 @@ def test_vocab_and_merges_are_derived_once_per_machine_and_a_damaged_copy_again(
     """The export's tokenizer files, derived from the ranks and kept in the cache: read back as derived; a damaged
     copy, or one of other ranks, is derived again and replaced, never used."""
     monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
-    derivations = []
+    derivations, derive_for_real = [], tokenizer._derive_vocab_and_merges
 
     def derive(encoding):
         derivations.append(encoding)
         return derive_for_real(encoding)
 
-    derive_for_real = tokenizer._derive_vocab_and_merges
     monkeypatch.setattr(tokenizer, "_derive_vocab_and_merges", derive)
     saved = tmp_path / "tokenizer" / "gpt2-vocab-merges.json"
 
