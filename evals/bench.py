@@ -1,6 +1,8 @@
-"""HellaSwag scoring speed of a randomly initialized preset (speed does not depend on the weights).
+"""Evaluation speed of a randomly initialized preset (speed does not depend on the weights): HellaSwag scoring, or
+with --generate, sampling as `python -m evals.generate` does.
 
 python -m evals.bench --preset gpt2-124m [--limit 200] [--batch-size 32] [--bf16]
+python -m evals.bench --preset gpt2-124m --generate 40 [--prompt-tokens 900] [--bf16]
 """
 
 from __future__ import annotations
@@ -13,9 +15,25 @@ import torch
 
 from data_prep.tokenizer import get_encoding
 from evals.runner import DEFAULT_BATCH_SIZE, run_task
-from modeling.config import get_preset
+from modeling.config import EOT_ID, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from modeling.runtime import set_up_compute
+
+
+def time_generation(model: GPT, prompt_tokens: int, new_tokens: int) -> float:
+    """Seconds to sample new_tokens (temperature 0.8, top-k 50: evals.generate's defaults) after prompt_tokens random
+    ids (the end-of-text id alone for 0, as generate_text starts a new document)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(0, REAL_VOCAB_SIZE, (1, prompt_tokens), generator=generator, device=device)
+    if prompt_tokens == 0:
+        prompt = torch.full((1, 1), EOT_ID, device=device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(prompt, new_tokens, temperature=0.8, top_k=50, generator=generator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,23 +42,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=200, help="HellaSwag examples to score")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as in a bf16 training run")
+    parser.add_argument("--generate", type=int, metavar="N", help="time sampling N tokens instead of scoring")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="with --generate: the prompt's length")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    set_up_compute(torch.device(device))  # as `python -m evals` sets its process up
-    model = GPT(get_preset(args.preset)).to(device)
+    set_up_compute(torch.device(device))  # as `python -m evals` and `python -m evals.generate` set theirs up
+    model = GPT(get_preset(args.preset)).to(device).eval()
+    precision = "bf16" if args.bf16 else "fp32"
+    autocast = torch.autocast(device, torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    where = f"{args.preset} on {device} ({torch.get_num_threads()} threads, {precision})"
+    if args.generate is not None:
+        with autocast:
+            time_generation(model, min(args.prompt_tokens, 8), 2)  # warm-up
+            seconds = time_generation(model, args.prompt_tokens, args.generate)
+        print(f"{where}: {args.generate} tokens after {args.prompt_tokens} in {seconds:.2f} s = "
+              f"{args.generate / seconds:.1f} tokens/s")  # fmt: skip
+        return
     encoding = get_encoding()
     run_task(model, "hellaswag", encoding, limit=args.batch_size // 4 or 1, batch_size=args.batch_size)  # warm-up
-    autocast = torch.autocast(device, torch.bfloat16) if args.bf16 else contextlib.nullcontext()
     start = time.perf_counter()
     with autocast:
         run_task(model, "hellaswag", encoding, limit=args.limit, batch_size=args.batch_size)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    precision = "bf16" if args.bf16 else "fp32"
     print(
-        f"{args.preset} on {device} ({torch.get_num_threads()} threads, {precision}): {args.limit} HellaSwag "
-        f"examples in {seconds:.1f} s = {args.limit / seconds:.1f} examples/s "
+        f"{where}: {args.limit} HellaSwag examples in {seconds:.1f} s = {args.limit / seconds:.1f} examples/s "
         f"(full set: {10_042 / (args.limit / seconds) / 60:.1f} min)"
     )
 

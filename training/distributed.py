@@ -438,10 +438,8 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
     """The module to call generate() on, for the prepared model. Call it once, after prepare().
 
     FSDP2 gathers the root's sharded parameters (embeddings, head) only around forward(), so generate() is
-    registered as a forward method of the FSDP root. Compiled per block (regional compilation), the blocks stay
-    compiled in place, so generate() runs them eagerly: every new sequence length would otherwise recompile them
-    (static shapes) up to dynamo's limit. Elsewhere it is the plain model. With sharded weights (FSDP2, ZeRO-3)
-    generate() gathers them with collectives: every rank must call it, not just the main one.
+    registered as a forward method of the FSDP root. Elsewhere it is the plain model. With sharded weights (FSDP2,
+    ZeRO-3) generate() gathers them with collectives: every rank must call it, not just the main one.
 
     Never unwrap with keep_torch_compile=True here: accelerate 1.15 then re-points the compile wrapper's _orig_mod
     at the bare GPT, and a compiled DDP model loses its no_sync (accumulate() all-reduced every micro-batch)."""
@@ -452,5 +450,4 @@ def generation_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.
     root = model if isinstance(model, GPT) else accelerator.unwrap_model(model, keep_torch_compile=False)
     if isinstance(root, FSDPModule):
         register_fsdp_forward_method(root, "generate")
-        root.generate = torch.compiler.set_stance("force_eager")(root.generate)
     return root

@@ -608,12 +608,13 @@ def evaluate(run: Run) -> dict[str, float]:
 @torch.no_grad()
 def write_sample(run: Run, step: int) -> None:
     """A sample (temperature 1, top-k 50) from the configured prompt, appended to samples.txt. Every rank calls
-    it: with sharded weights (FSDP2, ZeRO-3) generate() gathers them collectively."""
+    it: with sharded weights (FSDP2, ZeRO-3) generate() gathers them collectively. Eager: blocks compiled in place
+    (regional compilation) would otherwise compile a graph for each new token's cache length."""
     accelerator, model, encoding = run.accelerator, run.sampler, get_encoding()
     model.eval()
     idx = torch.tensor([encoding.encode(run.cfg.sample_prompt)], device=accelerator.device)
     generator = torch.Generator(device=accelerator.device).manual_seed(step)
-    with accelerator.autocast():
+    with accelerator.autocast(), force_eager():
         out = model.generate(idx, run.cfg.sample_tokens, temperature=1.0, top_k=50, generator=generator)
     model.train()
     text = encoding.decode(out[0].tolist())

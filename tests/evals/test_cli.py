@@ -1,5 +1,6 @@
 """The evals and evals.generate CLIs in-process on run folders: loading, generation, errors, plot."""
 
+import re
 import shutil
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
 from evals import EvalError
 from evals.__main__ import main as evals_main
+from evals.bench import main as bench_main
 from evals.generate import generate_text
 from evals.generate import main as generate_main
 from evals.loading import load_model
@@ -48,6 +50,14 @@ def test_generate_cli_prints_the_continuation(tiny_run, capsys):
     # checked before the model loads (which would fail here first)
     with pytest.raises(SystemExit, match="--max-new-tokens must be positive, got 0"):
         generate_main(["--run", str(tiny_run / "nowhere"), "--max-new-tokens", "0"])
+
+
+@pytest.mark.parametrize("prompt_tokens", [0, 30, 70])  # a new document; within block_size (64); past it
+def test_bench_times_generation_as_the_generate_cli_samples(prompt_tokens, capsys):
+    bench_main(["--preset", "tiny-cpu", "--generate", "6", "--prompt-tokens", str(prompt_tokens)])
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(rf"tiny-cpu on cpu \(\d+ threads, fp32\): 6 tokens after {prompt_tokens} in [\d.]+ s = "
+                        r"[\d.]+ tokens/s", line), line  # fmt: skip
 
 
 @pytest.mark.parametrize(
