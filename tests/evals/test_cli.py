@@ -1,4 +1,4 @@
-"""The evals and evals.generate CLIs in-process on run folders: loading, generation, errors, plot."""
+"""The evals, evals.generate and evals.bench CLIs in process: run folders and exports, generation, errors, plot."""
 
 import re
 import shutil
