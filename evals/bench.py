@@ -25,8 +25,9 @@ def time_generation(model: GPT, prompt_tokens: int, new_tokens: int) -> float:
     ids (the end-of-text id alone for 0, as generate_text starts a new document)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(0)
-    prompt = torch.randint(0, REAL_VOCAB_SIZE, (1, prompt_tokens), generator=generator, device=device)
-    if prompt_tokens == 0:
+    if prompt_tokens:
+        prompt = torch.randint(0, REAL_VOCAB_SIZE, (1, prompt_tokens), generator=generator, device=device)
+    else:
         prompt = torch.full((1, 1), EOT_ID, device=device)
     start = time.perf_counter()
     with torch.no_grad():
