@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from modeling.fp8_head import fp8_logits
 from modeling.fused_ce import linear_cross_entropy
 
-N, E, V = 512, 256, 4096
+# Small: oneDNN multiplies FP8 on CPUs with its scalar reference kernel (on an AMX Xeon one 512 x 256 x 4,096 product
+# took 48 s; the test's six at this size take 1.6 s). The relative errors are the same at 512 x 256 x 4,096.
+N, E, V = 128, 128, 1024
 
 
 def logits_loss_grads(head, h, weight, targets, dtype=torch.float32) -> list[torch.Tensor]:
@@ -29,8 +31,9 @@ def bf16_head(h, weight):
 
 @pytest.mark.parametrize("weight_std", [0.02, 0.06])  # GPT-2's init, and a trained head's wider spread
 def test_fp8_head_against_fp64_and_the_bf16_head(weight_std):
-    """Measured relative errors against fp64 (logits / loss / grad_h / grad_w): bf16 2.9e-3 / <1e-5 / 2.4e-3 / 2.4e-3,
-    FP8 3.7e-2 / <1.4e-4 / 2.65e-2 / 2.65e-2 (e4m3 keeps 3 mantissa bits to bf16's 7). Bounds: 1.5x those."""
+    """Measured relative errors against fp64 (logits / loss / grad_h / grad_w), both weight spreads: bf16 2.9e-3 /
+    <6e-5 / 2.5e-3 / 2.6e-3, FP8 3.75e-2 / <8.3e-5 / 2.67e-2 / 2.65e-2 (e4m3 keeps 3 mantissa bits to bf16's 7).
+    Bounds: 1.5x those (the loss's: 2.4x)."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, E, generator=g)
     weight = torch.randn(V, E, generator=g) * weight_std
