@@ -3,8 +3,6 @@ fp64: logits, loss and both gradients."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,29 +15,7 @@ from modeling.fused_ce import linear_cross_entropy
 N, E, V = 128, 128, 1024
 
 
-def _fp8_matmul_runs() -> bool:
-    """False only where oneDNN, held to an older ISA by ONEDNN_MAX_CPU_ISA (this project's AVX2 emulation), has no
-    FP8 kernel for torch to hand the matmul to (an AMX Xeon under ONEDNN_MAX_CPU_ISA=AVX2); a real AVX2 CPU runs it."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    one = torch.ones(())
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except RuntimeError as e:
-        if "ONEDNN_MAX_CPU_ISA" in os.environ and "primitive descriptor" in str(e):
-            return False
-        raise
-    return True
-
-
-@pytest.fixture
-def fp8_matmul() -> None:
-    """Skips the test where _fp8_matmul_runs() says no; asked after the session's set-up: on the AMX Xeon under
-    the cap the matmul ran in a process that had not imported inductor, and failed in one that had, as tests do."""
-    if not _fp8_matmul_runs():
-        pytest.skip("oneDNN has no FP8 matmul under this ONEDNN_MAX_CPU_ISA on this CPU")
-
-
-needs_fp8_matmul = pytest.mark.usefixtures("fp8_matmul")
+needs_fp8_matmul = pytest.mark.usefixtures("fp8_matmul")  # tests/conftest.py
 
 
 def logits_loss_grads(head, h, weight, targets, dtype=torch.float32) -> list[torch.Tensor]:

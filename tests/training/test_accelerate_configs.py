@@ -463,6 +463,7 @@ def test_regional_compilation_compiles_our_block_once_for_every_layer():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.usefixtures("fp8_matmul")  # tests/conftest.py: skips where oneDNN is held to an ISA without FP8
 def test_the_fp8_head_under_fsdp2_compiled_per_block_is_the_unsharded_models(monkeypatch):
     """8xh100_fsdp.yaml with --fp8-head true, as on a Hopper GPU: FSDP2's bf16 policy, each Block and the head
     compiled on their own, the loss on the rule's CUDA branch (the full logits where compiled, so the FP8 matmul,
