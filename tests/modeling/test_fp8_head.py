@@ -11,7 +11,7 @@ from modeling.fp8_head import fp8_logits
 from modeling.fused_ce import linear_cross_entropy
 
 # Small: on an AMX Xeon torch hands FP8 matmuls to oneDNN, which runs them with its scalar reference kernel (one
-# 512 x 256 x 4,096 product took 48 s; the test's six at this size take 1.6 s). The errors are the same at either size.
+# 512 x 256 x 4,096 product took 48 s; a case of the accuracy test at this size 1.6 s). The errors are the same at both.
 N, E, V = 128, 128, 1024
 
 
