@@ -62,28 +62,21 @@ def consistent_matmul_precision() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def fp8_matmul_runs() -> bool:
-    """False only where oneDNN, held to an older ISA by ONEDNN_MAX_CPU_ISA (this project's AVX2 emulation), has no
-    FP8 kernel for torch to hand the matmul to (an AMX Xeon under ONEDNN_MAX_CPU_ISA=AVX2). It ran everywhere else so
-    far: natively on every CPU, and on a Cascade Lake under the same cap."""
+@pytest.fixture
+def fp8_matmul() -> None:
+    """Skips a test of torch._scaled_mm on the CPU only where oneDNN, held to an older ISA by ONEDNN_MAX_CPU_ISA
+    (this project's AVX2 emulation), has no FP8 kernel for torch to hand the matmul to: an AMX Xeon under
+    ONEDNN_MAX_CPU_ISA=AVX2. It ran everywhere else so far: natively on every CPU, and on a Cascade Lake under the
+    same cap. Asked per test, after the session's set-up: on the AMX Xeon under the cap the matmul ran in a process
+    that had not imported inductor, and failed in one that had, as tests do."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
     one = torch.ones(())
     try:
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except RuntimeError as e:
         if "ONEDNN_MAX_CPU_ISA" in os.environ and "primitive descriptor" in str(e):
-            return False
+            pytest.skip("oneDNN has no FP8 matmul under this ONEDNN_MAX_CPU_ISA on this CPU")
         raise
-    return True
-
-
-@pytest.fixture
-def fp8_matmul() -> None:
-    """Skips a test of torch._scaled_mm on the CPU where fp8_matmul_runs() says no. Asked after the session's set-up:
-    on the AMX Xeon under the cap the matmul ran in a process that had not imported inductor, and failed in one
-    that had, as tests do."""
-    if not fp8_matmul_runs():
-        pytest.skip("oneDNN has no FP8 matmul under this ONEDNN_MAX_CPU_ISA on this CPU")
 
 
 @pytest.fixture(scope="session")

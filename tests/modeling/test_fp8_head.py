@@ -15,9 +15,6 @@ from modeling.fused_ce import linear_cross_entropy
 N, E, V = 128, 128, 1024
 
 
-needs_fp8_matmul = pytest.mark.usefixtures("fp8_matmul")  # tests/conftest.py
-
-
 def logits_loss_grads(head, h, weight, targets, dtype=torch.float32) -> list[torch.Tensor]:
     h, weight = h.to(dtype).clone().requires_grad_(), weight.to(dtype).clone().requires_grad_()
     logits = head(h, weight)
@@ -32,7 +29,7 @@ def bf16_head(h, weight):
         return h @ weight.t()
 
 
-@needs_fp8_matmul
+@pytest.mark.usefixtures("fp8_matmul")  # tests/conftest.py: skips where oneDNN is held to an ISA without FP8
 @pytest.mark.parametrize("weight_std", [0.02, 0.06])  # GPT-2's init, and a trained head's wider spread
 def test_fp8_head_against_fp64_and_the_bf16_head(weight_std):
     """Measured relative errors against fp64 (logits / loss / grad_h / grad_w), both weight spreads: bf16 2.9e-3 /
@@ -63,7 +60,7 @@ def test_the_models_loss_takes_fp8_only_with_the_full_logits():
     assert torch.equal(linear_cross_entropy(h, weight, targets, fp8=True), linear_cross_entropy(h, weight, targets))
 
 
-@needs_fp8_matmul
+@pytest.mark.usefixtures("fp8_matmul")  # tests/conftest.py: skips where oneDNN is held to an ISA without FP8
 def test_compiled_in_one_graph_and_equal_to_eager():
     """Training compiles the FP8 head (it is taken with the full logits, under torch.compile on CUDA): no graph break,
     and inductor's loss and grads are eager's, to fp32 rounding: inductor sums the softmax in another order on some
