@@ -4,7 +4,8 @@ The plain path, F.cross_entropy(h @ W.T, targets), writes a (tokens, vocab) logi
 several times in forward and backward; at 2,048 tokens x 50,304 ids that is ~400 MB in fp32 per pass and
 about a third of a small model's step on CPU. Here the rows are processed in chunks: for each chunk the
 forward pass computes the logits, the log-sum-exp, the loss AND the gradients w.r.t. h and W right away,
-so the chunk's logits are dropped before the next one. Backward only scales the stored gradients.
+so the chunk's logits are dropped before the next one. Backward only scales the stored gradients. In bf16 on the
+CPU a chunk's logits are one product per 4,096 ids of the head (logits_by_slabs), which AMX runs faster.
 
 Which of the two forms the model's loss takes is one rule, takes_full_logits: the full logits on CUDA under
 torch.compile while they fit (inductor's code for this form is 5% slower there), this form elsewhere.
@@ -23,6 +24,27 @@ from modeling.fp8_head import fp8_logits
 # the timings: on the CPU a chunk's bf16 grad_w product costs a pass over 25 MB more in the sum, so fewer chunks win).
 CHUNK_ROWS = 1024
 MAX_CHUNKS = 8
+# Columns of the logits per product in bf16 on the CPU (logits_by_slabs; BENCHMARKS.md, "The head's forward by
+# vocabulary slabs"): 2,048-8,192 timed alike on an AMX Xeon.
+VOCAB_SLAB = 4096
+
+
+@torch.library.custom_op("bookgpt::logits_by_slabs", mutates_args=())
+def logits_by_slabs(x: Tensor, weight: Tensor, slab: int) -> Tensor:
+    """x @ weight.T for x (N, E) and weight (V, E), one product per `slab` rows of weight, each written into its
+    columns of the (N, V) result. On an AMX Xeon oneDNN's bf16 kernel runs the whole (N, E) x (E, 50,304) product at
+    ~0.4 TFLOP/s and (E, 4,096) slabs of it at ~0.7: the loss's forward + backward at n_embd 128-256 takes 12-20%
+    less; without AMX the two time alike. Every entry is the same dot product over E, so the result is F.linear's.
+    An op of its own, so that torch.compile keeps the slabs (it would merge nothing into an extern matmul anyway)."""
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    for start in range(0, weight.shape[0], slab):
+        torch.mm(x, weight[start : start + slab].t(), out=out[:, start : start + slab])
+    return out
+
+
+@logits_by_slabs.register_fake
+def _(x: Tensor, weight: Tensor, slab: int) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("bookgpt::addmm_", mutates_args=("out",))
@@ -100,10 +122,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # fp32 products on AMD CPUs through oneDNN in training (modeling/cpu_linear.py); x @ w.t() as a linear
         onednn = (need_grad_h or need_grad_w) and cpu_linear.takes(h_c, w_c)
         linear = cpu_linear.onednn_linear if onednn else F.linear
+        by_slabs = h.device.type == "cpu" and compute_dtype == torch.bfloat16
         for start in range(0, h.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             target = safe_targets[rows]
-            product = linear(h_c[rows], w_c, None)  # (chunk, V) in compute_dtype
+            # (chunk, V) in compute_dtype
+            product = logits_by_slabs(h_c[rows], w_c, VOCAB_SLAB) if by_slabs else linear(h_c[rows], w_c, None)
             # from the product as the matmul wrote it: an fp32 copy for the op would be a (chunk, V) buffer of its own
             target_logit = target_logits(product, target).to(acc_dtype)  # (chunk, 1)
             logits = product.to(acc_dtype)

@@ -151,6 +151,36 @@ def test_low_precision_is_at_least_as_accurate_as_cross_entropy(confident, fused
     assert_at_least_as_accurate_as_cross_entropy(fused, h, weight, targets, want, precision)
 
 
+@pytest.mark.parametrize("slab", [96, 1000, 4096])
+def test_bf16_logits_by_vocabulary_slabs_are_f_linears(slab):
+    """One product per `slab` rows of the head (a ragged last slab at 96, one slab at 1,000 and 4,096): every entry is
+    the dot product F.linear computes, rounded to bf16 alike (one bf16 step apart at most)."""
+    h, weight, _ = make_inputs(torch.bfloat16)
+    got, want = fused_ce.logits_by_slabs(h, weight, slab), torch.nn.functional.linear(h, weight)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == (N, V)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
+
+
+def test_the_fused_loss_takes_its_bf16_logits_on_the_cpu_by_slabs(monkeypatch):
+    """Under bf16 autocast on the CPU each chunk's logits come from logits_by_slabs, and slabs of 96 of the 1,000 ids
+    give the loss and gradients one product gives, to rounding."""
+    h, weight, targets = make_inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)  # 1,000 ids: one slab of 4,096
+        slabs, real = [], fused_ce.logits_by_slabs
+
+        def spy(x: torch.Tensor, w: torch.Tensor, slab: int) -> torch.Tensor:
+            slabs.append(slab)
+            return real(x, w, slab)
+
+        monkeypatch.setattr(fused_ce, "VOCAB_SLAB", 96)
+        monkeypatch.setattr(fused_ce, "logits_by_slabs", spy)
+        sliced = loss_and_grads(fused_linear_cross_entropy, h, weight, targets)
+    assert slabs == [96]  # one chunk of 300 rows
+    errors = [((s - w).norm() / w.norm()).item() for s, w in zip(sliced, whole, strict=True)]
+    assert max(errors) < 1e-4, errors
+
+
 GIB = 2**30
 H100 = 80 * GIB  # an H100's memory, about (the rule reads the device's own)
 B16_BF16 = 16 * 1024 * 50_304 * 2  # gpt2-124m's logits at micro-batch 16 in bf16: 1.5 GiB
