@@ -9,6 +9,7 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -93,8 +94,11 @@ def fit(run: Run) -> bool:
                 break
         else:
             return True
-    # after the bar's last refresh, so this line stays the last on screen
-    accelerator.print(f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command")
+    # After the bar's last refresh and on its stream, so this line stays the last on screen: a launcher may pipe
+    # stderr through itself while stdout goes straight out (accelerate >= 1.16's one-process launcher does).
+    if accelerator.is_main_process:
+        stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
+        print(stopped, file=sys.stderr, flush=True)
     return False
 
 

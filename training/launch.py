@@ -141,6 +141,10 @@ def main() -> None:
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("torch.distributed"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+    # accelerate >= 1.16 itself catches a failed run's ChildFailedError under -q and prints torchrun's summary; the
+    # handlers below make the last word, so accelerate is not told (-q's only other effect there: the one-process
+    # launcher raises CalledProcessError rather than exiting 1, caught below too).
+    args.quiet = False
     machines = Machines.of(args)
     if machines:  # torchrun says nothing while it waits, and a machine that never comes leaves the others waiting
         print(machines.meeting(), flush=True)
