@@ -10,6 +10,9 @@ import sys
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# accelerate >= 1.16's one-process launcher, itself given Ctrl-C or SIGTERM, passes a SIGTERM on to the run and kills
+# it this many seconds later, whatever the orchestrator's grace period (torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+ACCELERATE_KILL_S = 5
 
 
 def stop_with_the_launcher() -> None:
@@ -55,4 +58,19 @@ def grace_period_line(save_s: float, step_s: float) -> str:
     shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if "TORCHELASTIC_RUN_ID" in os.environ and grace > shutdown:  # torchrun SIGKILLs its workers after that
         line += f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above {grace} (now {shutdown})"
+    elif 2 * (save_s + step_s) > ACCELERATE_KILL_S and _under_accelerates_one_process_launcher():
+        line += (
+            f"; but accelerate's one-process launcher, signalled itself, kills the run {ACCELERATE_KILL_S} s after "
+            f"passing the signal on: signal this process (pid {os.getpid()}) instead"
+        )
     return line
+
+
+def _under_accelerates_one_process_launcher() -> bool:
+    """Started by `accelerate launch` (which sets ACCELERATE_USE_CPU) without torchrun, from accelerate 1.16 on."""
+    if "ACCELERATE_USE_CPU" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return False
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("accelerate").split(".")[:2])
+    return (major, minor) >= (1, 16)

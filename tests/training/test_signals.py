@@ -1,0 +1,44 @@
+"""The grace-period line a run's first checkpoint save prints: what the orchestrator must wait, and which launcher
+kills the run sooner than that."""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import version
+
+import pytest
+
+from training.signals import ACCELERATE_KILL_S, grace_period_line
+
+ACCELERATE_116 = tuple(int(p) for p in version("accelerate").split(".")[:2]) >= (1, 16)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in ("ACCELERATE_USE_CPU", "TORCHELASTIC_RUN_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_the_grace_period_covers_the_step_and_the_save_twice(no_launcher):
+    line = grace_period_line(save_s=3.2, step_s=1.1)
+    assert line.startswith("checkpoint saved in 3.2 s (a step takes 1.1 s): ")
+    assert line.endswith("set your grace period above 14 s before SIGKILL (docker stop -t, Kubernetes "
+                         "terminationGracePeriodSeconds, SLURM --signal)")  # fmt: skip
+
+
+def test_under_torchrun_its_shutdown_timeout_is_named_when_shorter(no_launcher):
+    no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("terminationGracePeriodSeconds, SLURM --signal)")
+    no_launcher.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "10")
+    assert grace_period_line(save_s=3.2, step_s=1.1).endswith(" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above 14 (now 10)")
+
+
+@pytest.mark.skipif(not ACCELERATE_116, reason="accelerate before 1.16 lets its one-process run save")
+def test_under_accelerates_one_process_launcher_its_kill_is_named_when_the_save_needs_longer(no_launcher):
+    no_launcher.setenv("ACCELERATE_USE_CPU", "True")
+    quick = grace_period_line(save_s=0.5, step_s=0.5)  # twice over: 2 s, within the launcher's 5
+    assert quick.endswith("SLURM --signal)"), quick
+    slow = grace_period_line(save_s=3.2, step_s=1.1)
+    assert slow.endswith(f"kills the run {ACCELERATE_KILL_S} s after passing the signal on: signal this process "
+                         f"(pid {os.getpid()}) instead")  # fmt: skip
