@@ -70,7 +70,6 @@ def _under_accelerates_one_process_launcher() -> bool:
     """Started by `accelerate launch` (which sets ACCELERATE_USE_CPU) without torchrun, from accelerate 1.16 on."""
     if "ACCELERATE_USE_CPU" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         return False
-    from importlib.metadata import version
+    from accelerate.utils import compare_versions
 
-    major, minor = (int(part) for part in version("accelerate").split(".")[:2])
-    return (major, minor) >= (1, 16)
+    return compare_versions("accelerate", ">=", "1.16.0")

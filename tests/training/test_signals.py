@@ -4,13 +4,13 @@ kills the run sooner than that."""
 from __future__ import annotations
 
 import os
-from importlib.metadata import version
 
 import pytest
+from accelerate.utils import compare_versions
 
 from training.signals import ACCELERATE_KILL_S, grace_period_line
 
-ACCELERATE_116 = tuple(int(p) for p in version("accelerate").split(".")[:2]) >= (1, 16)
+ACCELERATE_116 = compare_versions("accelerate", ">=", "1.16.0")
 
 
 @pytest.fixture
