@@ -202,8 +202,11 @@ def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
     config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows."""
     saved = load_hf_config(folder)
     config = config or saved
+    # Only the weights are read, so the layers stay plain torch: transformers 5.25 made from_pretrained swap layers
+    # for Hub kernels by default (use_kernels), refusing to load without the kernels package at its pinned version.
     with _no_progress_bars():
-        state_dict = from_hf_state_dict(GPT2LMHeadModel.from_pretrained(folder).state_dict(), saved)
+        hf = GPT2LMHeadModel.from_pretrained(folder, use_kernels=False)
+        state_dict = from_hf_state_dict(hf.state_dict(), saved)
     state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state_dict, strict=True)
