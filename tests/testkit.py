@@ -10,14 +10,17 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import IO
 
 import torch
 import yaml
@@ -27,6 +30,7 @@ from modeling.config import GPTConfig, get_preset
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
+TRAIN_ACCEL = REPO / "train_accel.py"
 # `accelerate launch` run as its module: the same launch_command as the `accelerate` CLI, which first imports every
 # other subcommand (transformers among them: 1.4 s a launch, ~40 launches in the suite). `make train` keeps the CLI.
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -48,7 +52,7 @@ def train_cmd(
     if accelerate_config:
         config = REPO / "accelerate_configs" / accelerate_config
         launcher = [*ACCELERATE_LAUNCH, "--config_file", str(config), *launch_args]
-    return [*launcher, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", *QUIET,
+    return [*launcher, str(TRAIN_ACCEL), "--preset", "tiny-cpu", *QUIET,
             "--data-dir", str(data_dir), "--out-dir", str(run_dir), *args]  # fmt: skip
 
 
@@ -76,10 +80,93 @@ def fsdp_yaml(folder: Path, **answers: object) -> Path:
 def run(
     cmd: list[str], expect_rc: int = 0, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output."""
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
+    `python train_accel.py ...` in this process's environment runs in a warm copy (WarmLaunches)."""
+    if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] and env in (None, os.environ):
+        result = WARM.run(cmd, timeout)
+    else:
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
+
+
+class WarmLaunches:
+    """train_accel.py's launches to completion, each in a fork of a server that has done its imports (warm_launch.py):
+    the same code, arguments, environment and working folder as `python train_accel.py ...`, its own process, exit
+    status and output, without the ~7 s a fresh interpreter spends importing torch, accelerate and dynamo (~40
+    launches in the suite). The launches that signal or kill a run, set its environment or go through a launcher
+    start fresh interpreters, and so do all launches of the other entry points."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.forked = 0  # launches run by the server
+
+    def start(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = dict(os.environ)
+        self.log = Path(tempfile.mkdtemp()) / "warm_launch.log"  # the server's own output, shown if it ends
+        server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(TRAIN_ACCEL), str(theirs.fileno())]
+        with self.log.open("w") as log:
+            subprocess.Popen(server, cwd=REPO, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=log)  # fmt: skip
+        theirs.close()
+
+    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        if not self.lock.acquire(blocking=False):  # another thread's launch is running: this one starts fresh
+            return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        try:
+            if self.sock is None:
+                self.start()
+            if settled(os.environ) != settled(self.env):  # the server's imports saw another environment
+                return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            return self.fork(cmd, timeout)
+        finally:
+            self.lock.release()
+
+    def fork(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        request = json.dumps({"args": cmd[2:], "cwd": str(REPO), "env": dict(os.environ)}).encode()
+        with open(os.devnull) as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                socket.send_fds(self.sock, [request], [stdin.fileno(), out.fileno(), err.fileno()])
+            except OSError:
+                raise self.ended() from None
+            pid = self.answer()
+            self.forked += 1
+            self.sock.settimeout(timeout)
+            try:
+                returncode = self.answer()
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self.sock.settimeout(None)
+                self.answer()
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+            finally:
+                self.sock.settimeout(None)
+            return subprocess.CompletedProcess(cmd, returncode, as_text(out), as_text(err))
+
+    def answer(self) -> int:
+        message = self.sock.recv(64)
+        if not message:
+            raise self.ended()
+        return int(message)
+
+    def ended(self) -> RuntimeError:
+        return RuntimeError(f"the warm launch server ended:\n{self.log.read_text()[-5000:]}")
+
+
+def settled(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment but pytest's PYTEST_CURRENT_TEST, which names the test running (each launch gets its own)."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def as_text(output: IO[bytes]) -> str:
+    """A process's output file as subprocess.run(text=True) decodes it (universal newlines)."""
+    output.seek(0)
+    return output.read().decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+WARM = WarmLaunches()
 
 
 def launch(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
