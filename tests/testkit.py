@@ -82,9 +82,8 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
     `python train_accel.py ...` in this process's environment runs in a warm copy (WarmLaunches)."""
-    if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] and env in (None, os.environ):
-        result = WARM.run(cmd, timeout)
-    else:
+    result = WARM.run(cmd, env or os.environ, timeout) if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] else None
+    if result is None:
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -112,20 +111,20 @@ class WarmLaunches:
                              stderr=log)  # fmt: skip
         theirs.close()
 
-    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-        if not self.lock.acquire(blocking=False):  # another thread's launch is running: this one starts fresh
-            return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    def run(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+        """The finished launch, or None where it must start fresh: another thread's launch is running, or the
+        server's imports saw another environment."""
+        if not self.lock.acquire(blocking=False):
+            return None
         try:
             if self.sock is None:
                 self.start()
-            if settled(os.environ) != settled(self.env):  # the server's imports saw another environment
-                return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-            return self.fork(cmd, timeout)
+            return self.fork(cmd, env, timeout) if settled(env) == settled(self.env) else None
         finally:
             self.lock.release()
 
-    def fork(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-        request = json.dumps({"args": cmd[2:], "cwd": str(REPO), "env": dict(os.environ)}).encode()
+    def fork(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+        request = json.dumps({"args": cmd[2:], "cwd": str(REPO), "env": dict(env)}).encode()
         with open(os.devnull) as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
                 socket.send_fds(self.sock, [request], [stdin.fileno(), out.fileno(), err.fileno()])
@@ -139,10 +138,9 @@ class WarmLaunches:
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
                 self.sock.settimeout(None)
-                self.answer()
+                self.answer()  # the killed copy's status, so that the next launch reads its own
                 raise subprocess.TimeoutExpired(cmd, timeout) from None
-            finally:
-                self.sock.settimeout(None)
+            self.sock.settimeout(None)
             return subprocess.CompletedProcess(cmd, returncode, as_text(out), as_text(err))
 
     def answer(self) -> int:
