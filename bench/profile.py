@@ -45,7 +45,7 @@ from training.metrics import cpu_matmul_tflops_at_once, peak_tflops
 
 YAML = {"bf16": "cpu_bf16.yaml", "fp32": "cpu.yaml"}
 MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.optim.Muon.step
-ONEDNN_LINEAR = "mkldnn::_linear_pointwise"  # modeling.cpu_linear's fp32 products on AMD CPUs: x @ weight.T (+ bias)
+ONEDNN_LINEAR = "mkldnn::_linear_pointwise"  # modeling.cpu_linear's fp32 products (AVX-512 AMD): x @ weight.T (+ bias)
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", ONEDNN_LINEAR}
 BF16_MATH = "bookgpt::bf16_products"  # modeling.cpu_attention's op: its matmuls run in oneDNN's bf16 math mode
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>

@@ -1,10 +1,11 @@
-"""fp32 linears on AMD CPUs through oneDNN's fp32 kernels instead of MKL's.
+"""fp32 linears on AMD CPUs with AVX-512 through oneDNN's fp32 kernels instead of MKL's.
 
 On x86 torch hands fp32 matmuls to MKL, which on AMD CPUs runs its AVX2 kernels: ~200 GFLOP/s on 2 Zen 5 cores whose
 AVX-512 oneDNN kernels do ~450. torch.ops.mkldnn._linear_pointwise (the op inductor's CPU fusions call) runs oneDNN
 on plain dense fp32 tensors, fp32 products summed in fp32 like MKL's: at the small models' shapes it takes 0.4-0.6x
-MKL's time on a Zen 5, ~0.9x with oneDNN held to AVX2 (BENCHMARKS.md, "fp32 matmuls through oneDNN on AMD").
-Intel CPUs keep MKL, which is tuned for them. bf16 matmuls already go to oneDNN on every CPU.
+MKL's time on a Zen 5 (BENCHMARKS.md, "fp32 matmuls through oneDNN on AMD"). On an AVX2-only Zen 3 oneDNN's AVX2
+kernels are the slower ones (a step 1.18-1.23x MKL's time), so AMD CPUs without AVX-512 keep MKL, and so do Intel
+CPUs, which MKL is tuned for. bf16 matmuls already go to oneDNN on every CPU.
 
 Training only: inference keeps torch's kernels, as code outside the model computes with the same weights (the evals
 score a bare GPT's head with F.linear and a wrapped one through lm_head, and must agree to the bit on 1 or 2
@@ -21,9 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _on_amd() -> bool:
-    """Whether this is an x86 AMD CPU with torch's oneDNN: the CPUs where its fp32 kernels beat MKL's."""
+def _onednn_beats_mkl() -> bool:
+    """Whether this is an x86 AMD CPU with AVX-512 (Zen 4 and later) and torch's oneDNN: the CPUs where oneDNN's fp32
+    kernels beat MKL's. ATen's CPU capability stands for the ISA, so ATEN_CPU_CAPABILITY=avx2 takes MKL, as a Zen 3."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False
     try:
         with open("/proc/cpuinfo") as f:
@@ -32,15 +36,16 @@ def _on_amd() -> bool:
         return False
 
 
-ON_AMD = _on_amd()  # read once: torch.compile guards on it as a constant
+ONEDNN_FP32 = _onednn_beats_mkl()  # read once: torch.compile guards on it as a constant
 
 
 def takes(*tensors: Tensor) -> bool:
-    """Whether fp32 products of these tensors go through oneDNN: fp32 CPU tensors, outside autocast, on AMD."""
+    """Whether fp32 products of these tensors go through oneDNN: fp32 CPU tensors, outside autocast, where
+    ONEDNN_FP32."""
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and not torch.is_autocast_enabled("cpu")
-        and ON_AMD
+        and ONEDNN_FP32
     )
 
 
@@ -89,7 +94,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, init and state dict) whose fp32 CPU products take oneDNN on AMD in training."""
+    """nn.Linear (same parameters, init and state dict) whose fp32 CPU products take oneDNN in training where
+    ONEDNN_FP32."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad and takes(x, self.weight):

@@ -120,7 +120,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # The same arithmetic in two forms, each slow in the other mode: inductor writes a scatter_'s (chunk, V)
         # input out whole, eager allocates every where() (BENCHMARKS.md, "Loss accuracy").
         compiled = torch.compiler.is_compiling()
-        # fp32 products on AMD CPUs through oneDNN in training (modeling/cpu_linear.py); x @ w.t() as a linear
+        # fp32 products on AVX-512 AMD CPUs through oneDNN in training (modeling/cpu_linear.py); x @ w.t() as a linear
         onednn = (need_grad_h or need_grad_w) and cpu_linear.takes(h_c, w_c)
         linear = cpu_linear.onednn_linear if onednn else F.linear
         by_slabs = h.device.type == "cpu" and compute_dtype == torch.bfloat16

@@ -69,7 +69,7 @@ def measure_matmul_tflops(
     thread's rate times the threads torch uses (the peak of perfect scaling): a threaded matmul waits at every
     barrier for threads other jobs have descheduled, which distorts fp32 (threaded) more than emulated bf16 and
     so the hint's comparison. n defaults to the largest size up to 2048 that fits the budget (_grow_cpu_matmul).
-    fp32 takes the kernels the model's linears use (oneDNN's on AMD CPUs: modeling.cpu_linear)."""
+    fp32 takes the kernels the model's linears use (oneDNN's on AMD CPUs with AVX-512: modeling.cpu_linear)."""
     if device.type != "cpu":
         return _best_tflops(device, dtype, n or 8192, seconds)
     threads = torch.get_num_threads()

@@ -68,9 +68,9 @@ def test_the_cpu_attention_matmuls_are_timed_in_its_bf16_math_mode():
 
 
 def test_the_onednn_linears_are_found_and_timed_alone(monkeypatch: pytest.MonkeyPatch):
-    """fp32 linears on AMD CPUs (modeling.cpu_linear, forced on here) run oneDNN's op, not aten::mm: its three
+    """fp32 linears on AVX-512 AMD CPUs (modeling.cpu_linear, forced on here) run oneDNN's op, not aten::mm: its three
     products per step are matmuls of the bound too, each timed alone with its bias where it has one."""
-    monkeypatch.setattr(cpu_linear, "ON_AMD", True)
+    monkeypatch.setattr(cpu_linear, "ONEDNN_FP32", True)
     layer = cpu_linear.Linear(16, 8)
     x = torch.randn(32, 16, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:

@@ -106,10 +106,11 @@ def fused(request):
     return torch.compile(fused) if request.param == "compiled" else fused
 
 
-# fp32 products by torch (MKL on x86) or, as on AMD CPUs, by oneDNN (modeling/cpu_linear.py), forced on either CPU
-@pytest.mark.parametrize("on_amd", [False, True], ids=["torch", "onednn"])
-def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused, on_amd, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "ON_AMD", on_amd)
+# fp32 products by torch (MKL on x86) or, as on AVX-512 AMD CPUs, by oneDNN (modeling/cpu_linear.py), forced on
+# either CPU
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
+def test_fp32_matches_the_fp64_reference_even_when_confident(confident, fused, onednn, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "ONEDNN_FP32", onednn)
     h, weight, targets, want = confident
     errors = numerics.relative_errors(numerics.loss_and_grads(fused, h, weight, targets, "fp32"), want)
     # F.cross_entropy in fp32 is 2e-3 (loss) and 8e-2 (grads) off at p_target = 1 - 1e-8
