@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from bench import peer
+from bench.ladder import emulated_bf16, run_ladder, run_peers
 from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory
 from bench.report import target_lines
-from bench.rungs import RUNGS, Recipe, Role, Trainer, tf32_matmuls
+from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, launch_config, tf32_matmuls
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
@@ -89,6 +90,23 @@ def test_peer_loader_runs_only_classes_imports_and_its_schedule(tmp_path):
     assert [module.get_lr(it) for it in (1, 2)] == [6e-4, 6e-4 * 0.1]
     (tmp_path / "hellaswag.py").unlink()  # train_gpt2.py carried alone, as to a GPU machine (BENCHMARKS "GPU")
     assert peer.load_peer(peer.peer_script(tmp_path)).GPTConfig.size == math.pi
+
+
+def test_bf16_rows_are_not_timed_on_a_cpu_that_emulates_bf16(tmp_path):
+    """An AVX2-only CPU multiplies bf16 30-300x slower than fp32: rungs 5-10 and the peer's bf16 recipe are n/a there,
+    saying why, where timing them would take minutes a step; a CPU whose bf16 is merely slower (Cascade Lake, ~5x)
+    or faster still times them."""
+    config, cpu = get_preset("tiny-cpu"), torch.device("cpu")
+    emulated = Bench(config, cpu, tmp_path, 1, 1, 1, {"bf16": 0.002, "fp32": 0.2}, 0)
+    launch = launch_config(REPO / "accelerate_configs" / "cpu.yaml")
+    rows = run_ladder(emulated, {5, 10}, launch, None, 1)
+    (tmp_path / peer.SCRIPT).write_text("class GPTConfig:\n    pass\n")
+    rows += run_peers(emulated, tmp_path, "inductor", recipe_precision="bf16")  # its two bf16 rows only
+    assert [(r.label, r.status) for r in rows] == [("5", "n/a"), ("10", "n/a"), ("peer", "n/a"), ("peer", "n/a")]
+    why = "this CPU's bf16 matmuls run 100x slower than fp32 (no native bf16): not timed"
+    assert all(r.reason == why for r in rows)
+    for bf16 in (0.04, 0.8):  # 5x slower, 4x faster
+        assert emulated_bf16(Bench(config, cpu, tmp_path, 1, 1, 1, {"bf16": bf16, "fp32": 0.2}, 0)) is None
 
 
 @pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")
