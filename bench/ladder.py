@@ -7,7 +7,7 @@ Rung 0 is the seed baseline (modeling.reference.ReferenceGPT, fp32, plain AdamW,
 default recipe: train_accel.py's own train_step (training.step) under accelerate_configs/cpu.yaml (1xgpu.yaml on
 CUDA). A step is what the training loop does: next batch from the TokenLoader, forward, backward, clip, optimizer
 step, zero_grad. Rungs that cannot apply on the device, or run out of memory, are reported as n/a, and so are the
-bf16 rows (rungs 5-10, the peer's recipe) on a CPU without native bf16 (emulated_bf16). With --peer-dir,
+bf16 rows (rungs 5-10, the peer's recipe) on a CPU without native bf16 (bench.measure.emulated_bf16). With --peer-dir,
 build-nanogpt's GPT is timed in the same run (bench.peer; `--rungs none` times only the peer). Writes ladder.json,
 ladder.md and ladder.png to --out; the Markdown table is printed last.
 """
@@ -28,7 +28,14 @@ import accelerate
 import torch
 
 from bench import peer
-from bench.measure import Bench, Result, largest_micro_batch, measure_ladder_rung, unless_out_of_memory
+from bench.measure import (
+    Bench,
+    Result,
+    emulated_bf16,
+    largest_micro_batch,
+    measure_ladder_rung,
+    unless_out_of_memory,
+)
 from bench.report import cpu_model, device_name, markdown_table, plot, profile_markdown, summary_line, target_lines
 from bench.rungs import (
     REPO,
@@ -46,19 +53,6 @@ from modeling.config import get_preset
 from training.compile_cache import set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
-# A bf16 row on a CPU whose bf16 matmuls run this many times slower than its fp32 ones is n/a, not timed: AVX2-only
-# cores emulate bf16 30-300x slower (a small-cpu step takes minutes there); Cascade Lake's 4.5-7x is still timed.
-BF16_EMULATED_BY = 20.0
-
-
-def emulated_bf16(bench: Bench) -> str | None:
-    """Why this machine's bf16 rows are not timed, or None: a CPU whose bf16 matmul peak, as measured for MFU, is
-    BF16_EMULATED_BY x below its fp32 one. Rung 11 runs the launch YAML's precision whatever it is."""
-    bf16, fp32 = bench.peak_tflops["bf16"], bench.peak_tflops["fp32"]
-    if bench.device.type == "cpu" and bf16 * BF16_EMULATED_BY <= fp32:
-        return f"this CPU's bf16 matmuls run {fp32 / bf16:.0f}x slower than fp32 (no native bf16): not timed"
-    return None
-
 
 def run_ladder(
     bench: Bench, selected: set[int], launch: dict[str, Any], backend_override: str | None, cap: int
@@ -74,7 +68,7 @@ def run_ladder(
         row = Result(str(rung.index), rung.name, rung.change, role=rung.role)
         reason = rung.unavailable(bench.device)
         if reason is None and recipe.autocast is not None and rung.role is not Role.FULL_RECIPE:
-            reason = emulated_bf16(bench)
+            reason = emulated_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
         if reason is not None:
             result = dataclasses.replace(row, status="n/a", reason=reason)
         elif rung.role is Role.FULL_RECIPE:
@@ -112,6 +106,7 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
     rows = [("build-nanogpt eager", None, True), ("build-nanogpt compiled", compiled_backend, True)]
     if recipe_precision == "fp32":
         rows.append(("build-nanogpt compiled, fp32", compiled_backend, False))
+    emulated = emulated_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
     results = []
     for name, backend, autocast in rows:
 
@@ -126,9 +121,8 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
         )
         row = Result("peer", name, change, role=Role.PEER, as_published=autocast)
         deep = backend is not None and bench.profile_steps > 0
-        reason = emulated_bf16(bench) if autocast else None
-        if reason is not None:
-            result = dataclasses.replace(row, status="n/a", reason=reason)
+        if autocast and emulated is not None:
+            result = dataclasses.replace(row, status="n/a", reason=emulated)
         else:
             with peer.peer_matmul_precision():  # its script's setting, for its rows only
                 result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))

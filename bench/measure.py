@@ -174,6 +174,20 @@ class Bench:
         )  # fmt: skip
 
 
+# A bf16 run on a CPU whose bf16 matmuls are this many times slower than its fp32 ones is not timed: AVX2-only cores
+# emulate bf16 30-300x slower (a small-cpu step takes minutes there); Cascade Lake's 4.5-7x is still timed.
+BF16_EMULATED_BY = 20.0
+
+
+def emulated_bf16(device: torch.device, bf16_tflops: float, fp32_tflops: float) -> str | None:
+    """Why bf16 runs (the ladder's bf16 rows, the peer's recipe) are not timed on this device, or None: a CPU whose
+    measured bf16 matmuls are BF16_EMULATED_BY x slower than its fp32 ones."""
+    if device.type == "cpu" and bf16_tflops * BF16_EMULATED_BY <= fp32_tflops:
+        slower = fp32_tflops / bf16_tflops
+        return f"this CPU's bf16 matmuls run {slower:.0f}x slower than fp32 (no native bf16): not timed"
+    return None
+
+
 def unless_out_of_memory(row: Result, measure: Callable[[], Result]) -> Result:
     """The measured row, or the row marked out of memory (e.g. rung 0's full logits on a 40 GB card): the ladder
     goes on with the next rows instead of aborting."""

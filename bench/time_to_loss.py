@@ -2,7 +2,7 @@
 
     python -m bench.time_to_loss [--recipe today --recipe default --recipe build-nanogpt] [--seeds 3]
         [--config configs/cpu_small.yaml] [--set "--max-steps 30"] [--peer-dir /path/to/build-nanogpt]
-        [--accelerate-config accelerate_configs/cpu_bf16.yaml] [--eval-every 5] [--baseline today] [--target 6.32]
+        [--accelerate-config accelerate_configs/cpu.yaml] [--eval-every 5] [--baseline today] [--target 6.32]
         [--out runs/ttl]
 
 A recipe is TrainConfig flags on top of --config (configs/cpu_small.yaml on the CPU; on CUDA TrainConfig's defaults,
@@ -37,11 +37,14 @@ import torch
 from torch import Tensor, nn
 
 from bench import peer
+from bench.measure import emulated_bf16
 from bench.report import cpu_model, device_name
 from bench.rungs import REPO, launch_config
 from training.compile_cache import set_up_compile_cache
 from training.config import parse_config
 from training.loop import Run, evaluate, setup, trainer_for
+from training.metrics import cpu_matmul_speeds
+from training.pick_cpu_config import pick
 
 # The recipe `make train` ran before this benchmark chose a new one (configs/cpu_small.yaml at that time).
 TODAY = (
@@ -297,7 +300,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--accelerate-config",
         type=Path,
         default=None,
-        help="precision and compile (default: cpu_bf16.yaml, 1xgpu.yaml on CUDA)",
+        help="precision and compile (default: the faster precision's CPU YAML, as make train picks it; on CUDA "
+        "1xgpu.yaml)",
     )
     p.add_argument(
         "--peer-dir", type=Path, default=None, help="a build-nanogpt checkout (its recipe is skipped without)"
@@ -330,18 +334,26 @@ def main(argv: list[str] | None = None) -> None:
     recipes = args.recipe or [parse_recipe(r) for r in ("today", "default", PEER)]
     if args.seeds < 1 or args.eval_every < 1:
         raise SystemExit("error: --seeds and --eval-every must be >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    speeds = cpu_matmul_speeds() if device.type == "cpu" else None  # ~1 s: the CPU's precision and the peer's
     script = peer.peer_script(args.peer_dir)
-    if any(flags is None for _, flags in recipes) and script is None:
+    if script is None:
         where = "no --peer-dir given" if args.peer_dir is None else f"no {peer.SCRIPT} in {args.peer_dir}"
-        print(f"{PEER}: skipped ({where}; pass --peer-dir with a build-nanogpt checkout)", flush=True)
+        skip_peer = f"{where}; pass --peer-dir with a build-nanogpt checkout"
+    else:  # its recipe trains in bf16
+        skip_peer = emulated_bf16(device, speeds["bf16"], speeds["no"]) if speeds else None
+    if any(flags is None for _, flags in recipes) and skip_peer:
+        print(f"{PEER}: skipped ({skip_peer})", flush=True)
         recipes = [(name, flags) for name, flags in recipes if flags is not None]
     module = peer.load_peer(script) if script else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.config is None and device.type == "cpu":
         args.config = REPO / "configs" / "cpu_small.yaml"
-    launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
-        "cpu_bf16.yaml" if device.type == "cpu" else "1xgpu.yaml"
-    )
+    launch_path = args.accelerate_config
+    if launch_path is None and speeds:  # the faster precision here, as `make train` picks it
+        yaml, line = pick(speeds)
+        launch_path = REPO / yaml
+        print(line, flush=True)
+    launch_path = launch_path or REPO / "accelerate_configs" / "1xgpu.yaml"
     os.environ.update(launch_env(launch_path))
     set_up_compile_cache(device)
     args.out.mkdir(parents=True, exist_ok=True)

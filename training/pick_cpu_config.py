@@ -26,10 +26,16 @@ def choose(tflops: dict[str, float]) -> tuple[str, str]:
     return "no", f"bf16 matmuls are not clearly faster than fp32 here ({ratio:.2f}x, {FASTER_BY}x needed: {speeds})"
 
 
+def pick(tflops: dict[str, float]) -> tuple[str, str]:
+    """(the CPU YAML of the faster precision, one line saying which and why) from matmul TFLOP/s as choose takes."""
+    mixed_precision, why = choose(tflops)
+    return CPU_YAML[mixed_precision], f"precision: {dtype_name(mixed_precision)} ({CPU_YAML[mixed_precision]}): {why}"
+
+
 def main() -> None:
-    mixed_precision, why = choose(cpu_matmul_speeds())
-    print(f"precision: {dtype_name(mixed_precision)} ({CPU_YAML[mixed_precision]}): {why}", file=sys.stderr)
-    print(CPU_YAML[mixed_precision])
+    yaml, line = pick(cpu_matmul_speeds())
+    print(line, file=sys.stderr)
+    print(yaml)
 
 
 if __name__ == "__main__":

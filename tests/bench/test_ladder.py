@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bench import peer
-from bench.ladder import emulated_bf16, run_ladder, run_peers
-from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory
+from bench.ladder import run_ladder, run_peers
+from bench.measure import Bench, Result, emulated_bf16, flops_per_token, peak_kind, unless_out_of_memory
 from bench.report import target_lines
 from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, launch_config, tf32_matmuls
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
@@ -106,7 +106,7 @@ def test_bf16_rows_are_not_timed_on_a_cpu_that_emulates_bf16(tmp_path):
     why = "this CPU's bf16 matmuls run 100x slower than fp32 (no native bf16): not timed"
     assert all(r.reason == why for r in rows)
     for bf16 in (0.04, 0.8):  # 5x slower, 4x faster
-        assert emulated_bf16(Bench(config, cpu, tmp_path, 1, 1, 1, {"bf16": bf16, "fp32": 0.2}, 0)) is None
+        assert emulated_bf16(cpu, bf16, 0.2) is None
 
 
 @pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")
