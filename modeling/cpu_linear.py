@@ -4,7 +4,7 @@ On x86 torch hands fp32 matmuls to MKL, which on AMD CPUs runs its AVX2 kernels:
 AVX-512 oneDNN kernels do ~450. torch.ops.mkldnn._linear_pointwise (the op inductor's CPU fusions call) runs oneDNN
 on plain dense fp32 tensors, fp32 products summed in fp32 like MKL's: at the small models' shapes it takes 0.4-0.6x
 MKL's time on a Zen 5 (BENCHMARKS.md, "fp32 matmuls through oneDNN on AMD"). On an AVX2-only Zen 3 oneDNN's AVX2
-kernels are the slower ones (a step 1.18-1.23x MKL's time), so AMD CPUs without AVX-512 keep MKL, and so do Intel
+kernels are the slower ones (a step 1.18-1.24x MKL's time), so AMD CPUs without AVX-512 keep MKL, and so do Intel
 CPUs, which MKL is tuned for. bf16 matmuls already go to oneDNN on every CPU.
 
 Training only: inference keeps torch's kernels, as code outside the model computes with the same weights (the evals
