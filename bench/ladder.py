@@ -7,9 +7,9 @@ Rung 0 is the seed baseline (modeling.reference.ReferenceGPT, fp32, plain AdamW,
 default recipe: train_accel.py's own train_step (training.step) under accelerate_configs/cpu.yaml (1xgpu.yaml on
 CUDA). A step is what the training loop does: next batch from the TokenLoader, forward, backward, clip, optimizer
 step, zero_grad. Rungs that cannot apply on the device, or run out of memory, are reported as n/a, and so are the
-bf16 rows (rungs 5-10, the peer's recipe) on a CPU without native bf16 (bench.measure.emulated_bf16). With --peer-dir,
-build-nanogpt's GPT is timed in the same run (bench.peer; `--rungs none` times only the peer). Writes ladder.json,
-ladder.md and ladder.png to --out; the Markdown table is printed last.
+bf16 rows (rungs 5-10, the peer's recipe) on a CPU whose bf16 runs 20x slower than fp32 or worse (AVX2-only ones:
+bench.measure.untimed_bf16). With --peer-dir, build-nanogpt's GPT is timed in the same run (bench.peer; `--rungs
+none` times only the peer). Writes ladder.json, ladder.md and ladder.png to --out; the Markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from bench import peer
 from bench.measure import (
     Bench,
     Result,
-    emulated_bf16,
     largest_micro_batch,
     measure_ladder_rung,
     unless_out_of_memory,
+    untimed_bf16,
 )
 from bench.report import cpu_model, device_name, markdown_table, plot, profile_markdown, summary_line, target_lines
 from bench.rungs import (
@@ -68,7 +68,7 @@ def run_ladder(
         row = Result(str(rung.index), rung.name, rung.change, role=rung.role)
         reason = rung.unavailable(bench.device)
         if reason is None and recipe.autocast is not None and rung.role is not Role.FULL_RECIPE:
-            reason = emulated_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
+            reason = untimed_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
         if reason is not None:
             result = dataclasses.replace(row, status="n/a", reason=reason)
         elif rung.role is Role.FULL_RECIPE:
@@ -106,7 +106,7 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
     rows = [("build-nanogpt eager", None, True), ("build-nanogpt compiled", compiled_backend, True)]
     if recipe_precision == "fp32":
         rows.append(("build-nanogpt compiled, fp32", compiled_backend, False))
-    emulated = emulated_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
+    untimed = untimed_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
     results = []
     for name, backend, autocast in rows:
 
@@ -121,8 +121,8 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
         )
         row = Result("peer", name, change, role=Role.PEER, as_published=autocast)
         deep = backend is not None and bench.profile_steps > 0
-        if autocast and emulated is not None:
-            result = dataclasses.replace(row, status="n/a", reason=emulated)
+        if autocast and untimed is not None:
+            result = dataclasses.replace(row, status="n/a", reason=untimed)
         else:
             with peer.peer_matmul_precision():  # its script's setting, for its rows only
                 result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from bench import peer
-from bench.measure import emulated_bf16
+from bench.measure import untimed_bf16
 from bench.report import cpu_model, device_name
 from bench.rungs import REPO, launch_config
 from training.compile_cache import set_up_compile_cache
@@ -341,19 +341,21 @@ def main(argv: list[str] | None = None) -> None:
         where = "no --peer-dir given" if args.peer_dir is None else f"no {peer.SCRIPT} in {args.peer_dir}"
         skip_peer = f"{where}; pass --peer-dir with a build-nanogpt checkout"
     else:  # its recipe trains in bf16
-        skip_peer = emulated_bf16(device, speeds["bf16"], speeds["no"]) if speeds else None
+        skip_peer = untimed_bf16(device, speeds["bf16"], speeds["no"]) if speeds else None
     if any(flags is None for _, flags in recipes) and skip_peer:
         print(f"{PEER}: skipped ({skip_peer})", flush=True)
         recipes = [(name, flags) for name, flags in recipes if flags is not None]
     module = peer.load_peer(script) if script else None
     if args.config is None and device.type == "cpu":
         args.config = REPO / "configs" / "cpu_small.yaml"
-    launch_path = args.accelerate_config
-    if launch_path is None and speeds:  # the faster precision here, as `make train` picks it
+    if args.accelerate_config is not None:
+        launch_path = args.accelerate_config
+    elif speeds:  # the faster precision here, as `make train` picks it
         yaml, line = pick(speeds)
-        launch_path = REPO / yaml
         print(line, flush=True)
-    launch_path = launch_path or REPO / "accelerate_configs" / "1xgpu.yaml"
+        launch_path = REPO / yaml
+    else:
+        launch_path = REPO / "accelerate_configs" / "1xgpu.yaml"
     os.environ.update(launch_env(launch_path))
     set_up_compile_cache(device)
     args.out.mkdir(parents=True, exist_ok=True)

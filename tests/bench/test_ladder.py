@@ -11,7 +11,7 @@ import torch
 
 from bench import peer
 from bench.ladder import run_ladder, run_peers
-from bench.measure import Bench, Result, emulated_bf16, flops_per_token, peak_kind, unless_out_of_memory
+from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory, untimed_bf16
 from bench.report import target_lines
 from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, launch_config, tf32_matmuls
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
@@ -92,21 +92,21 @@ def test_peer_loader_runs_only_classes_imports_and_its_schedule(tmp_path):
     assert peer.load_peer(peer.peer_script(tmp_path)).GPTConfig.size == math.pi
 
 
-def test_bf16_rows_are_not_timed_on_a_cpu_that_emulates_bf16(tmp_path):
+def test_bf16_rows_are_not_timed_on_a_cpu_whose_bf16_is_20x_slower(tmp_path):
     """An AVX2-only CPU multiplies bf16 30-300x slower than fp32: rungs 5-10 and the peer's bf16 recipe are n/a there,
     saying why, where timing them would take minutes a step; a CPU whose bf16 is merely slower (Cascade Lake, ~5x)
     or faster still times them."""
     config, cpu = get_preset("tiny-cpu"), torch.device("cpu")
-    emulated = Bench(config, cpu, tmp_path, 1, 1, 1, {"bf16": 0.002, "fp32": 0.2}, 0)
+    slow_bf16 = Bench(config, cpu, tmp_path, 1, 1, 1, {"bf16": 0.002, "fp32": 0.2}, 0)
     launch = launch_config(REPO / "accelerate_configs" / "cpu.yaml")
-    rows = run_ladder(emulated, {5, 10}, launch, None, 1)
+    rows = run_ladder(slow_bf16, {5, 10}, launch, None, 1)
     (tmp_path / peer.SCRIPT).write_text("class GPTConfig:\n    pass\n")
-    rows += run_peers(emulated, tmp_path, "inductor", recipe_precision="bf16")  # its two bf16 rows only
+    rows += run_peers(slow_bf16, tmp_path, "inductor", recipe_precision="bf16")  # its two bf16 rows only
     assert [(r.label, r.status) for r in rows] == [("5", "n/a"), ("10", "n/a"), ("peer", "n/a"), ("peer", "n/a")]
     why = "this CPU's bf16 matmuls run 100x slower than fp32 (no native bf16): not timed"
     assert all(r.reason == why for r in rows)
     for bf16 in (0.04, 0.8):  # 5x slower, 4x faster
-        assert emulated_bf16(cpu, bf16, 0.2) is None
+        assert untimed_bf16(cpu, bf16, 0.2) is None
 
 
 @pytest.mark.skipif(not os.environ.get("BENCH_PEER_DIR"), reason="set BENCH_PEER_DIR to a build-nanogpt checkout")
