@@ -11,9 +11,12 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.auto import tqdm
+from tqdm.contrib import DummyTqdmFile
 
 from data_prep import DataPrepError
 from evals import EvalError
@@ -29,6 +32,25 @@ from training.metrics import StartupClock
 from training.runlock import RunFolderInUse
 from training.signals import StopRequest, grace_period_line, stop_with_the_launcher
 from training.step import TrainingAborted, is_out_of_memory
+
+
+@contextmanager
+def progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm]:
+    """The run's progress bar. Where stdout is a terminal the bar is drawn there, and the lines the run prints while it
+    is up go above it (tqdm clears the bar, writes the line, draws the bar again) instead of onto the bar's line; and
+    no pipe between the two streams reorders them (accelerate 1.16's one-process launcher, `make train`'s, passes
+    stderr through one of its own, where tqdm would also draw a 10-character bar). Elsewhere the bar is drawn on
+    stderr, so that a redirected stdout, a log, holds the run's lines alone."""
+    on_stdout = shown and sys.stdout.isatty()
+    with tqdm(total=total, initial=initial, disable=not shown, file=sys.stdout if on_stdout else sys.stderr) as bar:
+        if not on_stdout:
+            yield bar
+            return
+        stdout, sys.stdout = sys.stdout, DummyTqdmFile(sys.stdout)
+        try:
+            yield bar
+        finally:
+            sys.stdout = stdout
 
 
 def fit(run: Run) -> bool:
@@ -49,7 +71,7 @@ def fit(run: Run) -> bool:
     # a with block: an error or a stop closes the bar before its line is printed, so that line stays the last on screen
     # no bar for a finished run launched again: it has nothing to show
     shown = accelerator.is_local_main_process and progress.step < run.total_steps
-    with tqdm(total=run.total_steps, initial=progress.step, disable=not shown) as bar:
+    with progress_bar(run.total_steps, progress.step, shown) as bar:
         while progress.step < run.total_steps:
             metrics.step_started()
             out = trainer.train_step(batches)

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -104,7 +110,9 @@ class WarmLaunches:
     def start(self) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = dict(os.environ)
-        self.log = Path(tempfile.mkdtemp()) / "warm_launch.log"  # the server's own output, shown if it ends
+        # the server's own output, shown if it ends; the folder goes when the test process exits
+        self.log_dir = tempfile.TemporaryDirectory(prefix="warm_launch-")
+        self.log = Path(self.log_dir.name) / "warm_launch.log"
         server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(TRAIN_ACCEL), str(theirs.fileno())]
         with self.log.open("w") as log:
             subprocess.Popen(server, cwd=REPO, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
@@ -181,6 +189,54 @@ def make_train_recipe(args: str = "") -> str:
     make = ["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}", f"ARGS={args}"]
     dry = subprocess.run(make, cwd=REPO, env=env, capture_output=True, text=True, check=True)
     return dry.stdout.strip()
+
+
+def run_in_terminal(cmd: list[str], columns: int, timeout: float = 300) -> tuple[int, str]:
+    """Run `cmd` with a terminal of `columns` columns as its stdin, stdout and stderr, as a user's shell runs it;
+    (exit status, what it drew on the terminal)."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=child, stdout=child, stderr=child, start_new_session=True)
+    os.close(child)
+    screen, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([main], [], [], 1)[0]:
+                try:
+                    chunk = os.read(main, 1 << 16)
+                except OSError:  # EIO: every process holding the terminal has closed it
+                    break
+                if not chunk:
+                    break
+                screen += chunk
+        else:
+            proc.kill()
+            raise subprocess.TimeoutExpired(cmd, timeout, screen)
+        return proc.wait(timeout=60), screen.decode(errors="replace")
+    finally:
+        os.close(main)
+
+
+def rendered(screen: str, columns: int) -> list[str]:
+    """The lines a terminal of `columns` columns shows for `screen` (run_in_terminal's): carriage returns move to the
+    line's start, a line longer than the terminal wraps. Enough for tqdm's bars and printed lines."""
+    lines, row, col = [[]], 0, 0
+    for ch in screen:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row, col = row + 1, 0
+        else:
+            if col == columns:
+                row, col = row + 1, 0
+            while len(lines) <= row:
+                lines.append([])
+            line = lines[row]
+            line[len(line) : col + 1] = [" "] * (col + 1 - len(line))
+            line[col], col = ch, col + 1
+        while len(lines) <= row:
+            lines.append([])
+    return ["".join(line).rstrip() for line in lines]
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,25 @@ def test_cadences_fire_at_their_steps_whatever_the_optimizer(prepared_books, tmp
     assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*"))] == [
         "step-00000002", "step-00000004", "step-00000005"
     ]  # fmt: skip
+
+
+def test_make_train_in_a_terminal_draws_one_full_bar_below_the_runs_lines(prepared_books, tmp_path):
+    """In a terminal, `make train`'s progress bar is as wide as tqdm draws on one (a column short of it), and the lines
+    the run prints while it is up (start-up, evals, the first save) go above it, each on lines of its own. Under
+    accelerate 1.16 the one-process launcher passes the run's stderr through a pipe: a bar drawn there was 10
+    characters wide, with each such line glued to its end."""
+    args = train_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "4", "--time-budget-minutes", "0",
+                     "--eval-interval", "2", "--eval-windows", "4", "--checkpoint-interval", "0")[2:]  # fmt: skip
+    # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with the bar)
+    recipe, picked = testkit.make_train_recipe(), "--config_file $yaml "
+    assert picked in recipe, recipe
+    recipe = recipe.replace(picked, f"--config_file {testkit.REPO / 'accelerate_configs' / 'cpu_eager.yaml'} ")
+    status, screen = testkit.run_in_terminal(["bash", "-c", f"{recipe} {shlex.join(args)}"], columns=100)
+    lines = testkit.rendered(screen, columns=100)
+    assert status == 0, "\n".join(lines)
+    bars = [line for line in lines if re.match(r" *\d+%\|", line)]
+    assert len(bars) == 1 and " 4/4 [" in bars[0] and len(bars[0]) == 99, "\n".join(lines)
+    at = lines.index(bars[0])
+    for start in ("step 2: val_loss ", "step 4: val_loss ", "checkpoint saved in "):
+        assert any(line.startswith(start) for line in lines[:at]), "\n".join(lines)
+    assert lines[at + 1].startswith("run folder: "), "\n".join(lines)
