@@ -220,22 +220,23 @@ def run_in_terminal(cmd: list[str], columns: int, timeout: float = 300) -> tuple
 def rendered(screen: str, columns: int) -> list[str]:
     """The lines a terminal of `columns` columns shows for `screen` (run_in_terminal's): carriage returns move to the
     line's start, a line longer than the terminal wraps. Enough for tqdm's bars and printed lines."""
-    lines, row, col = [[]], 0, 0
+    lines: list[list[str]] = [[]]
+    col = 0  # the cursor: on the last line, which it only leaves downwards
     for ch in screen:
         if ch == "\r":
             col = 0
-        elif ch == "\n":
-            row, col = row + 1, 0
-        else:
-            if col == columns:
-                row, col = row + 1, 0
-            while len(lines) <= row:
-                lines.append([])
-            line = lines[row]
-            line[len(line) : col + 1] = [" "] * (col + 1 - len(line))
-            line[col], col = ch, col + 1
-        while len(lines) <= row:
+            continue
+        if ch == "\n" or col == columns:
             lines.append([])
+            col = 0
+            if ch == "\n":
+                continue
+        line = lines[-1]
+        if col < len(line):
+            line[col] = ch
+        else:
+            line.append(ch)
+        col += 1
     return ["".join(line).rstrip() for line in lines]
 
 
