@@ -42,8 +42,8 @@ class StopRequest:
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        if os.environ.get("RANK", "0") == "0":  # every rank gets it; one says so
-            print(f"\n{self.signal_name} received: finishing this step, then saving a checkpoint", flush=True)
+        if os.environ.get("RANK", "0") == "0":  # every rank gets it; one says so (above a terminal's progress bar)
+            print(f"{self.signal_name} received: finishing this step, then saving a checkpoint", flush=True)
 
 
 def grace_period_line(save_s: float, step_s: float) -> str:
