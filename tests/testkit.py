@@ -22,8 +22,8 @@ import tempfile
 import termios
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO
@@ -180,20 +180,28 @@ def launch(accelerate_config: str | None, run_dir: Path, data_dir: Path, *args: 
     return run(train_cmd(accelerate_config, run_dir, data_dir, *args))
 
 
-def make_train_recipe(args: str = "") -> str:
+def make_train_recipe(args: str = "", yaml: str | None = None) -> str:
     """The shell command `make train ARGS="args"` runs (it picks the YAML first), with this venv; flags appended to
-    it win."""
+    it win. yaml: launch accelerate_configs/<yaml> instead of the YAML it picks (e.g. an eager one, for a test about
+    something other than the compile)."""
     venv = Path(sys.executable).parent.parent
     # Under `make test` this make is a sub-make, which prints "make[1]: Entering directory" unless told not to.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     make = ["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}", f"ARGS={args}"]
-    dry = subprocess.run(make, cwd=REPO, env=env, capture_output=True, text=True, check=True)
-    return dry.stdout.strip()
+    recipe = subprocess.run(make, cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if yaml is None:
+        return recipe
+    picked = "--config_file $yaml "
+    assert picked in recipe, recipe
+    return recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / yaml} ")
 
 
-def run_in_terminal(cmd: list[str], columns: int, timeout: float = 300) -> tuple[int, str]:
+def run_in_terminal(
+    cmd: list[str], columns: int, timeout: float = 300, interrupt: Callable[[], bool] | None = None
+) -> tuple[int, str]:
     """Run `cmd` with a terminal of `columns` columns as its stdin, stdout and stderr, as a user's shell runs it;
-    (exit status, what it drew on the terminal)."""
+    (exit status, what it drew on the terminal). interrupt: once it holds, Ctrl-C, which a terminal sends to its
+    foreground job's whole process group as SIGINT."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(cmd, cwd=REPO, stdin=child, stdout=child, stderr=child, start_new_session=True)
@@ -209,12 +217,17 @@ def run_in_terminal(cmd: list[str], columns: int, timeout: float = 300) -> tuple
                 if not chunk:
                     break
                 screen += chunk
+            if interrupt is not None and interrupt():
+                os.killpg(proc.pid, signal.SIGINT)
+                interrupt = None
         else:
             proc.kill()
             raise subprocess.TimeoutExpired(cmd, timeout, screen)
         return proc.wait(timeout=60), screen.decode(errors="replace")
     finally:
         os.close(main)
+        with suppress(ProcessLookupError):  # an orphaned process stays in the group
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def rendered(screen: str, columns: int) -> list[str]:

@@ -21,7 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testkit import REPO, hub_endpoint, make_train_recipe, run, through_training_launch, train_cmd
+from testkit import (
+    REPO,
+    hub_endpoint,
+    make_train_recipe,
+    rendered,
+    run,
+    run_in_terminal,
+    through_training_launch,
+    train_cmd,
+)
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
 
@@ -363,22 +372,24 @@ def ctrl_c_when(ready: Callable[[], bool], script: str, cwd: Path) -> tuple[int,
 
 
 def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_path):
-    """Ctrl-C reaches the terminal's whole process group: the training process finishes its step, saves and says
-    how to continue, last, and the launcher waits for it and exits 0 (accelerate's own died at once with a
-    KeyboardInterrupt traceback, giving the prompt back while the run was still saving)."""
+    """Ctrl-C in the terminal reaches its whole foreground job: the training process finishes its step, saves and
+    says how to continue, last, below the progress bar, and the launcher waits for it and exits 0 (accelerate's own
+    died at once with a KeyboardInterrupt traceback, giving the prompt back while the run was still saving)."""
     run_dir = tmp_path / "run"
     args = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
                     "--time-budget-minutes", "0")[2:]  # fmt: skip
     # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with a signal)
-    recipe, picked = make_train_recipe(), "--config_file $yaml "
-    assert picked in recipe, recipe
-    recipe = recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / 'cpu_eager.yaml'} ")
-    status, screen = ctrl_c_when(lambda: logged_steps(run_dir) >= 3, f"{recipe} {shlex.join(args)}", REPO)
+    recipe = make_train_recipe(yaml="cpu_eager.yaml")
+    status, screen = run_in_terminal(["bash", "-c", f"{recipe} {shlex.join(args)}"], columns=400,
+                                     interrupt=lambda: logged_steps(run_dir) >= 3)  # fmt: skip
     step = logged_steps(run_dir)
     assert status == 0 and "Traceback" not in screen, screen[-3000:]
     checkpoint = list_checkpoints(run_dir)[-1]
     assert checkpoint.name == f"step-{step:08d}"
-    assert screen.strip().splitlines()[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}")
+    lines = [line for line in rendered(screen, columns=400) if line]
+    assert "SIGINT received: finishing this step, then saving a checkpoint" in lines, "\n".join(lines)
+    assert re.match(r" *\d+%\|.*\| \d+/500 \[", lines[-2]), "\n".join(lines)  # the bar, then our line
+    assert lines[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}"), "\n".join(lines)
 
 
 def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_it(tmp_path):
