@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, redirect_stdout
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.auto import tqdm
@@ -42,15 +42,10 @@ def progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm]:
     stderr through one of its own, where tqdm would also draw a 10-character bar). Elsewhere the bar is drawn on
     stderr, so that a redirected stdout, a log, holds the run's lines alone."""
     on_stdout = shown and sys.stdout.isatty()
-    with tqdm(total=total, initial=initial, disable=not shown, file=sys.stdout if on_stdout else sys.stderr) as bar:
-        if not on_stdout:
-            yield bar
-            return
-        stdout, sys.stdout = sys.stdout, DummyTqdmFile(sys.stdout)
-        try:
-            yield bar
-        finally:
-            sys.stdout = stdout
+    file = sys.stdout if on_stdout else sys.stderr
+    above = redirect_stdout(DummyTqdmFile(sys.stdout)) if on_stdout else nullcontext()
+    with tqdm(total=total, initial=initial, disable=not shown, file=file) as bar, above:
+        yield bar
 
 
 def fit(run: Run) -> bool:

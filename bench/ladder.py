@@ -61,6 +61,7 @@ def run_ladder(
     results: list[Result] = []
     by_rung: dict[int, Result] = {}
     recipe = Recipe()
+    untimed = untimed_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
     for rung in RUNGS:
         recipe = rung.apply(recipe)
         if rung.index not in selected:
@@ -68,7 +69,7 @@ def run_ladder(
         row = Result(str(rung.index), rung.name, rung.change, role=rung.role)
         reason = rung.unavailable(bench.device)
         if reason is None and recipe.autocast is not None and rung.role is not Role.FULL_RECIPE:
-            reason = untimed_bf16(bench.device, bench.peak_tflops["bf16"], bench.peak_tflops["fp32"])
+            reason = untimed
         if reason is not None:
             result = dataclasses.replace(row, status="n/a", reason=reason)
         elif rung.role is Role.FULL_RECIPE:
