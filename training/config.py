@@ -391,7 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="run-config YAML of TrainConfig fields (applied before the flags)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     types_ = _field_types()
-    names = [(f.name, f.name, f.metadata["help"]) for f in fields(TrainConfig)]
+    # the flags' own default is SUPPRESS (only what was given overrides the run-config), so the help states the field's
+    names = [
+        (f.name, f.name, f"{f.metadata['help']} (default: {f.default or repr(f.default)})") for f in fields(TrainConfig)
+    ]
     names += [(old, new, argparse.SUPPRESS) for old, new in RENAMED.items()]  # renamed by parse_config
     for name, current, help_ in names:
         kind, optional = types_[current]

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from testkit import REPO
-from training.config import RENAMED, ConfigError, TrainConfig, grad_accum_steps, load_yaml, parse_config
+from training.config import RENAMED, ConfigError, TrainConfig, build_parser, grad_accum_steps, load_yaml, parse_config
 
 
 def test_precedence_defaults_then_yaml_then_flags(tmp_path):
@@ -54,6 +54,16 @@ def test_a_renamed_key_still_works_with_one_warning_line(tmp_path, capsys, monke
 def test_flags_accept_both_spellings_and_optional_none():
     cfg, _ = parse_config(["--max_tokens", "5000", "--peak-tflops", "none", "--export-hf", "false"])
     assert cfg.max_tokens == 5000 and cfg.peak_tflops is None and cfg.export_hf is False
+
+
+def test_help_gives_every_fields_default():
+    """--help is where a user looks for a flag's default; the flags themselves default to nothing (so that only what
+    was given overrides the run-config), so each help line states the field's."""
+    options = build_parser().format_help().split("\noptions:\n", 1)[1]
+    entries = {e.split()[0]: " ".join(e.split()) for e in options.split("\n  --")}  # argparse wraps the lines
+    for f in dataclasses.fields(TrainConfig):
+        shown = f.default if f.default != "" else "''"
+        assert entries[f.name.replace("_", "-")].endswith(f"(default: {shown})"), entries[f.name.replace("_", "-")]
 
 
 def test_token_budget_sets_steps():
