@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 9))" 2>/dev/null \
+		|| $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 
