@@ -60,6 +60,12 @@ def get_encoding() -> tiktoken.Encoding:
     return _from_ranks_file(str(path))
 
 
+def prompt_tokens(prompt: str) -> list[int]:
+    """A prompt's tokens for generation: special tokens' text (<|endoftext|>) as ordinary text, as a book's would
+    be, and an empty prompt as the start of a new document (the separator alone)."""
+    return get_encoding().encode_ordinary(prompt) or [EOT_ID]
+
+
 def vocab_and_merges_path() -> Path:
     """Where gpt2_vocab_and_merges keeps what it derives from the ranks."""
     return cache_dir() / "tokenizer" / "gpt2-vocab-merges.json"

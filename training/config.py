@@ -198,6 +198,12 @@ class TrainConfig:
     # engine cannot run the default optimizer the run takes another, but never one the user asked for.
     explicit: ClassVar[frozenset[str]] = frozenset()
 
+    def replace(self, **changes: Any) -> TrainConfig:
+        """dataclasses.replace, keeping `explicit` (a class variable there, which replace would reset)."""
+        changed = dataclasses.replace(self, **changes)
+        changed.explicit = self.explicit
+        return changed
+
     def model_config(self) -> GPTConfig:
         """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
         try:

@@ -19,7 +19,7 @@ from filelock import FileLock
 from data_prep import ensure_default_corpus
 from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, prepare_command
-from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
+from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges, prompt_tokens
 from evals.data import load_examples
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
@@ -99,8 +99,7 @@ def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainCon
             "orthogonalizes whole); launch with a DDP accelerate config (e.g. accelerate_configs/8xh100.yaml) or "
             "use --optimizer adamw"
         )
-    resolved = dataclasses.replace(cfg, optimizer="adamw")
-    resolved.explicit = cfg.explicit
+    resolved = cfg.replace(optimizer="adamw")
     note = (
         f"note: {engine} shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr {cfg.lr:g}) "
         f"under the same {cfg.lr_schedule} schedule; --optimizer adamw silences this"
@@ -210,7 +209,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     trackers = [t.strip() for t in cfg.trackers.split(",") if t.strip()]
     check_launch()  # before anything is written
     if yaml_activation_checkpointing():
-        cfg = dataclasses.replace(cfg, activation_checkpointing=True)
+        cfg = cfg.replace(activation_checkpointing=True)
     check_trackers(trackers)
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
@@ -241,7 +240,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     world_size = accelerator.num_processes
     if auto:  # the run from here on is the one launched with the size picked
         size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)
-        cfg = dataclasses.replace(cfg, micro_batch_size=size)
+        cfg = cfg.replace(micro_batch_size=size)
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum
     set_deepspeed_batch(accelerator, cfg.micro_batch_size, grad_accum)
@@ -540,13 +539,14 @@ class TrainMetrics:
         """Log the train row for `step` (the one host read of loss and grad norm) and start a new window."""
         run, accelerator = self.run, self.run.accelerator
         world_size = accelerator.num_processes
+        lrs = run.schedule.lrs_of_step(step)  # the step's own, not the next one's
         row = {
             "train_loss": accelerator.reduce(out.loss, "mean").item(),
-            "lr": run.scheduler.get_last_lr()[0],  # AdamW's (its groups come first)
+            "lr": lrs[0],  # AdamW's (its groups come first)
             "grad_norm": out.grad_norm.item(),
         }
         if run.cfg.optimizer == "muon":
-            row["muon_lr"] = run.scheduler.get_last_lr()[-1]  # the last group's (GPT.optimizer_groups)
+            row["muon_lr"] = lrs[-1]  # the last group's (GPT.optimizer_groups)
         if self.window_steps:  # none when the first step is also a log step
             step_s = self.window_s / self.window_steps
             tokens_per_sec = run.cfg.total_batch_tokens / step_s
@@ -612,7 +612,7 @@ def write_sample(run: Run, step: int) -> None:
     (regional compilation) would otherwise compile a graph for each new token's cache length."""
     accelerator, model, encoding = run.accelerator, run.sampler, get_encoding()
     model.eval()
-    idx = torch.tensor([encoding.encode(run.cfg.sample_prompt)], device=accelerator.device)
+    idx = torch.tensor([prompt_tokens(run.cfg.sample_prompt)], device=accelerator.device)
     generator = torch.Generator(device=accelerator.device).manual_seed(step)
     with accelerator.autocast(), force_eager():
         out = model.generate(idx, run.cfg.sample_tokens, temperature=1.0, top_k=50, generator=generator)

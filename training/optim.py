@@ -210,6 +210,10 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
             group["lr"] = lr
         self._last_lr = lrs
 
+    def lrs_of_step(self, step: int) -> list[float]:
+        """Each group's lr in optimizer step `step` (counted from 1, as logged); get_last_lr() is the next step's."""
+        return [base * fn(step - 1) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+
     def keeps_past(self, total_steps: int) -> bool:
         """Whether a schedule ending at total_steps would have given every step taken so far the lrs it had, so
         that span(total_steps) now trains exactly as a run built for total_steps. lr_multiplier depends on the

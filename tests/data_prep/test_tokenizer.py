@@ -13,7 +13,14 @@ import pytest
 import data_prep.tokenizer as tokenizer
 from data_prep import DataPrepError
 from data_prep.assets import cache_dir, sdist
-from data_prep.tokenizer import EOT_ID, TOKENIZER_SHA256, WHISPER_SDIST, get_encoding, gpt2_vocab_and_merges
+from data_prep.tokenizer import (
+    EOT_ID,
+    TOKENIZER_SHA256,
+    WHISPER_SDIST,
+    get_encoding,
+    gpt2_vocab_and_merges,
+    prompt_tokens,
+)
 from testkit import REPO
 
 
@@ -49,6 +56,14 @@ def test_encoding_is_gpt2():
 
 
 @pytest.mark.slow
+def test_a_prompt_is_ordinary_text_and_an_empty_one_starts_a_document():
+    """Training's samples and evals.generate encode prompts alike: no prompt a user can type raises."""
+    enc = get_encoding()
+    assert prompt_tokens("") == [EOT_ID]
+    assert prompt_tokens("<|endoftext|>ROMEO:") == enc.encode_ordinary("<|endoftext|>ROMEO:") != [EOT_ID]
+    assert enc.decode(prompt_tokens("<|endoftext|>ROMEO:")) == "<|endoftext|>ROMEO:"
+
+
 def test_provisions_ranks_from_cached_whisper_sdist_offline(tmp_path):
     archive = sdist(*WHISPER_SDIST)  # downloads into the user cache on the very first run
     (tmp_path / "downloads").mkdir()

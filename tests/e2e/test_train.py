@@ -16,6 +16,7 @@ import testkit
 from modeling.config import REAL_VOCAB_SIZE
 from testkit import launch, train_cmd
 from training.metrics import read_metrics
+from training.optim import lr_multiplier
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,7 @@ def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
     cmd = train_cmd(
         "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "15", "--eval-windows", "32",
         "--sample-interval", "30", "--export-hf", "true", "--eval-tasks", "hellaswag", "--eval-limit", "8",
+        "--sample-prompt", "<|endoftext|>ROMEO:",  # a special token's text in a prompt is text, as in a book
     )  # fmt: skip
     # The run's compile cache: a user's folder holding only this process's ISA subfolder (set by conftest), linked
     # to the warm one, so its graphs hit (~35 s of C++ builds otherwise) and whatever else it writes stays beside.
@@ -76,8 +78,14 @@ def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
     scores = [r["hellaswag_acc_norm"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
     assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)  # benchmark scored at every eval
     assert val[0] > 10.0  # ~ln(50257) at init
+    # the last step's lr is the one its update used, in the wsd decay's last step (the next one's would be the floor)
+    last_lr = [r["lr"] for r in read_metrics(run / "metrics.jsonl") if r["step"] == 30 and "lr" in r]
+    assert last_lr == [
+        pytest.approx(3e-3 * lr_multiplier(29, warmup_steps=5, total_steps=30, min_lr_ratio=0.1, schedule="wsd"))
+    ]
     assert val[30] < val[0] - 2.0, val
-    assert (run / "loss.png").stat().st_size > 0 and "--- step 30 ---" in (run / "samples.txt").read_text()
+    assert (run / "loss.png").stat().st_size > 0
+    assert "--- step 30 ---\n<|endoftext|>ROMEO:" in (run / "samples.txt").read_text()
     assert "| optimizer steps | 30 |" in (run / "export" / "README.md").read_text()  # the model card
 
     from transformers import GPT2LMHeadModel

@@ -49,6 +49,9 @@ def test_a_sharding_engine_trains_the_default_with_adamw_and_stops_an_explicit_m
     explicit, _ = parse_config(["--optimizer", "muon"])
     with pytest.raises(ConfigError, match=r"^optimizer muon runs on one process or DDP only, not DeepSpeed \(which"):
         optimizer_for_engine(explicit, "DeepSpeed")
+    # setup() edits the config before this (the YAML's activation checkpointing): an explicit muon stays explicit
+    with pytest.raises(ConfigError, match=r"^optimizer muon runs on one process or DDP only, not FSDP \(which"):
+        optimizer_for_engine(explicit.replace(activation_checkpointing=True), "FSDP")
 
 
 def test_a_run_past_four_epochs_of_its_train_split_is_warned_once_with_the_command_for_a_bigger_corpus():

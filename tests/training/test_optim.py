@@ -330,3 +330,16 @@ def test_budget_steps_fit_the_minutes_left_within_the_cap():
     assert budget_steps(5, 1.5, elapsed_s=150, done=100, cap=300) == 200  # re-timed: 150 s left at 1.5 s a step
     assert budget_steps(5, 0.5, elapsed_s=3, done=6, cap=300) == 300  # capped by max_steps
     assert budget_steps(0.1, 3.0, elapsed_s=18, done=6, cap=300) == 6  # slower than the budget: stop where it is
+
+
+def test_the_lrs_of_a_step_are_those_its_update_used():
+    """metrics.jsonl's lr at step N is the lr step N's update used (get_last_lr() after it is step N+1's)."""
+    optimizer, sched = muon_schedule("wsd", 30)
+    for step in range(1, 31):
+        used = [g["lr"] for g in optimizer.param_groups]
+        optimizer.step()
+        sched.step()
+        if step == 4:
+            sched.span(sched.nearest_span(20, 30))  # a time budget's decision, as the run takes it
+        assert sched.lrs_of_step(step) == used, step
+    assert sched.lrs_of_step(1) != sched.lrs_of_step(2)  # the warmup
