@@ -53,8 +53,9 @@ def fit(run: Run) -> bool:
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     run.startup.mark()
     if progress.step >= run.total_steps:  # a finished run launched again
-        accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, raise "
-                          "--max-steps or --max-tokens; to start afresh, --resume never)")  # fmt: skip
+        longer = "--time-budget-minutes 0 and a higher --max-steps" if progress.total_steps else "raise --max-steps"
+        accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, "
+                          f"{longer} or --max-tokens; to start afresh, --resume never)")  # fmt: skip
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log(evaluate(run), step=0)
         run.startup.lap("step0_eval")

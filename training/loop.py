@@ -338,8 +338,11 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak, one_checkpoint, lock, startup,
     )  # fmt: skip
-    if progress.total_steps:  # resumed after a time budget's decision: the same steps and schedule
+    if progress.total_steps and cfg.time_budget_minutes:  # resumed after a time budget's decision: the same steps
         run.span(progress.total_steps)
+    elif progress.total_steps:  # the budget turned off on resume: max_steps or max_tokens decide, as in a new run
+        progress.total_steps = 0
+        run.schedule.span(run.total_steps)
     log_run_info(run, num_params, peak_source, optimizer_text)
     return run
 

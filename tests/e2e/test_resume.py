@@ -241,6 +241,12 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
 
     run(tiny_cmd(None, straight, prepared_books, *common, "--max-steps", str(total)))
     assert losses_by_step(killed) == losses_by_step(straight)
+    # launched again, the budget's steps stay done; with the budget off, --max-steps decides, as in a new run
+    again = run(tiny_cmd(None, killed, prepared_books, *budget, "--resume", "auto")).stdout
+    assert f"at step {total} of {total}: nothing to train (to go on, --time-budget-minutes 0 and a higher" in again
+    longer = [*common, "--max-steps", str(total + 2), "--time-budget-minutes", "0", "--resume", "auto"]
+    run(tiny_cmd(None, killed, prepared_books, *longer))
+    assert max(losses_by_step(killed)) == total + 2
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
