@@ -294,16 +294,19 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     return None, []
 
 
-def set_aside(run_dir: Path, step: int) -> str | None:
-    """Keep the run folder to one run before this launch writes to it, continuing after optimizer step `step` (0:
-    afresh); the main process calls it once the launch can no longer fail on its input. One line saying what it did
-    (None: nothing to do).
+def set_aside(run_dir: Path, step: int, resumed_from: Path | None) -> str | None:
+    """Keep the run folder to one run before this launch writes to it, continuing after optimizer step `step` from
+    checkpoint `resumed_from` (None: afresh); the main process calls it once the launch can no longer fail on its
+    input. One line saying what it did (None: nothing to do).
 
-    Afresh in a folder holding a run: all of that run (config, metrics, samples, checkpoints, export) moves into
-    previous-<time>/. Resuming: checkpoints after `step` (a run resumed from an older checkpoint, damaged ones)
-    move there, so neither auto-resume nor pruning ever prefers them; metrics rows logged after `step` (by a
-    launch that stopped before saving again) are dropped, as the resumed run logs those steps anew."""
+    Afresh in a folder holding a run, or resumed from another folder's checkpoint: all of the folder's run (config,
+    metrics, samples, checkpoints, export) moves into previous-<time>/. Resuming from its own checkpoint:
+    checkpoints after `step` (a run resumed from an older checkpoint, damaged ones) move there, so neither
+    auto-resume nor pruning ever prefers them; metrics rows logged after `step` (by a launch that stopped before
+    saving again) are dropped, as the resumed run logs those steps anew."""
     run_dir = Path(run_dir)
+    if resumed_from is None or Path(resumed_from).resolve().parent.parent != run_dir.resolve():
+        step = 0  # this folder's run, if any, is not the one continued
     if step:
         moved = [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
     elif (run_dir / CONFIG_FILE).exists() or (run_dir / METRICS_FILE).exists() or (run_dir / "checkpoints").exists():

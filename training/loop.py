@@ -311,7 +311,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
             accelerator.print(hub_note)
         startup.lap("export_check")
     if accelerator.is_main_process:
-        moved = set_aside(run_dir, progress.step)  # the first write of this launch: one run per folder from here
+        # the first write of this launch: one run per folder from here
+        moved = set_aside(run_dir, progress.step, resume_from)
         if moved:
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs

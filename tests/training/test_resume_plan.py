@@ -163,7 +163,7 @@ def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "samples.txt", ".run.lock", ".run.lock.json"):
         (run_dir / name).write_text(name)
     (run_dir / "previous-20200101-000000").mkdir()
-    line = set_aside(run_dir, 0)
+    line = set_aside(run_dir, 0, None)
     [previous] = set(run_dir.glob("previous-*")) - {run_dir / "previous-20200101-000000"}
     moved = "checkpoints, config.yaml, metrics.jsonl, samples.txt"
     assert line == f"moved {moved} into {previous} (the run this one replaces)"
@@ -171,7 +171,7 @@ def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
     assert {p.name for p in run_dir.iterdir()} == left
     assert (previous / "checkpoints/step-00000002/manifest.json").is_file()
     assert (previous / "metrics.jsonl").read_text() == "metrics.jsonl"
-    assert set_aside(run_dir, 0) is None  # nothing of a run left: an empty folder starts as it is
+    assert set_aside(run_dir, 0, None) is None  # nothing of a run left: an empty folder starts as it is
 
 
 def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_path):
@@ -182,7 +182,7 @@ def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_
         fake_checkpoint(run_dir, step)
     rows = [{"step": s, "train_loss": 10.0 - s} for s in range(1, 9)] + [{"step": 4, "val_loss": 5.0}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
-    line = set_aside(run_dir, 4)
+    line = set_aside(run_dir, 4, run_dir / "checkpoints" / "step-00000004")
     [previous] = run_dir.glob("previous-*")
     assert line == (
         f"moved checkpoints/step-00000006 into {previous} (saved after step 4, where this run continues); dropped "
@@ -192,6 +192,19 @@ def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_
     assert kept == rows[:4] + rows[-1:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert checkpoint_damage(previous / "checkpoints" / "step-00000006") is None  # moved whole
+
+
+def test_a_resume_from_another_folders_checkpoint_sets_this_folders_run_aside_whole(tmp_path):
+    """--resume PATH of another run, --out-dir a folder holding a run: none of the folder's run (config, metrics
+    rows, checkpoints up to the step) is left to mix with the continued one."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    fake_checkpoint(run_dir, 2)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train_loss": 9.0}\n')
+    source = fake_checkpoint(other, 4)
+    line = set_aside(run_dir, 4, source)
+    [previous] = run_dir.glob("previous-*")
+    assert line == f"moved checkpoints, metrics.jsonl into {previous} (the run this one replaces)"
+    assert {p.name for p in run_dir.iterdir()} == {previous.name}
 
 
 def launched_rank(folder: Path, rank: int, line: str | None, monkeypatch, capsys) -> ProcessFailure:
