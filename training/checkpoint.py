@@ -418,8 +418,10 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
 
 
 def _val_loss(checkpoint: Path) -> float | None:
-    meta = checkpoint / "meta.json"
-    return json.loads(meta.read_text()).get("val_loss") if meta.is_file() else None
+    try:
+        return json.loads((checkpoint / "meta.json").read_text()).get("val_loss")
+    except (OSError, ValueError, AttributeError):  # none, or damaged: no score to keep the checkpoint for
+        return None
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:

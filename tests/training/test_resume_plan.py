@@ -19,7 +19,10 @@ from training.checkpoint import (
     MANIFEST,
     CheckpointError,
     checkpoint_damage,
+    checkpoint_dir,
+    list_checkpoints,
     plan_resume,
+    prune_checkpoints,
     set_aside,
     write_manifest,
 )
@@ -205,6 +208,16 @@ def test_a_resume_from_another_folders_checkpoint_sets_this_folders_run_aside_wh
     [previous] = run_dir.glob("previous-*")
     assert line == f"moved checkpoints, metrics.jsonl into {previous} (the run this one replaces)"
     assert {p.name for p in run_dir.iterdir()} == {previous.name}
+
+
+def test_pruning_keeps_the_newest_and_the_best_and_passes_over_a_damaged_meta(tmp_path):
+    run_dir = tmp_path / "run"
+    for step, val in ((2, 5.0), (4, 4.0), (6, 4.5), (8, None)):
+        meta = fake_checkpoint(run_dir, step) / "meta.json"
+        meta.write_text(json.dumps({"step": step} | ({"val_loss": val} if val else {})))
+    (checkpoint_dir(run_dir, 2) / "meta.json").write_text('{"step": 2, "val_lo')  # cut by a crash
+    assert [p.name for p in prune_checkpoints(run_dir, 1)] == ["step-00000004", "step-00000008"]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000008"]
 
 
 def launched_rank(folder: Path, rank: int, line: str | None, monkeypatch, capsys) -> ProcessFailure:
