@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES
 from modeling.runs import read_metrics
 
@@ -322,7 +323,7 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     card = render_model_card(run_dir)
     if repo_id:
         card = card.replace("REPO_ID", repo_id)
-    (export / "README.md").write_text(card)
+    atomic_write_bytes(export / "README.md", card.encode())  # a crash leaves the old card or the new, never half
     if (run_dir / "loss.png").is_file():
         shutil.copyfile(run_dir / "loss.png", export / "loss.png")
     return export / "README.md"
