@@ -186,6 +186,21 @@ class WindowDataset(Dataset):
         return {**self.__dict__, "_maps": None}  # memmaps don't travel to worker processes
 
 
+def _cut_by_shards(manifest: Manifest, split: str, block_size: int, windows: int, needed: int) -> str | None:
+    """Why a split whose tokens hold `needed` windows has only `windows`: its shards are too small (a window never
+    crosses a shard's end), and what to do; None when its tokens are too few anyway."""
+    tokens = manifest.num_tokens(split)
+    if (tokens - 1) // block_size < needed:
+        return None
+    largest = max(s.num_tokens for s in manifest.shards_of(split))
+    return (
+        f"split {split!r} of {manifest.data_dir} has {tokens} tokens but only {windows} windows of {block_size} + 1 "
+        f"tokens in its shards, {needed} needed: a window never crosses a shard's end, and its shards hold at most "
+        f"{largest} tokens each (--shard-tokens {manifest.params['shard_tokens']}); prepare it again with a "
+        f"--shard-tokens far above {block_size} (e.g. its default), or lower block_size"
+    )
+
+
 IGNORE_INDEX = -100  # a target the loss skips (PyTorch's cross-entropy default): fills up EvalWindows batches
 
 
@@ -232,7 +247,8 @@ class EvalWindows:
         )
         if len(self.dataset) == 0:
             raise DataPrepError(
-                f"split {split!r} of {data_dir} has {manifest.num_tokens(split)} tokens, fewer than one window of "
+                _cut_by_shards(manifest, split, block_size, 0, 1)
+                or f"split {split!r} of {data_dir} has {manifest.num_tokens(split)} tokens, fewer than one window of "
                 f"{block_size} + 1; prepare more books (or a larger --val-fraction for val), or lower block_size"
             )
         self.micro_batch_size = micro_batch_size
@@ -360,7 +376,8 @@ class TokenLoader:
         per_step = world_size * micro_batch_size
         if len(self.dataset) < per_step:
             raise DataPrepError(
-                f"split {split!r} of {data_dir} has {len(self.dataset)} windows of {block_size} tokens "
+                _cut_by_shards(self.manifest, split, block_size, len(self.dataset), per_step)
+                or f"split {split!r} of {data_dir} has {len(self.dataset)} windows of {block_size} tokens "
                 f"({self.manifest.num_tokens(split)} tokens in {len(shards)} shards), but one step of "
                 f"world_size * micro_batch_size = {per_step} windows needs at least {per_step * block_size + 1} "
                 f"tokens in it; prepare more books (or a larger --val-fraction for val), or lower "

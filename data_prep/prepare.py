@@ -10,7 +10,8 @@ Memory is bounded by the batches in flight, not by the corpus.
 Documents go to train or val by a hash of their id (adding books never moves the others), or as
 their source splits them (PG-19: its validation and test books are val). The
 dataset is built in `.NAME.build/` next to `--out` and swapped in by renames at the end, so an
-interrupted or failed run leaves any previous dataset untouched; after every batch the build
+interrupted or failed run leaves any previous dataset untouched (a run killed between the renames is
+completed by the next one, before anything else); after every batch the build
 records how far it got, and a killed run continues from there when started again with the same
 inputs and parameters. Ctrl-C stops after the batch in hand and says so in one line (exit status 130).
 Re-running with the same inputs and parameters is a no-op.
@@ -42,7 +43,16 @@ from tqdm import tqdm
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes
 from data_prep.loader import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
-from data_prep.sources import DEFAULT_MIRROR, SPEC_HELP, Plan, Record, parse_spec, plan, source_licenses
+from data_prep.sources import (
+    DEFAULT_MIRROR,
+    SPEC_HELP,
+    Plan,
+    Record,
+    SourceUnreadable,
+    parse_spec,
+    plan,
+    source_licenses,
+)
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
 from modeling.disk import DiskFull, disk_full_reported
 
@@ -102,11 +112,17 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):  # several ranks may call prepare() at once; the later ones find it done
         build = out.parent / f".{out.name}.build"
+        _settle_swap(build, out)
         if key and _up_to_date(out, key):
             shutil.rmtree(build, ignore_errors=True)  # a killed run of other inputs or parameters
             log.info("%s is up to date (same inputs and parameters); nothing to do", out)
             return out / MANIFEST_NAME
         progress = _progress(build, key)
+        if progress is not None and (short := _shortfall(build, progress)):
+            # a crash before the OS wrote the last writes out, or an altered file: resuming would pad it with zero
+            # bytes (token 0) that its sha256 would then vouch for
+            log.warning("Starting %s afresh: %s, fewer than its progress record counts", build, short)
+            progress = None
         if progress is None:
             shutil.rmtree(build, ignore_errors=True)
             build.mkdir()
@@ -114,10 +130,12 @@ def prepare(
             log.info("Resuming the killed preparation in %s after %d books", build, progress["records_done"])
             for stray in build.glob(".*.tmp"):  # a write the kill cut short (atomic_write_bytes's temp file)
                 stray.unlink()
-        with disk_full_reported(out, lambda: _kept_on_a_full_disk(out, build, key)):
+        with disk_full_reported(out, lambda: _kept(out, build, key)):
             try:
                 splits = _splitter(books, val_fraction, seed)
                 manifest = _build(build, books, splits, setup, key, num_proc, progress)
+            except SourceUnreadable as e:  # not the inputs' fault: the books done are kept, as on a full disk
+                raise DataPrepError(f"{e}; {_kept(out, build, key)}") from None
             except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
                 shutil.rmtree(build)
                 raise
@@ -169,10 +187,10 @@ def _amount(value: float, giga: str, mega: str, kilo: str) -> str:
     return f"{value / 1e3:.2g}{kilo}"
 
 
-def _kept_on_a_full_disk(out: Path, build: Path, key: str | None) -> str:
-    """What a preparation stopped by a full disk leaves: the books recorded in the build's progress (the rerun
-    continues after them; a streamed source cannot be listed again, so its build is removed to give the space
-    back), and any previous dataset in `out` as it was."""
+def _kept(out: Path, build: Path, key: str | None) -> str:
+    """What a preparation stopped by a full disk or a source failing part-way leaves: the books recorded in the
+    build's progress (the rerun continues after them; a streamed source cannot be listed again, so its build is
+    removed to give the space back), and any previous dataset in `out` as it was."""
     previous = f"; {out} is untouched" if (out / MANIFEST_NAME).is_file() else ""
     if key is None:
         shutil.rmtree(build, ignore_errors=True)
@@ -403,7 +421,7 @@ class _ShardWriter:
             self._file, self._count = open(path, "ab"), count  # noqa: SIM115 - stays open across write() calls
 
     def _path(self) -> Path:
-        return self.folder / f"{self.split}_{len(self.shards):03d}.bin"
+        return self.folder / _shard_name(self.split, len(self.shards))
 
     def write(self, tokens: np.ndarray) -> None:
         while len(tokens):
@@ -437,6 +455,10 @@ class _ShardWriter:
         self._file = None
 
 
+def _shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:03d}.bin"
+
+
 def _progress(build: Path, key: str | None) -> dict[str, Any] | None:
     """The checkpoint of a killed run with the same inputs and parameters, if there is one."""
     try:
@@ -444,6 +466,22 @@ def _progress(build: Path, key: str | None) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return state if key is not None and state.get("key") == key else None
+
+
+def _shortfall(build: Path, state: dict[str, Any]) -> str | None:
+    """The first of a killed run's files that holds less than its progress record counts, and how much it holds;
+    None when all hold at least that (resuming cuts them back to it)."""
+    need = {DOCUMENTS_NAME: state["index_bytes"]}
+    for split, writer in state["writers"].items():
+        need |= {shard["file"]: 2 * shard["num_tokens"] for shard in writer["shards"]}
+        if writer["count"]:
+            need[_shard_name(split, len(writer["shards"]))] = 2 * writer["count"]
+    for name, size in need.items():
+        path = build / name
+        have = path.stat().st_size if path.is_file() else 0
+        if have < size:
+            return f"its {name} holds {have} bytes of {size}"
+    return None
 
 
 def _check_out_dir(out: Path) -> None:
@@ -479,11 +517,36 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 
 def _swap_in(build: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    """Replace `out` by the complete `build`. A run killed between the two renames leaves no `out` and the previous
+    dataset in _old(out); the next run settles that (_settle_swap) before anything else."""
+    old = _old(out)
     if out.exists():
         os.rename(out, old)
     os.rename(build, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _settle_swap(build: Path, out: Path) -> None:
+    """Finish the swap of a run killed inside _swap_in: with `out` gone, its complete build (manifest written, no
+    progress record) goes in as that run meant, or else the previous dataset goes back; then what is left of the
+    previous dataset goes."""
+    old = _old(out)
+    if not old.exists():
+        return
+    if not out.exists():
+        if (build / MANIFEST_NAME).is_file() and not (build / PROGRESS_NAME).exists():
+            os.rename(build, out)
+            log.info("Finished replacing %s with the dataset a killed run had completed", out)
+        else:
+            os.rename(old, out)
+            log.info("Put the previous dataset back in %s, where a killed run had moved it aside", out)
+            return
+    shutil.rmtree(old)
+
+
+def _old(out: Path) -> Path:
+    """Where _swap_in moves the previous dataset aside: one fixed name, so a killed run's is found (under the lock)."""
+    return out.parent / f".{out.name}.old"
 
 
 def _write_json(path: Path, obj: Any) -> None:

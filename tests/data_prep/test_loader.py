@@ -273,6 +273,23 @@ def test_split_without_one_eval_window_says_so(prepared_books):
         EvalWindows(prepared_books, "val", 100_000, 8, 4)
 
 
+def test_windows_lost_to_small_shards_point_to_shard_tokens(prepared_books):
+    """A window never crosses a shard's end: with shards of about a window (--shard-tokens 40000), a split whose
+    tokens hold the windows asked for has fewer, and the message says why instead of "too few tokens"."""
+    tokens = load_manifest(prepared_books).num_tokens("train")
+    assert tokens > 100_001  # three shards' worth: two windows of 40000 + 1, four of 25000 + 1
+    with pytest.raises(DataPrepError) as lost:
+        EvalWindows(prepared_books, "train", 40_000, 8, 4)
+    assert str(lost.value) == (
+        f"split 'train' of {prepared_books} has {tokens} tokens but only 0 windows of 40000 + 1 tokens in its shards, "
+        f"1 needed: a window never crosses a shard's end, and its shards hold at most 40000 tokens each "
+        f"(--shard-tokens 40000); prepare it again with a --shard-tokens far above 40000 (e.g. its default), or lower "
+        f"block_size"
+    )
+    with pytest.raises(DataPrepError, match=r"has \d+ tokens but only 3 windows of 25000 \+ 1 tokens in its shards, 4"):
+        TokenLoader(prepared_books, "train", 25_000, 4)
+
+
 def test_missing_dataset_prints_the_prepare_command(tmp_path):
     with pytest.raises(DataPrepError, match=f"python -m data_prep.prepare --source default --out {tmp_path / 'nope'}"):
         TokenLoader(tmp_path / "nope", "train", BLOCK, 8)

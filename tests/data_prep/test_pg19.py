@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,44 @@ def test_killed_pg19_preparation_resumes_inside_a_parquet_file(pg19_copy, tmp_pa
         prepare(source, out, shard_tokens=2_000)
     assert "after 4 books" in caplog.text
     assert resumed[0] == "pg19/train/2701"  # the second book of the second train file: nothing read twice
+    fresh = tmp_path / "fresh"
+    prepare(source, fresh, shard_tokens=2_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in fresh.iterdir()}
+
+
+def test_a_source_failing_while_read_keeps_the_books_done_for_the_same_command(
+    pg19_copy, tmp_path, monkeypatch, caplog
+):
+    """A stream that fails part-way (here the second train file goes away after listing, as a Hub file the network
+    drops would) stops with one line that says so and keeps the books done; the same command then continues after
+    them to the bytes of a run never stopped."""
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 2)
+    second = pg19_copy / "data" / "train-00001-of-00002-54b567998cd5eb4b.parquet"
+    away = tmp_path / "away.parquet"
+    real = prepare_module.tokenize_records
+
+    def file_gone_after_the_first_batch(records):
+        if second.exists():
+            second.rename(away)  # a rename keeps its mtime: the same inputs once it is back
+        return real(records)
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", file_gone_after_the_first_batch)
+    source, out, build = f"pg19:{pg19_copy}", tmp_path / "data", tmp_path / ".data.build"
+    with pytest.raises(DataPrepError) as failed:
+        prepare(source, out, shard_tokens=2_000)
+    assert re.fullmatch(
+        rf"could not read {source} \(FileNotFoundError: .*{second.name}'\); check the network \(or the files\), "
+        rf"then run the same command again; the 2 books prepared so far are kept in {build} and the rerun continues "
+        r"after them",
+        str(failed.value),
+    ), str(failed.value)
+    assert not out.exists()
+
+    away.rename(second)
+    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    with caplog.at_level(logging.INFO):
+        prepare(source, out, shard_tokens=2_000)
+    assert f"Resuming the killed preparation in {build} after 2 books" in caplog.text
     fresh = tmp_path / "fresh"
     prepare(source, fresh, shard_tokens=2_000)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in fresh.iterdir()}

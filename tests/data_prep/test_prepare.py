@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,6 +217,93 @@ def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
     prepare("default:sonnets,macbeth", out)  # up to date, and clears the killed run's leftovers
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "data"]
+
+
+@pytest.mark.parametrize("cut", ["open shard", "documents.jsonl"])
+def test_a_killed_build_whose_files_came_up_short_is_started_afresh(tmp_path, monkeypatch, caplog, cut):
+    """A crash before the OS wrote a build's last writes out leaves a file shorter than the progress record counts:
+    resuming would pad it with zero bytes (token 0) that its sha256 then vouches for. The build starts afresh instead,
+    says so, and ends as a run never stopped."""
+    source = f"files:{_write_books(tmp_path / 'books', n=6)}"
+    args = {"shard_tokens": 1000, "val_fraction": 0.25}
+    prepare(source, tmp_path / "fresh", **args)
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
+    real, calls = prepare_module.tokenize_records, []
+
+    def killed_at_the_fourth_book(records: list) -> list:
+        calls.append(records)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # as Ctrl-C: the build and its progress record are kept
+        return real(records)
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", killed_at_the_fourth_book)
+    out, build = tmp_path / "data", tmp_path / ".data.build"
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, out, **args)
+    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    state = json.loads((build / "progress.json").read_text())
+    if cut == "open shard":
+        [(split, writer)] = [(s, w) for s, w in state["writers"].items() if w["count"]]
+        name, size = f"{split}_{len(writer['shards']):03d}.bin", 2 * writer["count"]
+    else:
+        name, size = "documents.jsonl", state["index_bytes"]
+    assert size > 0 and (build / name).stat().st_size >= size
+    os.truncate(build / name, size // 2)
+
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, **args)
+    assert _snapshot_bytes(out) == _snapshot_bytes(tmp_path / "fresh")
+    assert f"Starting {build} afresh: its {name} holds {size // 2} bytes of {size}, fewer than" in caplog.text
+    assert "Resuming" not in caplog.text
+
+
+def _snapshot_bytes(folder: Path) -> dict[str, bytes]:
+    return {name: data for name, (_, data) in _snapshot(folder).items()}
+
+
+class _Killed(BaseException):
+    """A kill at a chosen instant: nothing in prepare() handles it, so what is on disk stays as a kill leaves it."""
+
+
+def _killed_inside_the_swap(monkeypatch: pytest.MonkeyPatch, source: str, out: Path) -> None:
+    """prepare(source, out) killed after moving the previous dataset aside, before renaming its build into place."""
+    rename = os.rename
+
+    def killed_after_moving_out_aside(src: str | Path, dst: str | Path) -> None:
+        rename(src, dst)
+        if Path(src) == out:
+            raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", killed_after_moving_out_aside)
+        with pytest.raises(_Killed):
+            prepare(source, out, val_fraction=0.25)
+    assert not out.exists()
+
+
+def test_a_run_killed_inside_the_swap_is_completed_by_the_next(tmp_path, monkeypatch, caplog):
+    """The next run puts the killed run's completed build in place (its inputs then up to date) and leaves no copy
+    of the previous dataset behind; without that build, it puts the previous dataset back."""
+    books = _write_books(tmp_path / "books")
+    source, out = f"files:{books}", tmp_path / "data"
+    prepare(source, out, val_fraction=0.25)
+    (books / "book1.txt").write_text("A different book.\n", encoding="utf-8")
+    prepare(source, tmp_path / "fresh", val_fraction=0.25)  # what the killed run was writing
+    _killed_inside_the_swap(monkeypatch, source, out)
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, out, val_fraction=0.25)
+    assert "is up to date (same inputs and parameters)" in caplog.text
+    assert _snapshot_bytes(out) == _snapshot_bytes(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", ".fresh.lock", "books", "data", "fresh"]
+
+    (books / "book2.txt").write_text("Another different book.\n", encoding="utf-8")
+    _killed_inside_the_swap(monkeypatch, source, out)
+    shutil.rmtree(tmp_path / ".data.build")
+    (books / "bad.txt").write_bytes(b"caf\xe9\n")  # the next run fails after settling the swap
+    with pytest.raises(DataPrepError, match="bad.txt is not valid UTF-8"):
+        prepare(source, out, val_fraction=0.25)
+    assert _snapshot_bytes(out) == _snapshot_bytes(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", ".fresh.lock", "books", "data", "fresh"]
 
 
 def test_cli_combines_repeated_sources_and_reports_errors(tmp_path, capsys):

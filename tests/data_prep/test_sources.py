@@ -3,6 +3,7 @@
 import pytest
 
 from data_prep import DataPrepError, sources
+from data_prep.prepare import main
 from data_prep.sources import clean_text, iter_documents, parse_spec
 
 PG_MODERN = (
@@ -145,6 +146,23 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
         list(iter_documents(f"hf:{data}:train:body"))
     with pytest.raises(DataPrepError, match=r"could not load Hugging Face dataset '.*nope' split 'train'"):
         list(iter_documents(f"hf:{tmp_path}/nope"))
+
+
+def test_hf_column_that_is_not_text_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "A book.", "year": 1850, "tags": ["a", "b"]}\n', encoding="utf-8")
+    with pytest.raises(DataPrepError, match=r"column 'tags' holds list values \(row 0: \['a', 'b'\]\), not text"):
+        list(iter_documents(f"hf:{data}:train:tags"))
+    out = tmp_path / "data"
+    assert main(["--source", f"hf:{data}:train:year", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: hf:{data}:train:year: column 'year' holds int values (row 0: 1850), not text; name the dataset's "
+        f"text column: hf:DATASET:SPLIT:COLUMN"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "hf_cache", "rows.jsonl"]
 
 
 def test_malformed_spec_fails_before_reading_anything():
