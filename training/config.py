@@ -148,7 +148,11 @@ class TrainConfig:
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"})
     max_bad_steps: int = field(
-        default=5, metadata={"help": "consecutive non-finite-gradient steps skipped before the run aborts"}
+        default=5,
+        metadata={
+            "help": "consecutive non-finite-gradient steps skipped before the run aborts (fp16: loss-scale overflows "
+            "not counted)"
+        },
     )
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and sampling"})
     # --- evaluation, logging, checkpoints ---

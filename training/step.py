@@ -54,6 +54,11 @@ class Trainer:
     """train_step() does one optimizer step: grad_accum micro-batches under accelerator.accumulate, backward, clip,
     the finiteness check, the update. A step with non-finite gradients changes no weight and no counter.
 
+    Under fp16 the GradScaler skips such an update itself and lowers its loss scale: an overflow of the scaled
+    gradients (the loss finite, the scale above 1) is that calibration, reported but not counted toward
+    max_bad_steps. A non-finite loss, or an overflow at a scale of 1 or less (the gradients overflow unscaled, where
+    DeepSpeed's min_loss_scale stops too), counts as under bf16 and fp32.
+
     Where the optimizer can mask its update on the device, the host reads a step's verdict (non-finite? stop
     requested on any rank?) one step late, while the next step's backward runs, instead of stalling the GPU at
     every step; settle() reads it at once (before logging, evals, checkpoints). Elsewhere it is read at once."""
@@ -80,14 +85,21 @@ class Trainer:
         self.masks = masks_on_device(accelerator, optimizer)
         self.stopping = False  # a stop was requested on some rank, as of the last settled step
         self.bad_steps = 0  # consecutive steps skipped for non-finite gradients
-        self._pending: Tensor | None = None  # the unread verdict of the last step: (non-finite, stop) summed
+        self.applied = True  # whether the last settled step's update was applied
+        self.overflowed = False  # whether it was skipped as an fp16 loss-scale overflow (not a bad step)
+        self._pending: Tensor | None = None  # the last step's unread verdict: (non-finite, stop, bad loss) summed
         self._pinned: Tensor | None = None  # on CUDA, the host copy of _pending's verdict
         self._copied: torch.cuda.Event | None = None  # recorded after that copy
 
         # Out of memory in forward/backward: the step is redone with each micro-batch in twice as many slices.
-        # One process only: other ranks would wait in a collective for the one that failed.
+        # One process only: other ranks would wait in a collective for the one that failed. Not FSDP: with gradient
+        # sync off (accumulate() before the last micro-batch) FSDP2 keeps the gradients on its unsharded parameters,
+        # where zero_grad does not reach, and the retry would add them twice.
         self.pieces = 1
-        self.may_halve = accelerator.num_processes == 1 and accelerator.distributed_type != DistributedType.DEEPSPEED
+        self.may_halve = accelerator.num_processes == 1 and accelerator.distributed_type not in (
+            DistributedType.DEEPSPEED,
+            DistributedType.FSDP,
+        )
 
     def train_step(self, batches: Batches) -> StepOutput:
         accelerator, model, device = self.accelerator, self.model, self.accelerator.device
@@ -102,11 +114,12 @@ class Trainer:
             )
         self.settle()  # the previous step's verdict, read while this step's backward runs
         grad_norm = clip_grad_norm(accelerator, model, self.grad_clip)
-        status = torch.zeros(2, device=device)
+        status = torch.zeros(3, device=device)
         status[0] = ~torch.isfinite(grad_norm)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             status[0] = self._deepspeed_skipped(status[0])
         status[1].fill_(float(self.stop()))  # a fill, not a host-to-device copy: no sync
+        status[2] = ~torch.isfinite(loss_sum)  # tells an fp16 loss-scale overflow from a diverged step
         status = accelerator.reduce(status, "sum")
         self.progress.tokens_seen += self.tokens_per_step
         self._stage(status)
@@ -118,7 +131,10 @@ class Trainer:
             self.optimizer.step()
             del inner.found_inf
         else:
-            if self._read_verdict():
+            applied = self._read_verdict()
+            # The GradScaler skips a non-finite update itself, and must see every step: its update() lowers the scale
+            # and ends the step's unscale_ (clip_grad_norm), which may not come twice before it.
+            if applied or accelerator.scaler is not None:
                 self.optimizer.step()
             self._record()
         self.optimizer.zero_grad(set_to_none=True)
@@ -161,7 +177,9 @@ class Trainer:
         except RuntimeError as err:
             if not (self.may_halve and is_out_of_memory(err) and kept and self.pieces < len(kept[0][0])):
                 raise
-        self.optimizer.zero_grad(set_to_none=True)
+        # The model's own: accelerate's optimizer wrapper clears gradients only at a sync (the last micro-batch), so
+        # the earlier micro-batches' would be added again by the retry.
+        model.zero_grad(set_to_none=True)
         accelerator.step = micro_steps
         return None
 
@@ -175,7 +193,7 @@ class Trainer:
         if self._pending is not None:
             self._read_verdict()
             self._record()
-        return self.bad_steps == 0
+        return self.applied
 
     def _stage(self, status: Tensor) -> None:
         """Queue the verdict for the host. On CUDA a non-blocking copy into pinned memory and an event after it: the
@@ -193,18 +211,28 @@ class Trainer:
     def _read_verdict(self) -> bool:
         if self._copied is not None:
             self._copied.synchronize()  # the host sync: up to that step's verdict, not past it
-        nonfinite, stopping = (v > 0 for v in self._pending.tolist())
+        nonfinite, stopping, nonfinite_loss = (v > 0 for v in self._pending.tolist())
         self._pending = None
         self.stopping = self.stopping or stopping
-        self.bad_steps = self.bad_steps + 1 if nonfinite else 0
-        return not nonfinite
+        self.applied = not nonfinite
+        scaler = self.accelerator.scaler  # the scale read before the step's update() lowers it
+        self.overflowed = nonfinite and scaler is not None and not nonfinite_loss and scaler.get_scale() > 1
+        if not self.overflowed:  # an overflow neither ends nor extends a run of bad steps
+            self.bad_steps = self.bad_steps + 1 if nonfinite else 0
+        return self.applied
 
     def _record(self) -> None:
         """Count an applied step (the schedule advances per applied update), or report a skipped one."""
-        if self.bad_steps == 0:
+        if self.applied:
             self.progress.step += 1
             if self.scheduler is not None:
                 self.scheduler.step()
+            return
+        if self.overflowed:
+            self.accelerator.print(
+                f"step {self.progress.step + 1}: fp16 gradients overflowed, update skipped; loss scale lowered to "
+                f"{self.accelerator.scaler.get_scale():g}"
+            )
             return
         self.accelerator.print(
             f"step {self.progress.step + 1}: non-finite loss/gradients, update skipped ({self.bad_steps} in a row)"
