@@ -59,7 +59,7 @@ class TrainProgress:
     step: int = 0  # optimizer steps taken
     tokens_seen: int = 0  # training tokens consumed over all ranks
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
-    train_seconds: float = 0.0  # a time budget's train-step time spent, as of its last decision
+    train_seconds: float = 0.0  # a time budget's train-step time spent (its last decision's, then each step's)
     # The batch shape of the launch that took the steps: processes, micro-batch size, accumulation (0: not known,
     # a checkpoint written before resumes could change it). A resume may change it (see `reshape`).
     world_size: int = 0

@@ -507,6 +507,7 @@ class TrainMetrics:
         self.window_steps += 1
         if self.run.cfg.time_budget_minutes:
             self.step_seconds.append(self.last_step_s)
+            self.run.progress.train_seconds += self.last_step_s  # kept by a save between decisions too
 
     def decide_budget(self) -> None:
         """Set the run's step count from the time budget: the train time spent and the median step since the last
@@ -514,7 +515,7 @@ class TrainMetrics:
         which keeps the lrs of the steps taken, so it trains exactly as a --max-steps run of that count."""
         run, accelerator, cfg, progress = self.run, self.run.accelerator, self.run.cfg, self.run.progress
         median = statistics.median(self.step_seconds)
-        spent = progress.train_seconds + sum(self.step_seconds) + self.untimed * median
+        spent = progress.train_seconds + self.untimed * median
         slowest = accelerator.gather(torch.tensor([median, spent], device=accelerator.device)).view(-1, 2).amax(0)
         step_s, progress.train_seconds = slowest.tolist()
         self.step_seconds, self.untimed = [], 0
