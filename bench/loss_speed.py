@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
-    config, device = get_preset(args.preset), torch.device(args.device)
+    try:
+        config = get_preset(args.preset)
+    except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all
+        sys.exit(f"error: {err}")
+    device = torch.device(args.device)
     set_up_compile_cache(device)
     set_up_compute(device)  # as training sets its process up: no page faults on every big buffer
     n = args.micro_batch_size * config.block_size

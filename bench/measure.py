@@ -18,9 +18,11 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 from bench.rungs import TRAIN, Recipe, Role, Trainer, ladder_trainer, tf32_matmuls
-from data_prep.loader import TokenLoader
+from data_prep import DataPrepError, ensure_default_corpus
+from data_prep.loader import MANIFEST_NAME, TokenLoader
 from modeling.config import GPTConfig
 from training.metrics import memory_stats
+from training.step import is_out_of_memory
 
 ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn")
 
@@ -110,6 +112,19 @@ def profile_ops(run: Callable[[], None], device: torch.device, steps: int) -> tu
     return [k.removeprefix("aten::") for k in kernels], ops
 
 
+def ensure_corpus(data_dir: Path, log: Callable[[str], None]) -> None:
+    """data_prep.ensure_default_corpus, for a benchmark's --data-dir: the default corpus is prepared only into a new
+    or empty folder (prepare replaces its folder whole, so it never takes over one holding other files); a
+    DataPrepError says so in the benchmark's flags, where prepare's own would name its --out."""
+    taken = data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))
+    if taken and not (data_dir / MANIFEST_NAME).is_file():
+        raise DataPrepError(
+            f"--data-dir {data_dir} is not a prepared corpus (no {MANIFEST_NAME}) nor an empty folder to prepare the "
+            "default corpus in; pass a folder `python -m data_prep.prepare --out DIR` wrote, or a new one"
+        )
+    ensure_default_corpus(data_dir, log=log)
+
+
 @dataclass
 class Bench:
     config: GPTConfig
@@ -190,11 +205,13 @@ def untimed_bf16(device: torch.device, bf16_tflops: float, fp32_tflops: float) -
 
 
 def unless_out_of_memory(row: Result, measure: Callable[[], Result]) -> Result:
-    """The measured row, or the row marked out of memory (e.g. rung 0's full logits on a 40 GB card): the ladder
-    goes on with the next rows instead of aborting."""
+    """The measured row, or the row marked out of memory (e.g. rung 0's full logits on a 40 GB card; on the CPU the
+    allocator's RuntimeError): the ladder goes on with the next rows instead of aborting."""
     try:
         return measure()
-    except torch.OutOfMemoryError as err:
+    except RuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -202,9 +219,11 @@ def unless_out_of_memory(row: Result, measure: Callable[[], Result]) -> Result:
 
 
 def largest_micro_batch(bench: Bench, measure_at: Callable[[int], Result], base: Result | None, cap: int) -> Result:
-    """Rung 10: find_executable_batch_size from cap x base down (halving on out-of-memory), then every power-of-two
-    multiple of the base micro-batch up to the largest that fits; the fastest tok/s is kept. On CPU memory rarely
-    runs out, so the cap bounds the search; bigger batches only help while the cores are not yet saturated."""
+    """Rung 10: find_executable_batch_size from cap x base down (halving on out-of-memory, below the base too), then
+    every power-of-two multiple of the base micro-batch up to the largest that fits; the fastest tok/s is kept. On CPU
+    memory rarely runs out, so the cap bounds the search; bigger batches only help while the cores are not yet
+    saturated. `base` is rung 9's row (n/a where it ran out of memory). Raises torch.OutOfMemoryError when not even
+    B=1 fits, which unless_out_of_memory reports as the row's n/a."""
     size = bench.micro_batch_size * cap
 
     def halve() -> int:
@@ -216,16 +235,25 @@ def largest_micro_batch(bench: Bench, measure_at: Callable[[int], Result], base:
     def fits(batch_size: int) -> Result:
         return measure_at(batch_size)
 
-    tried = [fits()] if cap > 1 else []
-    batch = tried[0].micro_batch_size // 2 if tried else 0
+    try:
+        tried = [fits()] if cap > 1 else []
+    except RuntimeError:
+        if size:  # raised by the measurement itself, not accelerate's "No executable batch size found, reached zero."
+            raise
+        raise torch.OutOfMemoryError(f"nothing fits, B={bench.micro_batch_size * cap} down to B=1") from None
+    found = tried[0].micro_batch_size if tried else None
+    batch = found // 2 if found else 0
     while batch > bench.micro_batch_size:
         tried.append(measure_at(batch))
         batch //= 2
-    if all(r.micro_batch_size != bench.micro_batch_size for r in tried):
+    if found is None or found > bench.micro_batch_size:  # (the search got below the base only where it did not fit)
         tried.append(base if base is not None else measure_at(bench.micro_batch_size))
-    best = max(tried, key=lambda r: r.tok_s or 0.0)
-    largest = max(r.micro_batch_size or 0 for r in tried)
-    summary = ", ".join(f"B={r.micro_batch_size}: {r.tok_s:,.0f} tok/s" for r in tried)
+    timed = [r for r in tried if r.tok_s is not None]  # not rung 9's row where it ran out of memory
+    if not timed:  # cap 1: rung 9's n/a row is all there is
+        return tried[0]
+    best = max(timed, key=lambda r: r.tok_s)
+    largest = max(r.micro_batch_size for r in timed)
+    summary = ", ".join(f"B={r.micro_batch_size}: {r.tok_s:,.0f} tok/s" for r in timed)
     best.notes = [
         *best.notes,
         f"largest that fits (cap {cap}x): B={largest}; tried {summary}; kept B={best.micro_batch_size}",

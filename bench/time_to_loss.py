@@ -223,6 +223,14 @@ def spread(values: list[float | None], fmt: str) -> str:
 VAL_KEYS = {"val_loss": "val split, spread windows", "val_loss_opening": "val split's opening (before #21)"}
 
 
+def val_targets(curves: list[Curve], baseline: str, target: float | None) -> dict[str, float]:
+    """The val loss to reach on each val definition: `target` (0 included), else the baseline recipe's mean final."""
+    if target is not None:
+        return dict.fromkeys(VAL_KEYS, target)
+    finals = {key: [getattr(c, key)[-1] for c in curves if c.recipe == baseline] for key in VAL_KEYS}
+    return {key: statistics.mean(values) for key, values in finals.items()}
+
+
 def summarize(curves: list[Curve], key: str, target: float, budget: int) -> list[dict]:
     rows = []
     for name in dict.fromkeys(c.recipe for c in curves):
@@ -345,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     if any(flags is None for _, flags in recipes) and skip_peer:
         print(f"{PEER}: skipped ({skip_peer})", flush=True)
         recipes = [(name, flags) for name, flags in recipes if flags is not None]
+    if args.target is None and all(name != args.baseline for name, _ in recipes):  # checked before hours of training
+        raise SystemExit(
+            f"error: no --target and no `{args.baseline}` recipe to take it from; pass --target VAL_LOSS or name one"
+            " of the recipes with --baseline"
+        )
     module = peer.load_peer(script) if script else None
     if args.config is None and device.type == "cpu":
         args.config = REPO / "configs" / "cpu_small.yaml"
@@ -364,12 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
         curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
     baseline = [c for c in curves if c.recipe == args.baseline]
-    if args.target is None and not baseline:
-        raise SystemExit(
-            f"error: no --target and no `{args.baseline}` recipe to take it from; pass --target VAL_LOSS or name one"
-            " of the recipes with --baseline"
-        )
-    targets = {key: args.target or statistics.mean(getattr(c, key)[-1] for c in baseline) for key in VAL_KEYS}
+    targets = val_targets(curves, args.baseline, args.target)
     budget = args.budget_tokens or (baseline[0].tokens[-1] if baseline else min(c.tokens[-1] for c in curves))
     tables = {key: summarize(curves, key, targets[key], budget) for key in VAL_KEYS}
     command = f"{prog} {shlex.join(raw)}".strip()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from data_prep import DataPrepError
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
@@ -46,9 +47,20 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def check_json_path(path: str | None) -> None:
+    """EvalError where --json could not be written once the eval has run: its folder is missing, or it is one."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise EvalError(f"--json {path} is a folder; pass a file path such as {Path(path) / 'evals.json'}")
+    if not Path(path).parent.is_dir():
+        raise EvalError(f"--json {path}: the folder {Path(path).parent} does not exist; create it or pass another path")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
+        check_json_path(args.json)  # before the eval, not after it
         tasks = parse_tasks(args.tasks)
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
         model, source = load_model_from_args(args)
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         model.to(accelerator.device)
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}
-    except EvalError as err:
+    except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
         sys.exit(f"error: {err}")
     if accelerator.is_main_process:
         print(f"{source} | {accelerator.num_processes} process(es), {dtype_name(accelerator.mixed_precision)}\n")

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 
 import torch
 
+from data_prep import DataPrepError
 from data_prep.tokenizer import get_encoding
+from evals import EvalError
+from evals.data import TASK_DATA
 from evals.runner import DEFAULT_BATCH_SIZE, run_task
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
@@ -46,9 +50,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generate", type=int, metavar="N", help="time sampling N tokens instead of scoring")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="with --generate: the prompt's length")
     args = parser.parse_args(argv)
+    try:
+        run_bench(args)
+    except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
+        sys.exit(f"error: {err}")
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """Time what `args` asks for and print one line; EvalError for bad arguments, before any model is built."""
+    checks = [("--limit", args.limit, 1), ("--batch-size", args.batch_size, 1)]
+    checks.append(("--prompt-tokens", args.prompt_tokens, 0))
+    if args.generate is not None:
+        checks.append(("--generate", args.generate, 1))
+    for flag, value, smallest in checks:
+        if value < smallest:
+            raise EvalError(f"{flag} must be >= {smallest}, got {value}")
+    try:
+        config = get_preset(args.preset)
+    except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all
+        raise EvalError(str(err)) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     set_up_compute(torch.device(device))  # as `python -m evals` and `python -m evals.generate` set theirs up
-    model = GPT(get_preset(args.preset)).to(device).eval()
+    model = GPT(config).to(device).eval()
     precision = "bf16" if args.bf16 else "fp32"
     autocast = torch.autocast(device, torch.bfloat16) if args.bf16 else contextlib.nullcontext()
     where = f"{args.preset} on {device} ({torch.get_num_threads()} threads, {precision})"
@@ -63,13 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     run_task(model, "hellaswag", encoding, limit=args.batch_size // 4 or 1, batch_size=args.batch_size)  # warm-up
     start = time.perf_counter()
     with autocast:
-        run_task(model, "hellaswag", encoding, limit=args.limit, batch_size=args.batch_size)
+        scored = len(run_task(model, "hellaswag", encoding, limit=args.limit, batch_size=args.batch_size).examples)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    rate = scored / seconds  # a --limit past the set scores the whole set
     print(
-        f"{where}: {args.limit} HellaSwag examples in {seconds:.1f} s = {args.limit / seconds:.1f} examples/s "
-        f"(full set: {10_042 / (args.limit / seconds) / 60:.1f} min)"
+        f"{where}: {scored} HellaSwag examples in {seconds:.1f} s = {rate:.1f} examples/s "
+        f"(full set: {TASK_DATA['hellaswag'].num_examples / rate / 60:.1f} min)"
     )
 
 

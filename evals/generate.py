@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from data_prep.tokenizer import get_encoding
+from data_prep import DataPrepError
+from data_prep.tokenizer import get_encoding, prompt_tokens
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
-from modeling.config import EOT_ID
 from modeling.device import default_device
 from modeling.runtime import set_up_compute
 
@@ -44,16 +44,15 @@ def generate_text(
 
     temperature 0 is greedy decoding; top_k None samples from the whole vocabulary."""
     check_sampling(max_new_tokens, temperature, top_k)
-    encoding = get_encoding()
     device = next(model.parameters()).device
-    tokens = encoding.encode_ordinary(prompt) or [EOT_ID]
+    tokens = prompt_tokens(prompt)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([tokens], device=device), max_new_tokens, temperature=temperature, top_k=top_k,
             generator=generator,
         )  # fmt: skip
-    return prompt + encoding.decode(out[0, len(tokens) :].tolist())
+    return prompt + get_encoding().decode(out[0, len(tokens) :].tolist())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         set_up_compute(device)  # as training and `python -m evals` set their processes up
         model.to(device)
         print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed))
-    except EvalError as err:
+    except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
         sys.exit(f"error: {err}")
 
 

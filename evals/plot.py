@@ -13,7 +13,7 @@ from typing import Any
 
 from data_prep.assets import atomic_write_bytes
 from modeling.disk import DiskFull, disk_full_reported
-from modeling.runs import read_metrics
+from modeling.runs import RunError, read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with disk_full_reported(png, f"{png.name} is as it was"):
             print(plot_evals(metrics, png))
-    except DiskFull as err:
+    except (DiskFull, RunError) as err:  # RunError: a line of metrics.jsonl that is not a row
         sys.exit(f"error: {err}")
 
 

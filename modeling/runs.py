@@ -61,10 +61,21 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """metrics.jsonl rows; when a resumed run logged a step again, the later row wins."""
+    """metrics.jsonl rows; when a resumed run logged a step again, the later row wins. A last row without its newline
+    that does not parse is left out: one a killed run cut short (resuming drops it) or a running one is writing. Any
+    other row that is not a JSON object is a RunError naming its line."""
     rows: dict[tuple[int | None, frozenset], dict] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise RunError(f"{path} line {number} is not a JSON row ({err}); delete or repair that line") from None
+        if not isinstance(row, dict):
+            raise RunError(f"{path} line {number} is not a JSON object; delete or repair that line")
         rows[(row.get("step"), frozenset(row))] = row
     return sorted(rows.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 

@@ -3,8 +3,11 @@ and the peer loader are honest."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from bench.ladder import run_ladder, run_peers
 from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory, untimed_bf16
 from bench.report import target_lines
 from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, launch_config, tf32_matmuls
-from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, get_preset
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
 from training.metrics import cuda_matmul_kind, datasheet_peak
@@ -162,6 +165,61 @@ def test_an_out_of_memory_row_is_reported_not_raised():
     assert (result.label, result.role, result.status) == ("0", Role.BASELINE, "n/a")
     assert result.reason == "out of memory (CUDA out of memory. Tried to allocate 12.28 GiB)"
     assert target_lines([result]) == []  # an OOM row is no baseline to compare with
+
+
+def test_a_cpu_allocation_that_fails_is_an_out_of_memory_row():
+    """On the CPU running out of memory is the allocator's RuntimeError, not torch.OutOfMemoryError; any other
+    RuntimeError is a bug to see, not a row."""
+    row = Result("9", "vocab 50,304", "")
+    result = unless_out_of_memory(row, lambda: torch.empty(2**50))  # 4 PiB: past any machine's address space
+    assert result.status == "n/a" and result.reason.startswith("out of memory (")
+    assert "DefaultCPUAllocator: can't allocate memory" in result.reason
+
+    def broken() -> Result:
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        unless_out_of_memory(row, broken)
+
+
+@dataclasses.dataclass
+class MemoryCappedBench(Bench):
+    """A device that holds micro-batches of up to fits_up_to sequences: a larger one runs out of memory where its
+    measurement starts, as CUDA reports it. The trainer is built and a batch that fits is measured for real; only
+    the out-of-memory is made up: a rung runs out of a CPU's memory only past all the machine has, which Linux may
+    grant and then kill the process for."""
+
+    fits_up_to: int = 0
+
+    def _measure(self, row: Result, trainer: Trainer, deep_profile: bool, tf32: bool) -> Result:
+        if trainer.micro_batch_size > self.fits_up_to:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {trainer.micro_batch_size} GiB")
+        return super()._measure(row, trainer, deep_profile, tf32)
+
+
+@pytest.mark.parametrize(
+    ("fits_up_to", "cap", "expected"),
+    [
+        (1, 2, ("ok", 1, "")),  # the search goes below the base micro-batch (2) and keeps B=1
+        (0, 2, ("n/a", None, "out of memory (nothing fits, B=4 down to B=1)")),  # accelerate's search reaches zero
+        (1, 1, ("n/a", None, "out of memory (CUDA out of memory. Tried to allocate 2 GiB)")),  # no search: rung 9's
+    ],
+)
+def test_rung_10_after_rung_9_ran_out_of_memory_is_a_row(prepared_books: Path, fits_up_to: int, cap: int, expected):
+    """Rung 9 runs out of memory at the base micro-batch: rung 10 still makes a row (the largest micro-batch that fits,
+    rung 9's n/a row left out of its comparison; or n/a) and the ladder goes on, instead of a TypeError or
+    accelerate's RuntimeError losing the rest of the ladder and its report."""
+    config = GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=16)  # rungs 9-10 are bf16: slow on AVX2 CPUs
+    peaks = {"bf16": 1.0, "fp32": 1.0}  # bf16 rows timed whatever this CPU's bf16 speed
+    bench = MemoryCappedBench(config, torch.device("cpu"), prepared_books, 2, 1, 1, peaks, 0, fits_up_to=fits_up_to)
+    launch = launch_config(REPO / "accelerate_configs" / "cpu.yaml")
+    rung_9, rung_10 = run_ladder(bench, {9, 10}, launch, "eager", cap)
+    assert (rung_9.label, rung_9.status, rung_9.tok_s) == ("9", "n/a", None)
+    assert rung_9.reason == "out of memory (CUDA out of memory. Tried to allocate 2 GiB)"
+    assert (rung_10.label, rung_10.status, rung_10.micro_batch_size, rung_10.reason) == ("10", *expected)
+    if rung_10.status == "ok":
+        assert rung_10.tok_s > 0
+        assert re.fullmatch(r"largest that fits \(cap 2x\): B=1; tried B=1: [\d,]+ tok/s; kept B=1", rung_10.notes[-1])
 
 
 def test_fp32_rows_that_run_tf32_on_cuda_are_scored_against_the_tf32_peak():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.time_to_loss import at, crossing, parse_recipe, spread
+from bench.time_to_loss import Curve, at, crossing, main, parse_recipe, spread, val_targets
 from modeling.config import PADDED_VOCAB_SIZE
 from testkit import run
 
@@ -36,6 +36,24 @@ def test_recipes_are_builtins_or_named_flags():
     assert parse_recipe("m=--optimizer muon") == ("m", "--optimizer muon")
     with pytest.raises(Exception, match="NAME=FLAGS"):
         parse_recipe("adamw")
+
+
+def test_target_is_the_given_one_even_zero_else_the_baselines_mean_final_val():
+    def curve(recipe: str, final: float) -> Curve:
+        return Curve(recipe, 0, [0, 1024], [0.0, 1.0], [10.8, final], [10.8, final + 1], 1024, 0.0)
+
+    curves = [curve("today", 6.0), curve("today", 7.0), curve("muon", 5.0)]
+    assert val_targets(curves, "today", None) == {"val_loss": 6.5, "val_loss_opening": 7.5}
+    assert val_targets(curves[2:], "today", 0.0) == {"val_loss": 0.0, "val_loss_opening": 0.0}  # not "unset"
+
+
+def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tmp_path):
+    out = tmp_path / "ttl"
+    argv = ["--recipe", "adamw=--optimizer adamw", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(out)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert str(exc.value.code).startswith("error: no --target and no `today` recipe to take it from; pass --target")
+    assert not out.exists()  # checked before the benchmark made its folder and trained
 
 
 @pytest.mark.slow

@@ -1,22 +1,26 @@
 """The evals, evals.generate and evals.bench CLIs in process: run folders and exports, generation, errors, plot."""
 
+import json
 import re
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
+from data_prep.tokenizer import WHISPER_SDIST, get_encoding, gpt2_vocab_and_merges
 from evals import EvalError
 from evals.__main__ import main as evals_main
 from evals.bench import main as bench_main
 from evals.generate import generate_text
 from evals.generate import main as generate_main
 from evals.loading import load_model
+from evals.plot import main as plot_main
 from evals.plot import plot_evals
 from evals.runner import run_task
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
+from modeling.runs import read_metrics
 from testkit import TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.metrics import JSONLTracker
@@ -82,6 +86,61 @@ def test_bad_limits_are_one_clear_error(tiny_run, capsys):
         run_task(model, "lambada", get_encoding(), limit=0)
 
 
+@pytest.fixture
+def unprovisionable_tokenizer(tmp_path, monkeypatch) -> Iterator[None]:
+    """A machine where the GPT-2 tokenizer cannot be had: none in the cache, tiktoken's host refused at once, and the
+    cached sdist it is provisioned from damaged (so no package index is asked either)."""
+    cache = tmp_path / "cache"
+    (cache / "downloads").mkdir(parents=True)
+    (cache / "downloads" / f"openai_whisper-{WHISPER_SDIST[1]}.tar.gz").write_bytes(b"damaged")
+    monkeypatch.setenv("BOOKGPT_CACHE", str(cache))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache / "tiktoken"))
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")  # the discard port
+    for no_proxy in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(no_proxy, raising=False)
+    get_encoding.cache_clear()  # as in a new process
+    yield
+    get_encoding.cache_clear()
+
+
+@pytest.mark.parametrize("cli", ["evals", "generate", "bench"])
+def test_a_tokenizer_that_cannot_be_provisioned_is_one_clear_error(
+    tiny_run, unprovisionable_tokenizer, fresh_accelerate_state, cli
+):
+    main, argv = {
+        "evals": (evals_main, ["--run", str(tiny_run), "--tasks", "lambada", "--limit", "1"]),
+        "generate": (generate_main, ["--run", str(tiny_run), "--max-new-tokens", "1"]),
+        "bench": (bench_main, ["--limit", "1"]),
+    }[cli]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert str(exc.value.code).startswith("error: cannot load the GPT-2 tokenizer: tiktoken could not fetch it")
+
+
+def test_json_into_a_missing_folder_is_an_error_before_the_eval(tiny_run, tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit) as exc:  # --run nowhere: had the eval started, the error would be about that
+        evals_main(["--run", str(tmp_path / "nowhere"), "--json", str(missing / "evals.json")])
+    assert exc.value.code.startswith(f"error: --json {missing / 'evals.json'}: the folder {missing} does not exist;")
+    with pytest.raises(SystemExit, match=f"error: --json {tmp_path} is a folder; pass a file path such as"):
+        evals_main(["--run", str(tiny_run), "--json", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "tiny-cpuu"], "error: Unknown model preset 'tiny-cpuu'. Did you mean 'tiny-cpu'? Valid presets:"),
+        (["--limit", "0"], "error: --limit must be >= 1, got 0"),
+        (["--generate", "4", "--prompt-tokens", "-1"], "error: --prompt-tokens must be >= 0, got -1"),
+    ],
+)
+def test_bench_bad_arguments_are_one_clear_error(argv, message):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(argv)
+    assert str(exc.value.code).startswith(message)
+
+
 def test_run_folder_problems_are_one_clear_error(tmp_path):
     run = new_run(tmp_path)
     with pytest.raises(SystemExit, match=r"error: run folder .* has no checkpoint .*train it first"):
@@ -103,3 +162,23 @@ def test_plot_evals_writes_png(tmp_path):
         tracker.log({"hellaswag_acc_norm": 0.25 + step / 1000, "lambada_acc": 0.01}, step=step + 5)
     out = plot_evals(tmp_path / "metrics.jsonl", tmp_path / "evals.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_malformed_metrics_line_names_it_and_skips_a_row_cut_short(tmp_path, capsys):
+    """A row a killed run cut short (the last, without its newline) is left out, as resuming leaves it out; a line
+    that is not a row anywhere else is one error naming the file and line."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 10, "train_loss": 5.0, "tokens_seen": 10240}, {"step": 10, "val_loss": 5.5}]
+    complete = "".join(json.dumps(row) + "\n" for row in rows)
+    metrics.write_text(complete + '{"step": 20, "train_lo')
+    plot_main([str(tmp_path)])
+    assert capsys.readouterr().out == f"{tmp_path / 'evals.png'}\n"
+    assert read_metrics(metrics) == rows
+    metrics.write_text(complete + '{"step": 20, "train_lo\n' + complete)
+    with pytest.raises(SystemExit) as exc:
+        plot_main([str(tmp_path)])
+    assert str(exc.value.code).startswith(f"error: {metrics} line 3 is not a JSON row (")
+    assert str(exc.value.code).endswith("); delete or repair that line")
+    metrics.write_text(complete + "[]\n")
+    with pytest.raises(SystemExit, match=f"^error: {metrics} line 3 is not a JSON object; delete or repair that line$"):
+        plot_main([str(tmp_path)])

