@@ -31,7 +31,7 @@ from bench import peer
 from bench.measure import (
     Bench,
     Result,
-    ensure_corpus,
+    checked_inputs,
     largest_micro_batch,
     measure_ladder_rung,
     unless_out_of_memory,
@@ -49,7 +49,6 @@ from bench.rungs import (
     launch_config,
     tf32_matmuls,
 )
-from data_prep import DataPrepError
 from modeling.config import get_preset
 from training.compile_cache import set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
@@ -176,14 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     cap = args.max_batch_factor
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("error: --max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
-    try:
-        config = get_preset(args.preset)
-    except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all
-        sys.exit(f"error: {err}")
-    try:
-        ensure_corpus(args.data_dir, log=partial(print, flush=True))
-    except DataPrepError as err:
-        sys.exit(f"error: {err}")
+    config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
     device = torch.device(args.device)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

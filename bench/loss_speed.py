@@ -19,7 +19,6 @@ import contextlib
 import functools
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +27,10 @@ import torch
 from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
-from bench.measure import peak_memory_gib, reset_peak_memory, synchronize
+from bench.measure import checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
 from bench.report import device_name
 from modeling import fp8_head
-from modeling.config import REAL_VOCAB_SIZE, get_preset
+from modeling.config import REAL_VOCAB_SIZE
 from modeling.fused_ce import CHUNK_ROWS, cuda_memory_bytes, fused_linear_cross_entropy, takes_full_logits
 from modeling.runtime import set_up_compute
 from training.compile_cache import set_up_compile_cache
@@ -82,10 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
-    try:
-        config = get_preset(args.preset)
-    except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all
-        sys.exit(f"error: {err}")
+    config = checked_inputs(args.preset)
     device = torch.device(args.device)
     set_up_compile_cache(device)
     set_up_compute(device)  # as training sets its process up: no page faults on every big buffer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.rungs import TRAIN, Recipe, Role, Trainer, ladder_trainer, tf32_matmuls
 from data_prep import DataPrepError, ensure_default_corpus
 from data_prep.loader import MANIFEST_NAME, TokenLoader
-from modeling.config import GPTConfig
+from modeling.config import GPTConfig, get_preset
 from training.metrics import memory_stats
 from training.step import is_out_of_memory
 
@@ -112,17 +113,24 @@ def profile_ops(run: Callable[[], None], device: torch.device, steps: int) -> tu
     return [k.removeprefix("aten::") for k in kernels], ops
 
 
-def ensure_corpus(data_dir: Path, log: Callable[[str], None]) -> None:
-    """data_prep.ensure_default_corpus, for a benchmark's --data-dir: the default corpus is prepared only into a new
-    or empty folder (prepare replaces its folder whole, so it never takes over one holding other files); a
-    DataPrepError says so in the benchmark's flags, where prepare's own would name its --out."""
-    taken = data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))
-    if taken and not (data_dir / MANIFEST_NAME).is_file():
-        raise DataPrepError(
-            f"--data-dir {data_dir} is not a prepared corpus (no {MANIFEST_NAME}) nor an empty folder to prepare the "
-            "default corpus in; pass a folder `python -m data_prep.prepare --out DIR` wrote, or a new one"
-        )
-    ensure_default_corpus(data_dir, log=log)
+def checked_inputs(preset: str, data_dir: Path | None = None, log: Callable[[str], None] = print) -> GPTConfig:
+    """A benchmark's --preset and --data-dir, checked before any work: the preset's config, the default corpus
+    prepared where --data-dir is a new or empty folder (prepare replaces its folder whole, so it never takes over one
+    holding other files). Bad input exits with one `error:` line in the benchmark's own flags."""
+    try:
+        config = get_preset(preset)  # an unknown name: the message suggests the closest and lists them all
+        if data_dir is not None:
+            taken = data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))
+            if taken and not (data_dir / MANIFEST_NAME).is_file():
+                raise DataPrepError(
+                    f"--data-dir {data_dir} is not a prepared corpus (no {MANIFEST_NAME}) nor an empty folder to "
+                    "prepare the default corpus in; pass a folder `python -m data_prep.prepare --out DIR` wrote, or "
+                    "a new one"
+                )
+            ensure_default_corpus(data_dir, log=log)
+    except (ValueError, DataPrepError) as err:
+        sys.exit(f"error: {err}")
+    return config
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,10 +31,9 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.measure import ensure_corpus, flops_per_token
+from bench.measure import checked_inputs, flops_per_token
 from bench.report import cpu_model
 from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
-from data_prep import DataPrepError
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset
@@ -171,14 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as train_accel.py trains by default")
     p.add_argument("--dynamo-backend", default=None, help="override the YAML's compile backend (eager: no compile)")
     args = p.parse_args(argv)
-    try:
-        get_preset(args.preset)  # checked before the data is prepared; build_step builds it
-    except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all
-        sys.exit(f"error: {err}")
-    try:
-        ensure_corpus(args.data_dir, log=print)
-    except DataPrepError as err:
-        sys.exit(f"error: {err}")
+    checked_inputs(args.preset, args.data_dir)  # before the threads and inductor are set up; build_step builds it
     if args.threads:
         torch.set_num_threads(args.threads)
     set_up_compile_cache(torch.device("cpu"))
