@@ -96,8 +96,11 @@ def append_bytes(path: str | Path, data: bytes) -> None:
 def swap_in(tmp: Path, final: Path) -> None:
     """Rename the complete folder tmp to final (checkpoints, exports). A folder already at final (a step saved
     again, a new export) is renamed to FINAL.old first and removed after, so a complete copy exists at every
-    instant. A FINAL.old already there with files in it is not ours to delete: the rename onto it fails."""
+    instant. A FINAL.old beside a final folder is what a swap killed while removing it left, and goes first; one
+    without (a file at final, say) is not ours to delete: the rename onto it fails."""
     stale = final.with_name(final.name + ".old")
+    if final.is_dir() and stale.is_dir():  # else every later swap of final would fail on it
+        shutil.rmtree(stale)
     if final.exists():
         final.rename(stale)
     tmp.rename(final)

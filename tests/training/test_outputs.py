@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, get_preset
+from modeling.disk import swap_in
 from modeling.hf_export import load_hf
 from training.checkpoint import list_checkpoints, save_checkpoint
 from training.config import ConfigError, TrainConfig
@@ -107,3 +108,14 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
     text = "The end of a run:  ünïcödé\n\n<|endoftext|>"
     assert tokenizer(text)["input_ids"] == get_encoding().encode(text, allowed_special="all")
     assert "| optimizer steps | 2 |" in (run.run_dir / "export" / "README.md").read_text()
+
+
+def test_a_swap_killed_while_removing_the_old_copy_does_not_block_the_next(tmp_path):
+    """A kill inside swap_in's last step leaves export/ whole and export.old/ half removed: the next export (a
+    resumed run's end) replaces export/ and clears that leftover instead of failing on it at every run's end."""
+    for name, text in (("export", "the export"), ("export.old", "half removed"), ("export.tmp", "the new export")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    swap_in(tmp_path / "export.tmp", tmp_path / "export")
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    assert (tmp_path / "export" / "config.json").read_text() == "the new export"
