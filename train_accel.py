@@ -111,6 +111,8 @@ def fit(run: Run) -> bool:
             if trainer.stopping and not last:
                 break
         else:
+            # the handler stays: a stop from here on lets the outputs be written whole, which the last save allows
+            stop.then = "training is done and saved; writing its outputs (export, model card, Hub push), then exiting"
             return True
     # After the bar's last refresh and on its stream, so this line stays the last on screen: a launcher may pipe
     # stderr through itself while stdout goes straight out (accelerate >= 1.16's one-process launcher does).

@@ -32,6 +32,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.then = "finishing this step, then saving a checkpoint"  # what a stop requested now does
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
 
@@ -43,7 +44,7 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
         if os.environ.get("RANK", "0") == "0":  # every rank gets it; one says so (above a terminal's progress bar)
-            print(f"{self.signal_name} received: finishing this step, then saving a checkpoint", flush=True)
+            print(f"{self.signal_name} received: {self.then}", flush=True)
 
 
 def grace_period_line(save_s: float, step_s: float) -> str:
