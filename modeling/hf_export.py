@@ -185,16 +185,19 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
             "model_type 'gpt2', such as a run's export/) or a GPT-2 Hub id such as gpt2 or openai-community/gpt2-medium"
         )
     c = GPT2Config.from_pretrained(folder)
-    # What our GPT hard-codes; a folder that differs would load without error and compute something else.
-    found = (c.vocab_size, c.activation_function, c.layer_norm_epsilon, c.n_inner or 4 * c.n_embd)
-    wanted = (REAL_VOCAB_SIZE, "gelu_new", 1e-5, 4 * c.n_embd)
-    if found != wanted:
-        raise ValueError(
-            f"{folder}: (vocab_size, activation_function, layer_norm_epsilon, n_inner) = {found}, our GPT is {wanted}"
-        )
-    return GPTConfig(
-        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, dropout=c.resid_pdrop
-    )
+    # What our GPT hard-codes; a folder that differs would load without error and compute something else (or fail
+    # only once its weights are read: an untied head).
+    wanted = {
+        "vocab_size": REAL_VOCAB_SIZE, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "n_inner": 4 * c.n_embd, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "tie_word_embeddings": True, "add_cross_attention": False,
+    }  # fmt: skip
+    found = {key: getattr(c, key) for key in wanted} | {"n_inner": c.n_inner or 4 * c.n_embd}
+    differ = [f"{key} {found[key]!r} (ours: {value!r})" for key, value in wanted.items() if found[key] != value]
+    if differ:
+        raise ValueError(f"{folder}: a GPT-2 our GPT cannot compute: {', '.join(differ)}")
+    # dropout stays the recipe's 0, as nanoGPT's init_from keeps it, not the 0.1 of the Hub's gpt2 config
+    return GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions)
 
 
 def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:

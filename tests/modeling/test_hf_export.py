@@ -1,12 +1,13 @@
 """modeling.hf_export: a round trip through a transformers GPT-2 folder keeps the logits and the tokenizer."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
@@ -101,6 +102,23 @@ def test_only_gpt2_shaped_models_export():
         to_hf_state_dict(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304, bias=False)))
     with pytest.raises(ValueError, match="vocab_size 512"):
         to_hf_state_dict(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=512)))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("scale_attn_by_inverse_layer_idx", True), ("tie_word_embeddings", False), ("layer_norm_epsilon", 1e-6)],
+)
+def test_load_hf_config_names_what_our_gpt_cannot_compute(tmp_path: Path, field: str, value: object):
+    """Such a GPT-2 (Stanford CRFM's scale attention by layer, an untied head) would load and train something else,
+    or fail only once its weights are read: one error at start-up names the field."""
+    GPT2Config(n_layer=1, n_head=1, n_embd=8, **{field: value}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}: a GPT-2 our GPT cannot compute: {field} "):
+        load_hf_config(tmp_path)
+
+
+def test_load_hf_config_takes_the_shape_and_leaves_dropout_at_the_recipes(tmp_path: Path):
+    GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=64, resid_pdrop=0.1).save_pretrained(tmp_path)  # as gpt2's
+    assert load_hf_config(tmp_path) == GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=64, dropout=0.0)
 
 
 @pytest.mark.parametrize("config", [{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 12}, {}])
