@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 PRINTED = "printed"  # an extraInfo key: rank 0 printed this error on the console already
 # How long torchrun's rendezvous waits for every machine by default, and its --rdzv_conf key, by --rdzv_backend
@@ -47,16 +48,23 @@ def report_error(line: str) -> None:
 
 def _root_cause_line(err: Exception) -> str | None:
     """The line to print for torchrun's ChildFailedError: None when rank 0 printed its error already, else the first
-    failure's `error:` line (from its error file), or one that names the rank and how it ended."""
+    `error:` line a rank reported (from its error file), or one that names the first failed rank and how it ended."""
     failures = err.failures.values()
     if any(isinstance(f.message, dict) and f.message.get("extraInfo", {}).get(PRINTED) == "True" for f in failures):
         return None
+    ours = [(f.timestamp, rank, f) for rank, f in err.failures.items() if str(_message(f)).startswith("error: ")]
+    if ours:  # before the others' (a peer's lost connection in the same second): the cause, said as the run said it
+        return str(_message(min(ours, key=lambda o: o[:2])[2]))
     rank, failure = err.get_first_failure()
-    if isinstance(failure.message, dict):  # ours, or an uncaught exception's (torchelastic's record decorator)
-        message = str(failure.message.get("message"))
-        return message if message.startswith("error: ") else f"error: rank {rank} failed: {message}"
+    if isinstance(failure.message, dict):  # an uncaught exception's (torchelastic's record decorator)
+        return f"error: rank {rank} failed: {_message(failure)}"
     how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
     return f"error: rank {rank} ended with {how} ({failure.message}); its output above says why"
+
+
+def _message(failure: Any) -> object:
+    """A failed rank's error-file message (ours, or torchelastic's record decorator's); None without one."""
+    return failure.message.get("message") if isinstance(failure.message, dict) else None
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,15 @@ def test_the_launcher_prints_the_root_cause_only_when_rank_0_did_not(tmp_path, m
     assert _root_cause_line(ChildFailedError("train_accel.py", both)) is None  # printed by rank 0 already
     other = {1: launched_rank(tmp_path / "other", 1, "error: disk full on rank 1", monkeypatch, capsys)}
     assert _root_cause_line(ChildFailedError("train_accel.py", other)) == "error: disk full on rank 1"
+    # a rank's own error line wins over a peer's crash in the same second (a lost connection as it exited)
+    lost = tmp_path / "mixed" / "error_0.json"
+    lost.parent.mkdir()
+    message = {"message": "RuntimeError: Connection closed by peer", "extraInfo": {"timestamp": "0"}}
+    lost.write_text(json.dumps({"message": message}))  # as torchelastic's record decorator writes it
+    mixed = {0: ProcessFailure(local_rank=0, pid=1000, exitcode=1, error_file=str(lost))}
+    mixed[3] = launched_rank(tmp_path / "mixed", 3, "error: out of memory at micro-batch 64", monkeypatch, capsys)
+    mixed[3].timestamp = mixed[0].timestamp = 0
+    assert _root_cause_line(ChildFailedError("train_accel.py", mixed)) == "error: out of memory at micro-batch 64"
     crashed = {0: launched_rank(tmp_path / "crashed", 0, None, monkeypatch, capsys)}
     assert _root_cause_line(ChildFailedError("train_accel.py", crashed)) == (
         "error: rank 0 ended with exit status 1 (To enable traceback see: "
