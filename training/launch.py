@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -172,7 +173,11 @@ def main() -> None:
     except SignalException as err:  # the run's processes got it too, saved a checkpoint and said so
         sys.exit(128 + err.sigval)
     except subprocess.CalledProcessError as err:  # the one-process launcher without -q: the run printed its error
-        sys.exit(err.returncode if err.returncode > 0 else 1)
+        if err.returncode < 0:  # killed, so it printed nothing: the kernel's out-of-memory killer sends SIGKILL
+            name = signal.Signals(-err.returncode).name
+            print(f"error: the run ended with signal {name}; its output above says how far it got", file=sys.stderr)
+            sys.exit(128 - err.returncode)
+        sys.exit(err.returncode)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,16 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
         for launch in re.findall(launches, script.read_text(), re.M):
             words = launch.split()
             assert words[2 if words[0] == "accelerate" else 3] == "-q", f"{script.name}: {launch}"
+
+
+def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
+    """The kernel's out-of-memory killer ends a run with SIGKILL, so the run prints nothing: `python -m
+    training.launch` (one process) says how it ended, last, with the shell's status for it."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    yaml = str(REPO / "accelerate_configs" / "cpu_eager.yaml")
+    result = run([sys.executable, "-m", "training.launch", "-q", "--config_file", yaml, str(script)], expect_rc=137)
+    assert (
+        result.stderr.splitlines()[-1]
+        == "error: the run ended with signal SIGKILL; its output above says how far it got"
+    )
