@@ -218,6 +218,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""
         self.init_from = str(Path(self.init_from).expanduser()) if self.init_from.startswith("~") else self.init_from
+        if self.init_from and Path(self.init_from).is_dir():  # absolute: export, evals, resume read its shape anywhere
+            self.init_from = str(Path(self.init_from).resolve())
         try:
             get_preset(self.preset)
         except ValueError as err:  # unknown name: the message lists the valid ones

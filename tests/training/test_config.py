@@ -66,6 +66,14 @@ def test_help_gives_every_fields_default():
         assert entries[f.name.replace("_", "-")].endswith(f"(default: {shown})"), entries[f.name.replace("_", "-")]
 
 
+def test_a_local_init_from_is_kept_absolute(tmp_path, monkeypatch):
+    """The run's config.yaml names the folder so that export, evals and resume find it from any working folder."""
+    (tmp_path / "base" / "export").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert TrainConfig(init_from="base/export").init_from == str(tmp_path / "base" / "export")
+    assert TrainConfig(init_from="gpt2").init_from == "gpt2"  # a Hub id stays one
+
+
 def test_token_budget_sets_steps():
     assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps() == 3
     assert TrainConfig(max_steps=7).total_steps() == 7
