@@ -179,7 +179,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return loss_sum / n_valid
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_h, grad_w = ctx.saved_tensors
         grad_h = None if grad_h is None else grad_h * grad_output
         grad_w = None if grad_w is None else grad_w * grad_output

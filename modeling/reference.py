@@ -40,7 +40,9 @@ class GELU(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int, qkv_bias: bool):
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int, qkv_bias: bool
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
