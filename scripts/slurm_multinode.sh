@@ -46,11 +46,12 @@ export MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
 export NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
 
-# The time-limit warning (USR1): SIGTERM to srun, which passes it to each node's launcher and so to every run
-# process; once the checkpoint is saved and srun has ended, requeue this job.
+# The time-limit warning (USR1): SIGTERM to the job's step (scancel signals the steps' processes, not this batch
+# shell), so each node's launcher and every run process get it; once the checkpoint is saved and srun has ended,
+# requeue this job. Not `kill -TERM` to srun: srun answers a SIGTERM of its own by SIGKILLing its tasks.
 requeue() {
   echo "job $SLURM_JOB_ID nears its time limit: stopping the run (it saves a checkpoint), then requeueing"
-  kill -TERM "$SRUN_PID" 2>/dev/null || true
+  scancel --signal=TERM "$SLURM_JOB_ID" || true
   wait "$SRUN_PID" || true
   scontrol requeue "$SLURM_JOB_ID"
   exit 0

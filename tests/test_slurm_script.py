@@ -1,5 +1,6 @@
 """scripts/slurm_multinode.sh under a stand-in SLURM (no scheduler runs here): the time-limit warning (USR1) stops the
-run with SIGTERM, waits for it to save, then requeues the job; the job asks SLURM for requeueing and the warning."""
+run with SIGTERM to the job's step (not to srun, which would kill it), waits for it to save, then requeues the job;
+the job asks SLURM for requeueing and the warning."""
 
 from __future__ import annotations
 
@@ -17,12 +18,20 @@ from testkit import REPO
 
 SCRIPT = REPO / "scripts" / "slurm_multinode.sh"
 
-# The stand-ins log what the script asked of them. srun: one step that runs until SIGTERM, then "saves" for a
-# second (the script must wait for that) before it exits.
+# The stand-ins log what the script asked of them. srun: one step whose tasks, signalled by scancel (USR2 here),
+# "save" for a second (the script must wait for that) before the step ends; a SIGTERM to srun itself makes it
+# SIGKILL its tasks, as the real one does, so nothing is saved.
 SRUN = """#!/bin/bash
-trap 'echo "srun got TERM" >> "$LOG"; sleep 1; echo "srun saved and ended" >> "$LOG"; exit 0' TERM
+echo $$ > "$LOG.srun_pid"
+trap 'echo "the step got TERM"; sleep 1; echo "the step saved and ended"; exit 0' USR2
+trap 'echo "srun got TERM: forcing job termination (SIGKILL to the tasks)"; exit 137' TERM
 echo "srun $*" >> "$LOG"
+exec >> "$LOG"
 while true; do sleep 0.1; done
+"""
+SCANCEL = """#!/bin/bash
+echo "scancel $*" >> "$LOG"
+kill -USR2 "$(cat "$LOG.srun_pid")"
 """
 SCONTROL = """#!/bin/bash
 if [ "$1" = "show" ]; then echo node1; echo node2; else echo "scontrol $*" >> "$LOG"; fi
@@ -33,7 +42,7 @@ if [ "$1" = "show" ]; then echo node1; echo node2; else echo "scontrol $*" >> "$
 def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
     bin_dir, log = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
@@ -55,7 +64,9 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)  # the stand-in srun too, should the script have left it running
     assert job.returncode == 0
     assert "nears its time limit" in out
-    assert log.read_text().splitlines()[-3:] == ["srun got TERM", "srun saved and ended", "scontrol requeue 4242"]
+    assert log.read_text().splitlines()[-4:] == [
+        "scancel --signal=TERM 4242", "the step got TERM", "the step saved and ended", "scontrol requeue 4242"
+    ]  # fmt: skip
     assert "python -m training.launch -q --config_file" in log.read_text()  # the launch without tracebacks
     header = SCRIPT.read_text()
     assert re.search(r"^#SBATCH --requeue$", header, re.M) and re.search(r"^#SBATCH --signal=B:USR1@\d+$", header, re.M)
