@@ -60,8 +60,11 @@ trap requeue USR1
 
 # One task per node; SLURM_NODEID differs per task, so it is read inside the task (single quotes). training.launch
 # is `accelerate launch` whose log ends with the run's own error line, not torchrun's traceback.
+# The CPUs asked of sbatch, given to the step: srun does not take them from the job in SLURM 22.05 to 23.02.
+CPUS=()
+[[ -n ${SLURM_CPUS_PER_TASK:-} ]] && CPUS=(--cpus-per-task "$SLURM_CPUS_PER_TASK")
 # shellcheck disable=SC2016
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${CPUS[@]}" bash -c '
   python -m training.launch -q --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes "$NUM_PROCESSES" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \

@@ -48,7 +48,7 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "activate").write_text("")
     slurm = {"SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
-             "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"}  # fmt: skip
+             "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "64"}  # fmt: skip
     env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log)}
     cmd = ["bash", str(SCRIPT), "--out-dir", "/shared/runs/x"]
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -68,5 +68,6 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
         "scancel --signal=TERM 4242", "the step got TERM", "the step saved and ended", "scontrol requeue 4242"
     ]  # fmt: skip
     assert "python -m training.launch -q --config_file" in log.read_text()  # the launch without tracebacks
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task 64 bash -c" in log.read_text()
     header = SCRIPT.read_text()
     assert re.search(r"^#SBATCH --requeue$", header, re.M) and re.search(r"^#SBATCH --signal=B:USR1@\d+$", header, re.M)
