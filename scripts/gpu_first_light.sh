@@ -193,6 +193,11 @@ pack() {  # logs and figures, not the run's weights (checkpoints, export)
 }
 trap 'pack' EXIT
 
+limited() {  # run "$@" until --time-limit (the time left now, not at its step's start), its process group too
+    local left=$((DEADLINE - $(date +%s)))
+    timeout -k 10 $((left > 1 ? left : 1)) "$@"
+}
+
 step() {  # step NAME COMMAND...: run it within the time left, log and time it, go on whatever it returns
     local name=$1 log start rc status
     shift
@@ -204,9 +209,8 @@ step() {  # step NAME COMMAND...: run it within the time left, log and time it, 
         echo "| $N $name | skipped: --time-limit reached | 0 | |" | tee -a "$OUT/summary.md"
         return
     fi
-    TO=(timeout -k 10 $((DEADLINE - start)))  # the whole process group: accelerate's workers too
     echo "== $N $name: $*" | tee "$OUT/$log"
-    if [[ $(type -t "$1") == function ]]; then "$@"; else "${TO[@]}" "$@"; fi >>"$OUT/$log" 2>&1
+    if [[ $(type -t "$1") == function ]]; then "$@"; else limited "$@"; fi >>"$OUT/$log" 2>&1
     rc=$?
     case $rc in
         0) status=ok ;;
@@ -221,7 +225,7 @@ step() {  # step NAME COMMAND...: run it within the time left, log and time it, 
 environment() {
     uname -a
     command -v nvidia-smi >/dev/null && nvidia-smi
-    "${TO[@]}" $PY - <<'EOF'
+    limited $PY - <<'EOF'
 import importlib.metadata as md, platform, torch
 print(f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}, "
       f"devices {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
@@ -233,7 +237,7 @@ for name in ("accelerate", "transformers", "tiktoken", "numpy", "safetensors", "
         print(f"{name} not installed")
 EOF
     # everything the steps import must be here (datasets only builds shards: not needed)
-    "${TO[@]}" $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"
+    limited $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"
 }
 
 cpu_named() {  # the CPU, its ISA, and which logical CPUs share a physical core with cpu_speed's two
@@ -259,7 +263,7 @@ def pytest_runtest_logreport(report):
     if report.failed:
         print(f"\n---- {report.nodeid} ({report.when}):\n{report.longreprtext}\n", flush=True)
 EOF
-    "${TO[@]}" env PYTHONPATH="$OUT${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest -v -p no:cacheprovider -p report_now \
+    limited env PYTHONPATH="$OUT${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest -v -p no:cacheprovider -p report_now \
         --tb=short "${workers[@]}" "${CPU_TESTS[@]}"
 }
 
@@ -267,20 +271,20 @@ cpu_speed() {  # two cores, as the CI VMs and a laptop have them; all of them wh
     local pin=(taskset -c 0,1)
     command -v taskset >/dev/null || { pin=(); echo "note: no taskset here: the step runs on every core"; }
     cpu_named
-    "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.ladder --device cpu --rungs 11 \
+    limited env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.ladder --device cpu --rungs 11 \
         --accelerate-config accelerate_configs/cpu_bf16.yaml --data-dir "$DATA" --out "$OUT/cpu_speed" \
         "${CPU_SPEED_ARGS[@]}" || return
     # where that step's time goes (the same shape and step counts): each matmul's time within it, the softmax, the rest
-    "${TO[@]}" env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.profile --precision bf16 --threads 2 \
+    limited env OMP_NUM_THREADS=2 "${pin[@]}" $PY -m bench.profile --precision bf16 --threads 2 \
         --data-dir "$DATA" "${CPU_SPEED_ARGS[@]}" | tee "$OUT/cpu_speed/profile.md"
 }
 
 numerics() {
     # -x: the first failure's traceback is printed at once, so a step stopped at --time-limit still shows it (on
     # 2026-11-26 evening two such steps were stopped with an F among the dots and no traceback)
-    "${TO[@]}" $PY -m pytest -q -x --tb=short -p no:cacheprovider "${TESTS[@]}" || return
+    limited $PY -m pytest -q -x --tb=short -p no:cacheprovider "${TESTS[@]}" || return
     [[ $DRY == 1 ]] && { echo "bench.loss_numerics: left out of --dry-run (it compiles with inductor)"; return; }
-    "${TO[@]}" $PY -m bench.loss_numerics --device cuda
+    limited $PY -m bench.loss_numerics --device cuda
 }
 
 nccl() {  # the MULTI_GPU YAML in one process: the process group's backend must be NCCL (gloo on the CPU)
@@ -297,19 +301,19 @@ dist.all_reduce(t)
 print(f"distributed_type {state.distributed_type}, backend {dist.get_backend()}, world size "
       f"{dist.get_world_size()}, all_reduce of 3 on {t.device}: {t.item()}")
 EOF
-    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" "$probe" | tee "$OUT/nccl_backend.txt" || return
+    limited env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" "$probe" | tee "$OUT/nccl_backend.txt" || return
     grep -q "backend $BACKEND," "$OUT/nccl_backend.txt" || { echo "error: the backend is not $BACKEND"; return 1; }
     # the process group and the steps, no export (the train step's) or its start-up check
-    "${TO[@]}" env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" train_accel.py "${DDP_ARGS[@]}" "${QUIET[@]}" \
+    limited env NCCL_DEBUG=INFO "${LAUNCH[@]}" "${yaml[@]}" train_accel.py "${DDP_ARGS[@]}" "${QUIET[@]}" \
         --data-dir "$DATA" --out-dir "$OUT/nccl"
 }
 
 gpus() {  # more processes than GPUs: one line, from check_launch, before any process group or model
     [[ $DRY == 1 ]] && { echo "dry run: no GPU to count (test_accelerate_configs.py tests the line)"; return; }
     local n
-    n=$(nvidia-smi -L | wc -l)
+    n=$(nvidia-smi -L | grep -c '^GPU ')  # not its MIG devices' lines
     ((n < 8)) || { echo "this machine has $n GPUs: 8xh100.yaml fits, nothing to check"; return; }
-    "${TO[@]}" "${LAUNCH[@]}" --config_file accelerate_configs/8xh100.yaml train_accel.py --preset tiny-cpu \
+    limited "${LAUNCH[@]}" --config_file accelerate_configs/8xh100.yaml train_accel.py --preset tiny-cpu \
         --max-steps 1 "${QUIET[@]}" --data-dir "$DATA" --out-dir "$OUT/gpus" >"$OUT/gpus.out" 2>&1
     local rc=$?
     cat "$OUT/gpus.out"
