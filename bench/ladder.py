@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("error: --max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
+    try:  # where the report goes, made before the rungs run (their minutes are lost if it cannot be)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        sys.exit(f"error: --out {args.out}: {err.strerror}; give a folder for the report")
     device = torch.device(args.device)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

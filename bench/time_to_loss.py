@@ -40,8 +40,9 @@ from bench import peer
 from bench.measure import untimed_bf16
 from bench.report import cpu_model, device_name
 from bench.rungs import REPO, launch_config
+from data_prep import DataPrepError
 from training.compile_cache import set_up_compile_cache
-from training.config import parse_config
+from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import Run, evaluate, setup, trainer_for
 from training.metrics import cpu_matmul_speeds
 from training.pick_cpu_config import pick
@@ -174,12 +175,20 @@ def peers(run: Run, module: object, backend: str | None) -> tuple[Callable[[], N
     return step, Autocast(model)
 
 
-def run_recipe(args: argparse.Namespace, name: str, flags: str | None, seed: int, module: object) -> Curve:
+def recipe_config(args: argparse.Namespace, name: str, flags: str | None, seed: int) -> TrainConfig:
+    """The TrainConfig a recipe trains for this seed; ConfigError for flags it does not take."""
     out_dir = args.out / "runs" / f"{name}-seed{seed}"
     base = ["--config", str(args.config)] if args.config else []
     argv = [*base, *shlex.split(flags or ""), *shlex.split(args.set)]
     argv += [*shlex.split(QUIET), "--seed", str(seed), "--out-dir", str(out_dir)]
-    cfg, _ = parse_config(argv)
+    try:
+        return parse_config(argv)[0]
+    except ConfigError as err:
+        raise ConfigError(f"recipe {name}: {err}") from None
+
+
+def run_recipe(args: argparse.Namespace, name: str, flags: str | None, seed: int, module: object) -> Curve:
+    cfg = recipe_config(args, name, flags, seed)
     torch._dynamo.reset()  # each run compiles its own model (inductor's cache keeps that cheap)
     run = setup(cfg)
     if flags is None:
@@ -374,8 +383,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     curves = []
-    for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
-        curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
+    try:
+        for name, flags in recipes:  # every recipe's flags, before any trains
+            recipe_config(args, name, flags, 0)
+        for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
+            curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
+    except (ConfigError, DataPrepError) as err:  # DataPrepError: --data-dir (in --set or --config) not a corpus
+        sys.exit(f"error: {err}")
     baseline = [c for c in curves if c.recipe == args.baseline]
     targets = val_targets(curves, args.baseline, args.target)
     budget = args.budget_tokens or (baseline[0].tokens[-1] if baseline else min(c.tokens[-1] for c in curves))

@@ -56,6 +56,14 @@ def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tm
     assert not out.exists()  # checked before the benchmark made its folder and trained
 
 
+def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_trains(tmp_path):
+    argv = ["--recipe", "today", "--recipe", "m=--muon-lr -1", "--seeds", "1", "--set", f"--data-dir {tmp_path}"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path / "ttl")])
+    assert exc.value.code == "error: recipe m: muon_lr must be > 0, got -1.0"
+    assert not (tmp_path / "ttl" / "runs").exists()  # no recipe trained
+
+
 @pytest.mark.slow
 def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_path):
     """AdamW and Muon at tiny-cpu for 4 steps, eager fp32 (cpu_eager.yaml) so nothing compiles: each curve starts
