@@ -370,6 +370,11 @@ def main(argv: list[str] | None = None) -> None:
     module = peer.load_peer(script) if script else None
     if args.config is None and device.type == "cpu":
         args.config = REPO / "configs" / "cpu_small.yaml"
+    try:
+        for name, flags in recipes:  # every recipe's flags, before any trains or this process is set up for it
+            recipe_config(args, name, flags, 0)
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
     if args.accelerate_config is not None:
         launch_path = args.accelerate_config
     elif speeds:  # the faster precision here, as `make train` picks it
@@ -384,8 +389,6 @@ def main(argv: list[str] | None = None) -> None:
 
     curves = []
     try:
-        for name, flags in recipes:  # every recipe's flags, before any trains
-            recipe_config(args, name, flags, 0)
         for seed in range(args.seeds):  # seed-major: machine noise spreads over the recipes alike
             curves += [run_recipe(args, name, flags, seed, module) for name, flags in recipes]
     except (ConfigError, DataPrepError) as err:  # DataPrepError: --data-dir (in --set or --config) not a corpus

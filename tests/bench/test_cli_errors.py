@@ -42,8 +42,8 @@ def test_a_data_dir_that_is_no_corpus_is_one_error_in_the_benchmarks_flags(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing prepared beside it
 
 
-def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(tmp_path: Path):
+def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prepared_books: Path, tmp_path: Path):
     (tmp_path / "report").write_text("a file where the report folder goes")
     with pytest.raises(SystemExit) as exc:
-        ladder_main(["--preset", "tiny-cpu", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "report")])
+        ladder_main(["--preset", "tiny-cpu", "--data-dir", str(prepared_books), "--out", str(tmp_path / "report")])
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
