@@ -255,7 +255,6 @@ def write_report(
         *targets,
     ]
     markdown = "\n".join([table, "", *footer, ""])
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ladder.json").write_text(json.dumps(report, indent=2) + "\n")
     profiles = profile_markdown(rows)
     (args.out / "ladder.md").write_text(markdown + ("\n" + profiles if profiles else ""))
