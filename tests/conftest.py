@@ -51,6 +51,35 @@ def fresh_dynamo() -> None:
         torch._dynamo.reset()
 
 
+# Variables set once per process, kept by environment_kept: pytest's own (the phase it is in), DS_ACCELERATOR (set by
+# modeling.device.quiet_deepspeed before DeepSpeed loads) and PYTORCH_NVML_BASED_CUDA_CHECK (DeepSpeed's import sets
+# it); so are a library's private ones (inductor's _TORCHINDUCTOR_*, for its compile workers).
+PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+
+
+@pytest.fixture(autouse=True)
+def environment_kept() -> Iterator[None]:
+    """Fails a test that leaves os.environ changed, and puts it back (monkeypatch's own changes are undone before this
+    looks). A variable left behind reaches every later test in this worker and the processes they launch: a launch
+    YAML's ACCELERATE_DYNAMO_BACKEND, set by a CLI's main called in-process, once made the rest of a worker's tests
+    train compiled, and the suite took 4.5 minutes longer."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(
+        k
+        for k in before.keys() | after.keys()
+        if before.get(k) != after.get(k) and k not in PROCESS_SET_UP and not k.startswith("_")
+    )
+    if changed:
+        for k in changed:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                del os.environ[k]
+        pytest.fail(f"the test left these environment variables changed: {', '.join(changed)}")
+
+
 @pytest.fixture(autouse=True)
 def consistent_matmul_precision() -> Iterator[None]:
     """After each test, torch's fp32 matmul flags back to one consistent state (fp32, no TF32). The training loop run
