@@ -259,11 +259,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def whoami(name: str = "you", role: str = "write", orgs: Sequence[str] = ()) -> dict:
-    """The Hub's /api/whoami-v2 answer for a user's access token (as huggingface.co gives it, trimmed)."""
+def whoami(
+    name: str = "you",
+    role: str = "write",
+    orgs: Mapping[str, str] | Sequence[str] = (),
+    scoped: Mapping[str, Sequence[str]] | None = None,
+) -> dict:
+    """The Hub's /api/whoami-v2 answer for a user's access token (as huggingface.co gives it, trimmed): `orgs` the
+    user's organizations (names, or name -> the user's role in it, default write); `scoped` makes it a fine-grained
+    token, with the permissions it holds per user, organization or repository ("you/x") name."""
+    org_roles = orgs if isinstance(orgs, Mapping) else dict.fromkeys(orgs, "write")
+    access: dict = {"displayName": "ci", "role": role}
+    if scoped is not None:
+        kind = {name: "user", **{org: "org" for org in org_roles}}
+        access["role"] = "fineGrained"
+        access["fineGrained"] = {
+            "canReadGatedRepos": True, "global": ["discussion.write", "post.write"],
+            "scoped": [
+                {"entity": {"_id": str(i), "type": kind.get(e, "model"), "name": e}, "permissions": list(permissions)}
+                for i, (e, permissions) in enumerate(scoped.items())
+            ],
+        }  # fmt: skip
     return {
-        "type": "user", "name": name, "orgs": [{"type": "org", "name": org} for org in orgs],
-        "auth": {"type": "access_token", "accessToken": {"displayName": "ci", "role": role}},
+        "type": "user", "name": name,
+        "orgs": [{"type": "org", "name": org, "roleInOrg": r} for org, r in org_roles.items()],
+        "auth": {"type": "access_token", "accessToken": access},
     }  # fmt: skip
 
 

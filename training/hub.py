@@ -136,8 +136,9 @@ WHOAMI_TIMEOUT_S = 30.0
 
 def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAMI_TIMEOUT_S) -> str | None:
     """Raise now, as one HubError, what would stop push(repo_id) at the end of the run: a malformed repo id, no
-    token, or what the Hub says of the token (one whoami call): refused (expired, revoked), read-only, or not its
-    user's nor their organizations' namespace; a Hub out of reach stops the run too, as the push could not happen.
+    token, or what the Hub says of the token (one whoami call): refused (expired, revoked), read-only, fine-grained
+    without write access there, not its user's nor their organizations' namespace, or an organization where the
+    user's role is read; a Hub out of reach stops the run too, as the push could not happen.
     Returns a note where the Hub answered without saying (a rate limit, a server error): the push is then tried at
     the end."""
     from huggingface_hub import constants
@@ -164,16 +165,34 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
             raise HubError(f"the Hub refused the Hugging Face token {where}for --push-to-hub ({reason}): {new_token}")
         return f"note: could not check the Hub token ({reason}); the push to {repo_id} is tried at the end"
     access = (answer.get("auth") or {}).get("accessToken") or {}
+    token_name = access.get("displayName", "")
     if access.get("role") == "read":
-        name = access.get("displayName", "")
-        raise HubError(f"the Hugging Face token {name!r} can only read, and --push-to-hub writes: {new_token}")
-    namespaces = [answer["name"], *(org["name"] for org in answer.get("orgs", []))]
+        raise HubError(f"the Hugging Face token {token_name!r} can only read, and --push-to-hub writes: {new_token}")
+    user = answer["name"]
+    roles = {org["name"]: org.get("roleInOrg") for org in answer.get("orgs", [])}
+    namespaces = [user, *roles]
     namespace, _, name = repo_id.rpartition("/")
-    if namespace and namespace not in namespaces:
+    namespace = namespace or user  # a bare name is created under the token's user
+    if namespace not in namespaces:
         raise HubError(
-            f"--push-to-hub {repo_id}: this token (user {answer['name']}) can create repositories under "
-            f"{', '.join(namespaces)} only; give e.g. {namespaces[0]}/{name}"
+            f"--push-to-hub {repo_id}: this token (user {user}) can create repositories under "
+            f"{', '.join(namespaces)} only; give e.g. {user}/{name}"
         )
+    if roles.get(namespace) == "read":  # the organization's read role: no repositories of one's own there
+        raise HubError(
+            f"--push-to-hub {repo_id}: user {user} can only read in the organization {namespace}; ask its admins "
+            f"for the contributor role or more, or give {user}/{name}"
+        )
+    # A fine-grained token writes only where it was granted repo.write: on a whole namespace, or on named repositories.
+    fine = access.get("fineGrained")
+    if access.get("role") == "fineGrained" and isinstance(fine, dict):
+        granted = {s["entity"]["name"] for s in fine.get("scoped", []) if "repo.write" in s.get("permissions", [])}
+        if namespace not in granted and f"{namespace}/{name}" not in granted:
+            raise HubError(
+                f"the fine-grained Hugging Face token {token_name!r} may not write to repositories under {namespace}, "
+                f"and --push-to-hub {repo_id} does: give it write access to {namespace}'s repositories, or make a "
+                f"write token, at {constants.ENDPOINT}/settings/tokens, then `hf auth login` or set HF_TOKEN"
+            )
     return None
 
 

@@ -198,6 +198,21 @@ def test_check_push_passes_a_write_token_for_its_users_or_their_organizations_na
     assert check_on_hub(monkeypatch, repo_id, answer=whoami("you", orgs=["club"])) is None
 
 
+WRITE = ["repo.content.read", "repo.access.read", "repo.write"]
+FINE_GRAINED_PASSES = {  # repo id -> where the token may write: a namespace, or the repository itself
+    "you/tiny-books": {"you": WRITE},
+    "tiny-books": {"you": WRITE},
+    "club/tiny-books": {"you": ["repo.content.read"], "club": WRITE},
+    "club/named": {"club/named": WRITE},
+}
+
+
+@pytest.mark.parametrize("repo_id", FINE_GRAINED_PASSES)
+def test_check_push_passes_a_fine_grained_token_where_it_may_write(monkeypatch, repo_id):
+    answer = whoami("you", orgs={"club": "contributor"}, scoped=FINE_GRAINED_PASSES[repo_id])
+    assert check_on_hub(monkeypatch, repo_id, answer=answer) is None
+
+
 HUB_REFUSALS = {
     "expired": (401, None, "you/x", r"^the Hub refused the Hugging Face token in HF_TOKEN for --push-to-hub \(401 "),
     "read_only": (200, whoami(role="read"), "you/x", r"^the Hugging Face token 'ci' can only read, and --push-to-hub"),
@@ -205,6 +220,16 @@ HUB_REFUSALS = {
         200, whoami("you", orgs=["club"]), "gpt2/x",
         r"^--push-to-hub gpt2/x: this token \(user you\) can create repositories under you, club only; "
         r"give e\.g\. you/x$",
+    ),
+    "org_read_role": (
+        200, whoami("you", orgs={"club": "read"}), "club/x",
+        r"^--push-to-hub club/x: user you can only read in the organization club; ask its admins for the "
+        r"contributor role or more, or give you/x$",
+    ),
+    "fine_grained_read": (
+        200, whoami("you", orgs=["club"], scoped={"you": ["repo.content.read"], "club/other": WRITE}), "you/x",
+        r"^the fine-grained Hugging Face token 'ci' may not write to repositories under you, and --push-to-hub you/x "
+        r"does: give it write access to you's repositories, or make a write token, at http://127\.0\.0\.1:\d+/",
     ),
 }  # fmt: skip
 
@@ -214,7 +239,7 @@ def test_check_push_refuses_a_token_the_push_would_fail_with(monkeypatch, case):
     status, answer, repo_id, message = HUB_REFUSALS[case]
     with pytest.raises(HubError, match=message) as refused:
         check_on_hub(monkeypatch, repo_id, status, answer)
-    if case != "namespace":  # where to make a token that can push: the Hub's own settings page
+    if case not in ("namespace", "org_read_role"):  # where to make a token that can push: the Hub's own settings page
         assert str(refused.value).endswith("/settings/tokens, then `hf auth login` or set HF_TOKEN")
 
 
