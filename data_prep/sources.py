@@ -55,6 +55,7 @@ LICENSES = {
 PG19_HUB = "emozilla/pg19"  # the parquet copy of deepmind/pg19 (a loading script, which datasets >= 4 refuses)
 # PG-19's splits -> ours: its validation and test books are kept out of train as its authors chose.
 PG19_SPLITS = {"train": "train", "validation": "val", "test": "val"}
+PG19_NAMES = {PG19_HUB, "deepmind/pg19"}  # its Hub ids (lower case), which hf: reads as a generic dataset
 PG19_COLUMNS = ("short_book_title", "publication_date", "url", "text")
 PG19_BATCH_ROWS = 32  # books per Arrow record batch read (~13 MB of PG-19 text): bounds memory, not speed
 DEFAULT_MIRROR = "https://www.gutenberg.org"
@@ -118,6 +119,14 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
             raise DataPrepError(f"unknown source kind {kind!r} in source {spec!r}; use one of: {SPEC_HELP}")
         if kind not in OPTIONAL_ARGUMENT and not arg:
             raise DataPrepError(f"source {part.strip()!r} needs an argument; use one of: {SPEC_HELP}")
+        if kind == "hf" and arg.partition(":")[0].strip("/").lower() in PG19_NAMES:
+            # datasets would download every split and keep an Arrow copy of train (~11.5 GB beside the ~7 GB of
+            # parquet), and PG-19's validation and test books would be trained on or dropped
+            raise DataPrepError(
+                f"source {part.strip()!r} reads PG-19 as a generic dataset (its train split alone, all of it cached "
+                f"by datasets first, the titles lost): use --source pg19 (streams {PG19_HUB}, keeps PG-19's "
+                "validation and test books for val, resumes where it stopped), or --source pg19:FOLDER for a local copy"
+            )
         parts.append((kind, arg))
     return parts
 

@@ -168,6 +168,10 @@ def test_hf_column_that_is_not_text_is_one_clear_error(tmp_path, monkeypatch, ca
 def test_malformed_spec_fails_before_reading_anything():
     with pytest.raises(DataPrepError, match="unknown source kind 'pdf'"):
         iter_documents("default+pdf:x.pdf")  # not iterated: the spec is checked up front
+    # PG-19 by its Hub id through hf: is sent to the pg19 source, before datasets downloads anything
+    for spec in ("hf:emozilla/pg19", "default + hf:deepmind/pg19:validation:text"):
+        with pytest.raises(DataPrepError, match=r"reads PG-19 as a generic dataset .* use --source pg19 \(streams"):
+            iter_documents(spec)
 
 
 def test_parse_spec_combines_with_plus():
