@@ -97,8 +97,6 @@ def fit(run: Run) -> bool:
                 accelerator.log(evals, step=step)
                 accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
                 val_loss = evals["val_loss"]
-            if due(cfg.sample_interval, step, last):
-                write_sample(run, step)
             if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
                 meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
                 save_started = time.perf_counter()
@@ -108,6 +106,8 @@ def fit(run: Run) -> bool:
                 if not save_timed:
                     accelerator.print(grace_period_line(time.perf_counter() - save_started, metrics.last_step_s))
                     save_timed = True
+            if due(cfg.sample_interval, step, last):  # after the save: a sample that fails loses no training
+                write_sample(run, step)
             if trainer.stopping and not last:
                 break
         else:
@@ -150,6 +150,12 @@ USER_ERRORS = (
 def run_main() -> None:
     try:
         main()
+    except IsADirectoryError as err:  # a folder where a run's file goes (samples.txt, loss.png: renamed onto)
+        report_error(
+            f"error: {err.filename2 or err.filename} is a folder where this run writes a file: move it aside, then run "
+            "the same command again"
+        )
+        exit_process(1)
     except USER_ERRORS as err:
         report_error(f"error: {err}")
         exit_process(1)

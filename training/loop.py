@@ -295,7 +295,10 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     for note in resume_notes:
         accelerator.print(note)
     if resume_from is not None:
+        schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds ours
+        configured = schedule.configured()
         crossed = load_resume_state(accelerator, resume_from, model, optimizer, scheduler, registered)
+        schedule.keep_configured(configured)
         accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
         changes = [c for c in (crossed, progress.reshape(world_size, cfg.micro_batch_size, grad_accum)) if c]
@@ -305,11 +308,10 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         startup.lap("resume")
     # What the end of the run writes, decided by the main process, which writes it, before this launch writes
     # anything; every rank stops alike.
-    if cfg.export_hf:
-        hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config, export_check))
-        if hub_note:
-            accelerator.print(hub_note)
-        startup.lap("export_check")
+    hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config, export_check))
+    if hub_note:
+        accelerator.print(hub_note)
+    startup.lap("outputs_check")
     if accelerator.is_main_process:
         # the first write of this launch: one run per folder from here
         moved = set_aside(run_dir, progress.step, resume_from)
@@ -349,13 +351,26 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
 
 
 def check_outputs(cfg: TrainConfig, model_config: GPTConfig, export_check: ExportCheck | None) -> str | None:
-    """What write_outputs needs, checked before any training: the Hub push (a repository id, a token the Hub takes
-    for it, or a note where the Hub could not say; training.hub.check_push), the model card (huggingface_hub, the
-    manifest) and the export (transformers, a GPT-2 shape, a one-layer model and the tokenizer written in a
-    temporary folder: the verdict of export_check, started at start-up beside a GPU, else the check run here).
+    """What write_outputs needs, checked before any training: the loss plot (matplotlib) and, where the run exports,
+    the Hub push (a repository id, a token the Hub takes for it, or a note where the Hub could not say;
+    training.hub.check_push), the model card (huggingface_hub, the manifest) and the export (transformers, a GPT-2
+    shape, a one-layer model and the tokenizer written in a temporary folder: the verdict of export_check, started at
+    start-up beside a GPU, else the check run here).
     Run on the main process, which alone writes and pushes them: the other ranks never import transformers, nor
     need a token (on a cluster, perhaps only machine 0 has one)."""
     # fail now, not after days of training
+    try:  # loss.png's plotting library, loaded as plot_losses loads it (0.5 s; its font cache built on first use)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception as err:  # missing, or built against another numpy
+        raise ConfigError(
+            f"loss.png at the end of this run could not be drawn: matplotlib does not load ({type(err).__name__}: "
+            f"{' '.join(str(err).split())}); reinstall it (pip install --force-reinstall matplotlib)"
+        ) from err
+    if not cfg.export_hf:
+        return None
     hub_note = check_push(cfg.push_to_hub, cfg.out_dir) if cfg.push_to_hub else None
     try:
         check_model_card(dataclasses.asdict(cfg))

@@ -222,7 +222,7 @@ STARTUP_PHASES = {
     "model": "model",
     "prepare": "prepare",
     "resume": "resume",
-    "export_check": "export check",
+    "outputs_check": "outputs check",
     "probes": "probes",
     "step0_eval": "step-0 eval",
     "first_step": "first step + compile",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from testkit import REPO, hub_endpoint, make_train_recipe, run, train_cmd
+from training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +147,23 @@ def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
         result.stderr.splitlines()[-1]
         == "error: the run ended with signal SIGKILL; its output above says how far it got"
     )
+
+
+def test_a_folder_where_the_run_writes_a_file_is_one_line_after_the_final_save(prepared_books, tmp_path):
+    """A fault at the last step that start-up could not see (a folder named samples.txt): the last sample comes after
+    the final save, so no training is lost, and the run ends with one line; the same command then finishes the job."""
+    run_dir = tmp_path / "run"
+    (run_dir / "samples.txt").mkdir(parents=True)
+    args = ["--max-steps", "2", "--checkpoint-interval", "0", "--sample-interval", "2", "--eval-interval", "0",
+            "--micro-batch-size", "4", "--total-batch-tokens", "256"]  # fmt: skip
+    cmd = train_cmd(None, run_dir, prepared_books, *args)
+    failed = run(cmd, expect_rc=1, timeout=300)
+    assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert failed.stderr.splitlines()[-1] == (
+        f"error: {run_dir / 'samples.txt'} is a folder where this run writes a file: move it aside, then run the same "
+        "command again"
+    )
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002"]
+    (run_dir / "samples.txt").rmdir()
+    done = run(cmd)
+    assert "the run is at step 2 of 2: nothing to train" in done.stdout and (run_dir / "loss.png").is_file()

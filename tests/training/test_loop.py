@@ -257,7 +257,7 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
     phases = {k: v for k, v in first[0].items() if k.startswith("startup_")}
     assert [k for k in phases if k != "startup_other_s"] == [
         "startup_imports_s", "startup_config_s", "startup_accelerator_s", "startup_data_s", "startup_model_s",
-        "startup_prepare_s", "startup_probes_s", "startup_first_step_s",
+        "startup_prepare_s", "startup_outputs_check_s", "startup_probes_s", "startup_first_step_s",
     ]  # fmt: skip
     assert phases["startup_first_step_s"] >= 0.5 and min(phases.values()) >= 0
     assert sum(phases.values()) == pytest.approx(first[0]["time_to_first_step_s"])

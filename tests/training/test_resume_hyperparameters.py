@@ -1,0 +1,56 @@
+"""A resume with a changed --lr, --muon-lr or --weight-decay trains with them, as its start-up line says; one
+with the same config continues with exactly the saved lrs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from testkit import TINY_MODEL
+from training.checkpoint import save_checkpoint
+from training.config import TrainConfig
+from training.loop import TrainMetrics, setup, trainer_for
+
+
+def config(data_dir, out_dir, **changes) -> TrainConfig:
+    cfg = TrainConfig(
+        preset="tiny-cpu", block_size=TINY_MODEL.block_size, data_dir=str(data_dir), out_dir=str(out_dir),
+        micro_batch_size=2, total_batch_tokens=64, max_steps=6, warmup_steps=4, log_interval=1, eval_interval=0,
+        sample_interval=0, num_workers=0, peak_tflops=1.0, export_hf=False, muon_momentum_warmup_steps=4,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, **changes)
+
+
+def groups(run) -> list[dict]:
+    """Each group's hyperparameters; the run folder's lock released, as the launch's exit would."""
+    run.lock.release()
+    return [{k: v for k, v in g.items() if k != "params"} for g in run.schedule.optimizer.param_groups]
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_resume_trains_with_this_launchs_hyperparameters(prepared_books, tmp_path):
+    out = tmp_path / "run"
+    first = setup(config(prepared_books, out))
+    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
+    for _ in range(2):  # in the warmup: the lrs depend on the step
+        metrics.step_started()
+        trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(first.progress.step)
+    save_checkpoint(first.accelerator, first.run_dir, 2, 2, {"step": 2}, first.checkpoint_bytes)
+    saved = groups(first)
+
+    same = setup(config(prepared_books, out))
+    assert groups(same) == saved  # the same config: exactly the saved lrs, momenta and the rest
+
+    changed = setup(config(prepared_books, out, lr=1e-3, muon_lr=0.05, weight_decay=0.3, muon_momentum=0.9))
+    multiplier = saved[0]["lr"] / saved[0]["initial_lr"]  # the step's, which the resume keeps
+    for group, before in zip(groups(changed), saved, strict=True):
+        muon = "initial_momentum" in group
+        assert group["initial_lr"] == (0.05 if muon else 1e-3)
+        assert group["lr"] == pytest.approx(group["initial_lr"] * multiplier, rel=1e-12)
+        assert group["weight_decay"] == (0.3 if before["weight_decay"] else 0.0)
+        if muon:
+            assert group["initial_momentum"] == 0.9 and group["momentum"] == pytest.approx(0.85 + 0.05 * 2 / 4)
+    assert changed.progress.step == 2
