@@ -22,7 +22,7 @@ import yaml
 
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES
-from modeling.runs import read_metrics
+from modeling.runs import list_checkpoints, read_metrics
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
@@ -339,6 +339,14 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     export = run_dir / "export"
     if not (export / "config.json").is_file():
         raise HubError(f"{export} holds no transformers export: train with --export-hf true first")
+    checkpoints = list_checkpoints(run_dir)
+    # The run's end saves its last checkpoint, then exports: a newer checkpoint is a resume that stopped before its end
+    if checkpoints and checkpoints[-1].stat().st_mtime > (export / "config.json").stat().st_mtime:
+        raise HubError(
+            f"{export} holds the weights of an earlier end of this run, which has trained on to {checkpoints[-1].name} "
+            "since (a resume stopped before its end), and its card would describe those steps: finish the run with "
+            "the command that trained it (its end exports and writes the card), then push"
+        )
     card = render_model_card(run_dir)
     if repo_id:
         card = card.replace("REPO_ID", repo_id)

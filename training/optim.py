@@ -186,6 +186,7 @@ def build_optimizer(
     return AdamWWithMuon(adamw, muon)
 
 
+STEP_SET = ("params", "lr", "momentum")  # a group's keys that are not hyperparameters of the launch
 MUON_MOMENTUM_START = 0.85  # modded-nanogpt's Muon momentum warmup: 0.85 to 0.95 over its first 300 steps
 
 
@@ -205,6 +206,23 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         """Make the schedule end at total_steps from now on, and set the current step's lrs by it (a time budget's
         decision, taken where the lrs so far do not depend on the total: the warmup)."""
         self.lr_lambdas = [partial(fn, total_steps=total_steps) for fn in self.lr_lambdas]
+        self._set_lrs()
+
+    def configured(self) -> list[dict[str, Any]]:
+        """Each group's hyperparameters as this launch built them (lr and momentum aside: the step sets those)."""
+        return [{k: v for k, v in g.items() if k not in STEP_SET} for g in self.optimizer.param_groups]
+
+    def keep_configured(self, configured: list[dict[str, Any]]) -> None:
+        """After a resume's load, which brings the saved launch's hyperparameters (initial lr, weight decay, betas,
+        Muon's momentum): this launch's again (`configured`, read before the load), so a resume with a changed
+        --lr or --weight-decay trains with it, as it says; the current step's lrs and momenta set by them."""
+        for group, mine in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(mine)
+        self.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        self._set_lrs()
+        self._set_momenta()
+
+    def _set_lrs(self) -> None:
         lrs = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
@@ -229,6 +247,9 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
 
     def step(self) -> None:
         super().step()
+        self._set_momenta()
+
+    def _set_momenta(self) -> None:
         frac = min(1.0, self.last_epoch / self.momentum_warmup) if self.momentum_warmup else 1.0
         for group in self.optimizer.param_groups:
             if "momentum" in group:

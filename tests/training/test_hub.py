@@ -16,7 +16,8 @@ from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
-from testkit import hub_endpoint, whoami, write_pg19_copy
+from modeling.runs import checkpoint_dir
+from testkit import TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
 from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
 
@@ -147,6 +148,16 @@ def test_write_model_card_fills_repo_id(finished_run):
 
 def tree_hashes(folder):
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_export_older_than_the_runs_newest_checkpoint_gets_no_card(finished_run):
+    """A resumed run that a signal stopped trained on past its earlier end's export: a card would describe steps the
+    export's weights never took."""
+    write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(finished_run, 3))  # saved after the export
+    before = tree_hashes(finished_run)
+    with pytest.raises(HubError, match=r"holds the weights of an earlier end of this run, .* on to step-00000003 "):
+        write_model_card(finished_run, "someone/tiny-books")
+    assert tree_hashes(finished_run) == before
 
 
 def test_push_without_token_is_a_clear_error(finished_run, tmp_path, monkeypatch, capsys):
