@@ -37,7 +37,7 @@ from bench.measure import (
     unless_out_of_memory,
     untimed_bf16,
 )
-from bench.report import cpu_model, device_name, markdown_table, plot, profile_markdown, summary_line, target_lines
+from bench.report import markdown_table, plot, profile_markdown, summary_line, target_lines
 from bench.rungs import (
     REPO,
     RUNGS,
@@ -50,6 +50,7 @@ from bench.rungs import (
     tf32_matmuls,
 )
 from modeling.config import get_preset
+from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
 from bench.measure import checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
-from bench.report import device_name
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
+from modeling.device import device_name
 from modeling.fused_ce import CHUNK_ROWS, cuda_memory_bytes, fused_linear_cross_entropy, takes_full_logits
 from modeling.runtime import set_up_compute
 from training.compile_cache import set_up_compile_cache

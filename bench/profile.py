@@ -32,12 +32,12 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.measure import checked_inputs, flops_per_token
-from bench.report import cpu_model
 from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset
 from modeling.cpu_attention import bf16_products
+from modeling.device import cpu_model
 from training.compile_cache import set_up_compile_cache
 from training.config import OPTIMIZERS
 from training.metrics import cpu_matmul_tflops_at_once, peak_tflops

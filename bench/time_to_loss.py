@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from bench import peer
 from bench.measure import untimed_bf16
-from bench.report import cpu_model, device_name
 from bench.rungs import REPO, launch_config
 from data_prep import DataPrepError
+from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache
 from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import Run, evaluate, setup, trainer_for

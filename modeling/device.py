@@ -1,4 +1,5 @@
-"""Where a model runs when nothing says otherwise: CUDA, else the Apple GPU (MPS) for a single process, else the CPU.
+"""Where a model runs when nothing says otherwise: CUDA, else the Apple GPU (MPS) for a single process, else the CPU;
+and how the run logs, model cards and benchmarks name that device.
 
 One rule for training (training.distributed.build_accelerator) and evals, as accelerate itself picks a device,
 except that 2+ processes without CUDA run on the CPU over gloo: MPS has no collective backend.
@@ -7,6 +8,8 @@ except that 2+ processes without CUDA run on the CPU over gloo: MPS has no colle
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -39,3 +42,33 @@ def quiet_deepspeed() -> None:
     Told the CPU beforehand (DS_ACCELERATOR, its own variable) it does not; a choice in the environment stays."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+# The first of these a CPU has says how fast its bf16 matmuls can be (AMX >> AVX-512 bf16 > plain AVX-512 / AVX2).
+MATMUL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU as the figures need it named: e.g. 'AMD EPYC (family 25 model 17, avx512_bf16)'. VMs often report a
+    bare model name, which the family, model and best matmul ISA tell apart (Zen 3 / 4 / 5, Xeon with or without
+    AMX); an ISA capped by ONEDNN_MAX_CPU_ISA is named too. cpuinfo: /proc/cpuinfo's text (read when None)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in MATMUL_ISAS if f in flags), None)
+    details = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields else []
+    details += [isa] if isa else []
+    if cap := os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        details.append(f"capped at {cap}")
+    return fields["model name"] + (f" ({', '.join(details)})" if details else "")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu_model()}"

@@ -15,6 +15,7 @@ import shutil
 import statistics
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ import yaml
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES
 from modeling.runs import list_checkpoints, read_metrics
+from training.metrics import precision_name
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
@@ -59,9 +61,14 @@ EVAL_METRICS = {
 PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-domain books
 
 
-def _manifest(config: dict) -> dict | None:
-    path = Path(config["data_dir"]) / "manifest.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
+    """The run's data manifest: at its data_dir as given (from the run's working folder), else where its newest
+    launch found it (metrics.jsonl's launch rows hold the absolute path): a card rendered from another folder."""
+    launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
+    for folder in [config["data_dir"], *launched[:1]]:
+        if (Path(folder) / "manifest.json").is_file():
+            return json.loads((Path(folder) / "manifest.json").read_text())
+    return None
 
 
 def data_sources(manifest: dict | None) -> list[dict]:
@@ -236,7 +243,7 @@ def render_model_card(run_dir: str | Path) -> str:
     # The first step (compile, warm-up) is timed apart, so a one-step run has no throughput row.
     speeds = [r["tokens_per_sec"] for r in train if "tokens_per_sec" in r]
     throughput = f"{statistics.median(speeds):,.0f} tokens/s" if speeds else "n/a (one step)"
-    manifest = _manifest(config)
+    manifest = _manifest(config, rows)
     val_line = score_lines = ""
     evals = {k: v for k, v in val[-1].items() if k != "step"} if val else {}
     if val:
@@ -270,7 +277,7 @@ Accelerate, MIT-licensed).
 | optimizer steps | {last["step"]:,} |
 | tokens seen | {last["tokens_seen"]:,} |
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
-| final train loss | {last["train_loss"]:.4f} |
+{_hardware_line(rows, last["step"])}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {throughput} |
 
 ![loss curve](loss.png)
@@ -310,6 +317,26 @@ def _data_section(config: dict, manifest: dict | None) -> str:
         f"{splits['val']['num_documents']:,} val documents ({splits['val']['num_tokens']:,} tokens), GPT-2 BPE.\n\n"
         f"| source | Hub dataset | license |\n|---|---|---|\n{rows}\n{note}"
     )
+
+
+def _hardware_line(rows: list[dict], last_step: int) -> str:
+    """Where and in what precision each launch of the run trained (metrics.jsonl's launch rows; none in runs made
+    before they were logged): one table row, the steps of each launch where a resume changed them."""
+    launches = [(r["step"] + 1, r["launch"]) for r in rows if "launch" in r and r["step"] < last_step]
+    if not launches:
+        return ""
+    parts: list[tuple[int, int, str]] = []  # (first step, last step, what)
+    for i, (first, launch) in enumerate(launches):
+        until = launches[i + 1][0] - 1 if i + 1 < len(launches) else last_step
+        compiled = "" if launch["dynamo_backend"] == "NO" else ", torch.compile"
+        what = f"{launch['world_size']} × {launch['device']}, {precision_name(launch['mixed_precision'])}{compiled}"
+        if parts and parts[-1][2] == what:
+            parts[-1] = (parts[-1][0], until, what)
+        else:
+            parts.append((first, until, what))
+    if len(parts) == 1:
+        return f"| hardware | {parts[0][2]} |\n"
+    return "| hardware | " + "; ".join(f"steps {a:,}-{b:,}: {what}" for a, b, what in parts) + " |\n"
 
 
 def _optimizer_line(config: dict) -> str:

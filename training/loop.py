@@ -25,6 +25,7 @@ from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling import fp8_head
 from modeling.config import GPTConfig
+from modeling.device import device_name
 from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
 from modeling.runs import load_checkpoint, plain_state_dict
@@ -428,6 +429,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         **dataclasses.asdict(cfg),
         "grad_accum_steps": run.grad_accum,
         "world_size": world_size,
+        "device": device_name(device),
+        "data_path": str(Path(cfg.data_dir).resolve()),
+        "start_step": run.progress.step,  # a resumed launch's first step is the next
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": dynamo,
         "dynamo_regional": per_block,

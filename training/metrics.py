@@ -393,6 +393,11 @@ def check_trackers(names: list[str]) -> None:
             )
 
 
+# What metrics.jsonl's launch row keeps of a launch's run info (training.loop.log_run_info): where it computed, how,
+# and the data folder as an absolute path (the card finds the manifest from any working folder)
+LAUNCH_KEYS = ("world_size", "device", "mixed_precision", "dynamo_backend", "data_path")
+
+
 class JSONLTracker(GeneralTracker):
     """An accelerate tracker that appends one JSON object per `accelerator.log` call to metrics.jsonl."""
 
@@ -408,7 +413,10 @@ class JSONLTracker(GeneralTracker):
         return self.path
 
     def store_init_configuration(self, values: dict) -> None:
-        """The run config is written to config.yaml by the trainer; nothing to add here."""
+        """The run config is written to config.yaml by the trainer; this launch's hardware and precision (which the
+        launch YAML, not the config, chose, and which a resume may change) go in a row at the step it starts from,
+        for the model card."""
+        self.log({"launch": {k: values[k] for k in LAUNCH_KEYS}}, step=values["start_step"])
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

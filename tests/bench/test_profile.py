@@ -8,11 +8,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.profile import BF16_MATH, MUON_STEP, ONEDNN_LINEAR, kind_of, matmul_calls, print_matmul_bound, time_matmul
-from bench.report import cpu_model
 from bench.rungs import REPO, full_recipe_trainer, launch_config
 from modeling import cpu_linear
 from modeling.config import get_preset
 from modeling.cpu_attention import causal_attention
+from modeling.device import cpu_model
 
 
 def recorded_layouts(calls: dict[tuple, tuple[int, float]]) -> bool:

@@ -86,7 +86,8 @@ def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
     assert val[30] < val[0] - 2.0, val
     assert (run / "loss.png").stat().st_size > 0
     assert "--- step 30 ---\n<|endoftext|>ROMEO:" in (run / "samples.txt").read_text()
-    assert "| optimizer steps | 30 |" in (run / "export" / "README.md").read_text()  # the model card
+    card = (run / "export" / "README.md").read_text()  # the model card: the steps, and where and how they ran
+    assert "| optimizer steps | 30 |" in card and re.search(r"\| hardware \| 1 × CPU: .*, fp32, torch.compile \|", card)
 
     from transformers import GPT2LMHeadModel
 

@@ -21,6 +21,9 @@ from testkit import TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg
 from training.config import TrainConfig, config_to_yaml
 from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
 
+# metrics.jsonl's row of a launch from step 0 (training.metrics.LAUNCH_KEYS)
+CPU_LAUNCH = {"world_size": 1, "device": "CPU: Xeon", "mixed_precision": "bf16", "dynamo_backend": "NO"}
+
 
 @pytest.fixture
 def finished_run(tmp_path, prepared_books):
@@ -30,6 +33,7 @@ def finished_run(tmp_path, prepared_books):
     cfg = TrainConfig(preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2)
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     rows = [
+        {"step": 0, "launch": CPU_LAUNCH},
         {"step": 0, "val_loss": 10.9},
         {"step": 1, "train_loss": 10.5, "tokens_per_sec": 900.0, "tokens_seen": 1024},
         {"step": 2, "train_loss": 9.25, "tokens_per_sec": 1100.0, "tokens_seen": 2048},
@@ -47,6 +51,7 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
     manifest = json.loads((prepared_books / "manifest.json").read_text())
     assert f"{manifest['splits']['train']['num_tokens']:,} tokens" in card
     assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 |" in card
+    assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card
     assert "| val loss (final / best) | 9.5000 / 9.5000 |" in card
     assert "| throughput (median) | 1,000 tokens/s |" in card
@@ -123,6 +128,7 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
 
 def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_books):
     rows = [
+        {"step": 0, "launch": CPU_LAUNCH},
         {"step": 0, "val_loss": 10.9},
         *ROWS,
         {"step": 2, "val_loss": 9.51234, "hellaswag_acc_norm": 0.3125, "hellaswag_acc": 0.25, "lambada_acc": 0.125},
@@ -139,6 +145,33 @@ def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_book
     assert results["Rowan/hellaswag", "acc_norm"].metric_value == 0.3125
     assert results["Rowan/hellaswag", "acc_norm"].dataset_args == {"limit": 16}  # a subset, and it says so
     check_model_card(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()))  # the start-up check passes
+
+
+def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
+    """A run resumed on other hardware (after losing a node, say): each launch's steps, where a resume changed them.
+    A launch that found the run finished trained nothing, and is not on the card."""
+    gpu = {"world_size": 8, "device": "NVIDIA H100 80GB HBM3", "mixed_precision": "bf16", "dynamo_backend": "INDUCTOR"}
+    rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    rows += [{"step": 1, "launch": gpu}, {"step": 1, "launch": {**gpu, "world_size": 4}}]  # the first ended at once
+    rows += [{"step": 2, "launch": gpu}, {"step": 4, "train_loss": 8.0, "tokens_seen": 4096}]
+    rows += [{"step": 4, "launch": {**gpu, "world_size": 4}}]  # the finished run launched again: nothing trained
+    (finished_run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert (
+        "| hardware | steps 1-1: 1 × CPU: Xeon, bf16 mixed precision; steps 2-2: 4 × NVIDIA H100 80GB HBM3, bf16 "
+        "mixed precision, torch.compile; steps 3-4: 8 × NVIDIA H100 80GB HBM3, bf16 mixed precision, torch.compile |"
+    ) in render_model_card(finished_run)
+
+
+def test_the_card_finds_the_data_from_any_working_folder(finished_run, prepared_books):
+    """A run trained on a relative --data-dir, its card rendered from another folder (python -m training.hub):
+    the manifest is where the launch found it."""
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    (finished_run / "config.yaml").write_text(yaml.safe_dump({**config, "data_dir": "data/books"}))
+    assert "`data/books` (no manifest.json there: source and license unknown)" in render_model_card(finished_run)
+    with (finished_run / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 0, "launch": {**CPU_LAUNCH, "data_path": str(prepared_books)}}) + "\n")
+    manifest = json.loads((prepared_books / "manifest.json").read_text())
+    assert f"{manifest['splits']['train']['num_tokens']:,} tokens" in render_model_card(finished_run)
 
 
 def test_write_model_card_fills_repo_id(finished_run):
