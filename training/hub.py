@@ -62,10 +62,10 @@ PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-do
 
 
 def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
-    """The run's data manifest: at its data_dir as given (from the run's working folder), else where its newest
-    launch found it (metrics.jsonl's launch rows hold the absolute path): a card rendered from another folder."""
+    """The run's data manifest: where its newest launch found it (metrics.jsonl's launch rows hold the absolute path,
+    so a card rendered from another working folder finds it too), else at its data_dir as given (older runs)."""
     launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
-    for folder in [config["data_dir"], *launched[:1]]:
+    for folder in [*launched[:1], config["data_dir"]]:
         if (Path(folder) / "manifest.json").is_file():
             return json.loads((Path(folder) / "manifest.json").read_text())
     return None
