@@ -222,6 +222,8 @@ class GPT(nn.Module):
         (tests/modeling/test_gpt.py)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k <= 0:  # topk(0) would leave no id to sample
+            raise ValueError(f"top_k must be positive (None: no cut-off), got {top_k}")
         block_size, cache = self.config.block_size, None
         for _ in range(max_new_tokens):
             if idx.shape[1] <= block_size:  # the keys and values of the tokens before are kept: the new one's step

@@ -191,6 +191,14 @@ def test_generate_crops_context_and_is_reproducible():
     assert greedy[0, -1] == model(prompt)[0][0, -1, :REAL_VOCAB_SIZE].argmax()
 
 
+@pytest.mark.parametrize(
+    "temperature, top_k, message", [(-1.0, None, "temperature"), (1.0, 0, "top_k"), (0.0, -3, "top_k")]
+)
+def test_generate_refuses_bad_sampling_arguments(temperature, top_k, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model().eval().generate(random_ids(1, 3), 2, temperature=temperature, top_k=top_k)
+
+
 def read_with_cache(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """ids' hidden states read as generate() reads them, through a LayerKV per layer: a prompt, then tokens after
     it (several at once, whose mask is then not is_causal's), then one at a time."""
