@@ -277,7 +277,7 @@ Accelerate, MIT-licensed).
 | optimizer steps | {last["step"]:,} |
 | tokens seen | {last["tokens_seen"]:,} |
 | batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
-{_hardware_line(rows, last["step"])}| final train loss | {last["train_loss"]:.4f} |
+{_hardware_line(rows, last["step"])}{_time_line(train)}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {throughput} |
 
 ![loss curve](loss.png)
@@ -337,6 +337,27 @@ def _hardware_line(rows: list[dict], last_step: int) -> str:
     if len(parts) == 1:
         return f"| hardware | {parts[0][2]} |\n"
     return "| hardware | " + "; ".join(f"steps {a:,}-{b:,}: {what}" for a, b, what in parts) + " |\n"
+
+
+def _time_line(train: list[dict]) -> str:
+    """The time the run spent in train steps: each logged window's mean step time times the steps since the row
+    before (a launch's first step, timed apart with the compile, counted at its window's mean)."""
+    seconds, before = 0.0, 0
+    for row in train:
+        if "step_time_s" in row:
+            seconds += row["step_time_s"] * (row["step"] - before)
+        before = row["step"]
+    if not seconds:
+        return ""
+    minutes = round(seconds / 60)
+    took = (
+        f"{seconds:.0f} s"
+        if seconds < 60
+        else f"{minutes} min"
+        if minutes < 60
+        else f"{minutes // 60} h {minutes % 60:02d} min"
+    )
+    return f"| time in train steps | {took} (start-up, compile, evals and checkpoints not counted) |\n"
 
 
 def _optimizer_line(config: dict) -> str:

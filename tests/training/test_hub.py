@@ -162,6 +162,25 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     ) in render_model_card(finished_run)
 
 
+@pytest.mark.parametrize(
+    ("windows", "said"),
+    [
+        ([(1, None), (100, 30.0), (200, 30.0)], "1 h 40 min"),  # the first step's row untimed: 100 + 100 steps x 30 s
+        ([(2, 0.25), (4, 0.5)], "2 s"),  # 2 x 0.25 + 2 x 0.5 s
+        ([(1, None)], None),  # one step, timed with the compile: nothing to say
+    ],
+)
+def test_the_card_says_the_time_spent_in_train_steps(tmp_path, prepared_books, windows, said):
+    rows = [
+        {"step": s, "train_loss": 9.0, "tokens_seen": 1024 * s} | ({"step_time_s": t} if t else {}) for s, t in windows
+    ]
+    write_run(tmp_path / "run", prepared_books, rows)
+    lines = [line for line in render_model_card(tmp_path / "run").splitlines() if "time in train steps" in line]
+    assert lines == (
+        [f"| time in train steps | {said} (start-up, compile, evals and checkpoints not counted) |"] if said else []
+    )
+
+
 def test_the_card_finds_the_data_from_any_working_folder(finished_run, prepared_books):
     """A run trained on a relative --data-dir, its card rendered from another folder (python -m training.hub):
     the manifest is where the launch found it."""
