@@ -15,7 +15,7 @@ import shutil
 import statistics
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -256,6 +256,7 @@ def render_model_card(run_dir: str | Path) -> str:
     model = f"{init_from} (continued)" if init_from else config["preset"]
     origin = f"from the weights of {init_from}" if init_from else "from scratch"
     data = card_data(run_dir.name, config, manifest, evals)
+    how = _batch_line(config, rows, last["step"]) + _hardware_line(rows, last["step"]) + _time_line(train)
     content = f"""---
 {data.to_yaml()}
 ---
@@ -276,8 +277,7 @@ Accelerate, MIT-licensed).
 | lr schedule | {_schedule_line(config)} |
 | optimizer steps | {last["step"]:,} |
 | tokens seen | {last["tokens_seen"]:,} |
-| batch | {config["total_batch_tokens"]:,} tokens/step, micro-batch {config["micro_batch_size"]} |
-{_hardware_line(rows, last["step"])}{_time_line(train)}| final train loss | {last["train_loss"]:.4f} |
+{how}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {throughput} |
 
 ![loss curve](loss.png)
@@ -319,24 +319,48 @@ def _data_section(config: dict, manifest: dict | None) -> str:
     )
 
 
-def _hardware_line(rows: list[dict], last_step: int) -> str:
-    """Where and in what precision each launch of the run trained (metrics.jsonl's launch rows; none in runs made
-    before they were logged): one table row, the steps of each launch where a resume changed them."""
-    launches = [(r["step"] + 1, r["launch"]) for r in rows if "launch" in r and r["step"] < last_step]
-    if not launches:
-        return ""
+def _launches(rows: list[dict], last_step: int) -> list[tuple[int, dict]]:
+    """(first step, launch row) of each launch that trained (metrics.jsonl's launch rows; none in runs made before
+    they were logged); a launch that found the run finished trained nothing."""
+    return [(r["step"] + 1, r["launch"]) for r in rows if "launch" in r and r["step"] < last_step]
+
+
+def _per_span(launches: list[tuple[int, dict]], last_step: int, what: Callable[[dict], str]) -> str:
+    """what(launch) for the run's steps, with each span's steps where a resume changed it."""
     parts: list[tuple[int, int, str]] = []  # (first step, last step, what)
     for i, (first, launch) in enumerate(launches):
         until = launches[i + 1][0] - 1 if i + 1 < len(launches) else last_step
-        compiled = "" if launch["dynamo_backend"] == "NO" else ", torch.compile"
-        what = f"{launch['world_size']} × {launch['device']}, {precision_name(launch['mixed_precision'])}{compiled}"
-        if parts and parts[-1][2] == what:
-            parts[-1] = (parts[-1][0], until, what)
+        if parts and parts[-1][2] == what(launch):
+            parts[-1] = (parts[-1][0], until, parts[-1][2])
         else:
-            parts.append((first, until, what))
+            parts.append((first, until, what(launch)))
     if len(parts) == 1:
-        return f"| hardware | {parts[0][2]} |\n"
-    return "| hardware | " + "; ".join(f"steps {a:,}-{b:,}: {what}" for a, b, what in parts) + " |\n"
+        return parts[0][2]
+    return "; ".join(f"steps {a:,}-{b:,}: {text}" for a, b, text in parts)
+
+
+def _hardware_line(rows: list[dict], last_step: int) -> str:
+    """Where and in what precision each launch of the run trained: one table row."""
+    launches = _launches(rows, last_step)
+    if not launches:
+        return ""
+
+    def where(launch: dict) -> str:
+        compiled = "" if launch["dynamo_backend"] == "NO" else ", torch.compile"
+        return f"{launch['world_size']} × {launch['device']}, {precision_name(launch['mixed_precision'])}{compiled}"
+
+    return f"| hardware | {_per_span(launches, last_step, where)} |\n"
+
+
+def _batch_line(config: dict, rows: list[dict], last_step: int) -> str:
+    """Tokens per step, and the micro-batch of each launch (a resume on other hardware may change it; launch rows
+    written before they held it: config.yaml's, the last launch's)."""
+    launches = _launches(rows, last_step)
+    if launches and all("micro_batch_size" in launch for _, launch in launches):
+        micro = _per_span(launches, last_step, lambda launch: f"micro-batch {launch['micro_batch_size']}")
+    else:
+        micro = f"micro-batch {config['micro_batch_size']}"
+    return f"| batch | {config['total_batch_tokens']:,} tokens/step, {micro} |\n"
 
 
 def _time_line(train: list[dict]) -> str:

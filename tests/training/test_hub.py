@@ -162,6 +162,19 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     ) in render_model_card(finished_run)
 
 
+def test_the_card_says_the_micro_batch_of_each_launch(finished_run):
+    """Resumed on fewer processes, a run keeps its tokens per step with a larger micro-batch (or auto picks
+    another): the batch row says each span's, not only the last launch's (config.yaml's)."""
+    rows = [{"step": 0, "launch": {**CPU_LAUNCH, "micro_batch_size": 8}}, {"step": 1, "train_loss": 10.0}]
+    rows += [{"step": 1, "launch": {**CPU_LAUNCH, "micro_batch_size": 8}}, {"step": 2, "train_loss": 9.0}]
+    rows += [{"step": 2, "launch": {**CPU_LAUNCH, "micro_batch_size": 16}}]
+    rows += [{"step": 4, "train_loss": 8.0, "tokens_seen": 4096}]
+    (finished_run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = render_model_card(finished_run)
+    assert "| batch | 1,024 tokens/step, steps 1-2: micro-batch 8; steps 3-4: micro-batch 16 |" in card, card
+    assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card  # the same hardware throughout: one span
+
+
 @pytest.mark.parametrize(
     ("windows", "said"),
     [
