@@ -16,6 +16,7 @@ import statistics
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -253,8 +254,9 @@ def render_model_card(run_dir: str | Path) -> str:
             f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals
         )
     init_from = config.get("init_from")
-    model = f"{init_from} (continued)" if init_from else config["preset"]
-    origin = f"from the weights of {init_from}" if init_from else "from scratch"
+    started, local = _started_from(init_from) if init_from else ("", False)
+    model = f"{started} (continued)" if init_from else config["preset"]
+    origin = f"from the weights of {started}{' (a local model)' * local}" if init_from else "from scratch"
     data = card_data(run_dir.name, config, manifest, evals)
     how = _batch_line(config, rows, last["step"]) + _hardware_line(rows, last["step"]) + _time_line(train)
     content = f"""---
@@ -292,6 +294,24 @@ print(tok.decode(out[0]))
 ```
 """
     return str(ModelCard(content))
+
+
+def _started_from(init_from: str) -> tuple[str, bool]:
+    """How the card names the weights a run started from, and whether they are a local folder: a Hub id as given; a
+    folder by the model name in its own card (a bookgpt export's is its run's name), else by the folder's name: not
+    by a path on the machine that trained, which means nothing to the card's readers."""
+    from huggingface_hub import ModelCard
+
+    folder = Path(init_from)
+    if not folder.exists():
+        return init_from, False
+    name = None
+    if (folder / "README.md").is_file():
+        # model_name is the card's, or its model-index's (where it has eval results); metadata that does not parse
+        # leaves the folder's name
+        with suppress(ValueError, yaml.YAMLError):
+            name = ModelCard.load(folder / "README.md").data.model_name
+    return name or folder.resolve().name, True
 
 
 def _data_section(config: dict, manifest: dict | None) -> str:

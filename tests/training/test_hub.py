@@ -162,6 +162,25 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     ) in render_model_card(finished_run)
 
 
+@pytest.mark.parametrize("start", ["hub", "export", "folder"])
+def test_the_card_names_the_model_a_run_started_from_not_a_path(tmp_path, prepared_books, start):
+    """--init-from a Hub id is the card's base_model; a local export is named by its own card's model name (its
+    run's), a folder without a card by its name: the path on the training machine is nowhere on the card."""
+    parent = tmp_path / "machine-path" / ("export" if start == "export" else "parent-weights")
+    parent.mkdir(parents=True)
+    if start == "export":
+        (parent / "README.md").write_text("---\nmodel_name: parent-run\nlicense: mit\n---\n# parent-run\n")
+    init_from = "openai-community/gpt2" if start == "hub" else str(parent)
+    write_run(tmp_path / "run", prepared_books, ROWS, init_from=init_from)
+    card = render_model_card(tmp_path / "run")
+    name = {"hub": "openai-community/gpt2", "export": "parent-run", "folder": "parent-weights"}[start]
+    assert f"| model | {name} (continued)" in card and "machine-path" not in card, card
+    local = " (a local model)" * (start != "hub")
+    assert f"pretrained from the weights of {name}{local} with bookgpt" in card.replace("\n", " "), card
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert front_matter.get("base_model") == ("openai-community/gpt2" if start == "hub" else None)
+
+
 def test_the_card_says_the_micro_batch_of_each_launch(finished_run):
     """Resumed on fewer processes, a run keeps its tokens per step with a larger micro-batch (or auto picks
     another): the batch row says each span's, not only the last launch's (config.yaml's)."""
