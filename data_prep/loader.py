@@ -61,6 +61,15 @@ class Manifest:
         with open(self.data_dir / DOCUMENTS_NAME, encoding="utf-8") as f:
             yield from map(json.loads, f)
 
+    @property
+    def content_digest(self) -> str:
+        """A hash of what a run reads: the tokens (each shard's split and sha256, in order), their tokenizer and dtype.
+        Unlike the fingerprint it leaves out where the books were read from (the --source string, the documents' ids):
+        the same books prepared from /data/a on one machine and /scratch/b on another are the same data."""
+        shards = [(s.split, s.sha256) for s in self.shards]
+        content = [self.tokenizer_sha256, self.dtype, shards]
+        return hashlib.sha256(json.dumps(content).encode()).hexdigest()
+
     def shards_of(self, split: str) -> list[Shard]:
         return [s for s in self.shards if s.split == split]
 

@@ -363,16 +363,16 @@ def read_same_data(accelerator: Accelerator, data_dir: str) -> Manifest:
     A rank that cannot read it (a path prepared on some machines only, a damaged copy) stops every rank with its
     line, naming its machine: stopping alone, it left the others to fail in their next collective (gloo's
     "Connection reset by peer" traceback) or to wait there until its timeout. A data_dir prepared on each machine
-    (not on shared storage) must also be the same dataset: its manifest's fingerprint hashes the shards and how they
-    were made."""
+    (not on shared storage) must also be the same dataset: the same tokens in the same shards (Manifest.content_digest;
+    where each machine read the books from may differ)."""
     if accelerator.num_processes == 1:
         return load_manifest(data_dir)
     try:
         manifest, problem = load_manifest(data_dir), None
     except DataPrepError as err:
         manifest, problem = None, str(err)
-    main_host, (main_fingerprint, main_problem), other = _against_main(
-        accelerator, (manifest and manifest.fingerprint, problem)
+    main_host, (main_content, main_problem), other = _against_main(
+        accelerator, (manifest and manifest.content_digest, problem)
     )
     if main_problem:
         raise DataPrepError(main_problem)
@@ -380,11 +380,11 @@ def read_same_data(accelerator: Accelerator, data_dir: str) -> Manifest:
     if failed:
         rank, host, problem = failed[0]
         raise DataPrepError(f"data_dir {data_dir} on {host} (rank {rank}): {problem}")
-    differ = [(rank, host, fingerprint) for rank, host, (fingerprint, _) in other if fingerprint != main_fingerprint]
+    differ = [(rank, host, content) for rank, host, (content, _) in other if content != main_content]
     if differ:
         raise ConfigError(
-            f"data_dir {data_dir} on {_hosts(differ)} holds other data than on {main_host} (their manifest.json "
-            "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage"
+            f"data_dir {data_dir} on {_hosts(differ)} holds other data than on {main_host} (its shards hold other "
+            "tokens): prepare it on each machine with one command, or put --data-dir on shared storage"
         )
     assert manifest is not None  # no rank failed
     return manifest

@@ -82,6 +82,21 @@ def test_whole_default_corpus_with_two_processes(tmp_path):
     assert manifest.splits["val"]["num_documents"] == 5
 
 
+def test_the_same_books_read_from_another_folder_are_the_same_content(tmp_path):
+    """Machines that prepare node-local copies of one corpus from different paths hold the same data: the content
+    digest, which the ranks of a run compare, is equal though the fingerprint (which names the source) is not.
+    Another book changes it."""
+    for folder in ("node0/books", "node1/mnt/books"):
+        _write_books(tmp_path / folder)
+    prepare(f"files:{tmp_path / 'node0/books'}", tmp_path / "a", val_fraction=0.25)
+    prepare(f"files:{tmp_path / 'node1/mnt/books'}", tmp_path / "b", val_fraction=0.25)
+    a, b = load_manifest(tmp_path / "a"), load_manifest(tmp_path / "b")
+    assert a.fingerprint != b.fingerprint and a.content_digest == b.content_digest
+    (tmp_path / "node1/mnt/books/extra.txt").write_text("One more book, which the other machine does not have.")
+    prepare(f"files:{tmp_path / 'node1/mnt/books'}", tmp_path / "c", val_fraction=0.25)
+    assert load_manifest(tmp_path / "c").content_digest != a.content_digest
+
+
 def test_split_is_stable_when_books_are_added_and_never_empty():
     ids = [f"files/book{i}.txt" for i in range(200)]
     before = assign_splits(ids[:100], 0.1)

@@ -309,8 +309,8 @@ def test_each_machine_prepares_the_default_corpus_and_one_with_other_data_stops_
     assert "data/default has no manifest: preparing the default corpus there" in machines[1][1]
     assert_both_stop_with(
         machines,
-        f"error: data_dir data/default on {host} (rank 1) holds other data than on {host} (their manifest.json "
-        "fingerprints differ): prepare it on each machine with one command, or put --data-dir on shared storage",
+        f"error: data_dir data/default on {host} (rank 1) holds other data than on {host} (its shards hold other "
+        "tokens): prepare it on each machine with one command, or put --data-dir on shared storage",
     )
     assert (cwds[1] / "data" / "default" / "manifest.json").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock", ".run.lock.json"]  # the lock alone
