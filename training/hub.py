@@ -393,15 +393,17 @@ def _time_line(train: list[dict]) -> str:
         before = row["step"]
     if not seconds:
         return ""
+    return f"| time in train steps | {_duration(seconds)} (start-up, compile, evals and checkpoints not counted) |\n"
+
+
+def _duration(seconds: float) -> str:
+    """42 s, 12 min, 2 h 05 min."""
     minutes = round(seconds / 60)
-    took = (
-        f"{seconds:.0f} s"
-        if seconds < 60
-        else f"{minutes} min"
-        if minutes < 60
-        else f"{minutes // 60} h {minutes % 60:02d} min"
-    )
-    return f"| time in train steps | {took} (start-up, compile, evals and checkpoints not counted) |\n"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def _optimizer_line(config: dict) -> str:

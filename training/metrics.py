@@ -394,7 +394,7 @@ def check_trackers(names: list[str]) -> None:
 
 
 # What metrics.jsonl's launch row keeps of a launch's run info (training.loop.log_run_info): where it computed, how,
-# and the data folder as an absolute path (the card finds the manifest from any working folder)
+# with what micro-batch, and the data folder as an absolute path (the card finds the manifest from any working folder)
 LAUNCH_KEYS = ("world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path")
 
 
