@@ -258,7 +258,8 @@ def render_model_card(run_dir: str | Path) -> str:
     model = f"{started} (continued)" if init_from else config["preset"]
     origin = f"from the weights of {started}{' (a local model)' * local}" if init_from else "from scratch"
     data = card_data(run_dir.name, config, manifest, evals)
-    how = _batch_line(config, rows, last["step"]) + _hardware_line(rows, last["step"]) + _time_line(train)
+    launches = _launches(rows, last["step"])
+    how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
     content = f"""---
 {data.to_yaml()}
 ---
@@ -350,18 +351,17 @@ def _per_span(launches: list[tuple[int, dict]], last_step: int, what: Callable[[
     parts: list[tuple[int, int, str]] = []  # (first step, last step, what)
     for i, (first, launch) in enumerate(launches):
         until = launches[i + 1][0] - 1 if i + 1 < len(launches) else last_step
-        if parts and parts[-1][2] == what(launch):
-            parts[-1] = (parts[-1][0], until, parts[-1][2])
-        else:
-            parts.append((first, until, what(launch)))
+        text = what(launch)
+        if parts and parts[-1][2] == text:
+            first = parts.pop()[0]  # the same as the launch before: one span
+        parts.append((first, until, text))
     if len(parts) == 1:
         return parts[0][2]
     return "; ".join(f"steps {a:,}-{b:,}: {text}" for a, b, text in parts)
 
 
-def _hardware_line(rows: list[dict], last_step: int) -> str:
+def _hardware_line(launches: list[tuple[int, dict]], last_step: int) -> str:
     """Where and in what precision each launch of the run trained: one table row."""
-    launches = _launches(rows, last_step)
     if not launches:
         return ""
 
@@ -372,10 +372,9 @@ def _hardware_line(rows: list[dict], last_step: int) -> str:
     return f"| hardware | {_per_span(launches, last_step, where)} |\n"
 
 
-def _batch_line(config: dict, rows: list[dict], last_step: int) -> str:
+def _batch_line(config: dict, launches: list[tuple[int, dict]], last_step: int) -> str:
     """Tokens per step, and the micro-batch of each launch (a resume on other hardware may change it; launch rows
     written before they held it: config.yaml's, the last launch's)."""
-    launches = _launches(rows, last_step)
     if launches and all("micro_batch_size" in launch for _, launch in launches):
         micro = _per_span(launches, last_step, lambda launch: f"micro-batch {launch['micro_batch_size']}")
     else:
