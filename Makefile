@@ -2,14 +2,14 @@
 # Each sets up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.9 you already have.
+# Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.11 you already have.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-fast lint
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 9))" 2>/dev/null \
+	$(PY) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 11))" 2>/dev/null \
 		|| $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
