@@ -253,10 +253,11 @@ def render_model_card(run_dir: str | Path) -> str:
         score_lines = "".join(
             f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals
         )
-    init_from = config.get("init_from")
-    started, local = _started_from(init_from) if init_from else ("", False)
-    model = f"{started} (continued)" if init_from else config["preset"]
-    origin = f"from the weights of {started}{' (a local model)' * local}" if init_from else "from scratch"
+    if init_from := config.get("init_from"):
+        started, local = _started_from(init_from)
+        model, origin = f"{started} (continued)", f"from the weights of {started}{' (a local model)' * local}"
+    else:
+        model, origin = config["preset"], "from scratch"
     data = card_data(run_dir.name, config, manifest, evals)
     launches = _launches(rows, last["step"])
     how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
