@@ -398,9 +398,9 @@ def _time_line(train: list[dict]) -> str:
 
 def _duration(seconds: float) -> str:
     """42 s, 12 min, 2 h 05 min."""
-    minutes = round(seconds / 60)
-    if seconds < 60:
+    if round(seconds) < 60:  # 59.7 s is "1 min", not "60 s"
         return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
     if minutes < 60:
         return f"{minutes} min"
     return f"{minutes // 60} h {minutes % 60:02d} min"

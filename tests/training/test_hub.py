@@ -199,6 +199,7 @@ def test_the_card_says_the_micro_batch_of_each_launch(finished_run):
     [
         ([(1, None), (100, 30.0), (200, 30.0)], "1 h 40 min"),  # the first step's row untimed: 100 + 100 steps x 30 s
         ([(2, 0.25), (4, 0.5)], "2 s"),  # 2 x 0.25 + 2 x 0.5 s
+        ([(2, 29.85)], "1 min"),  # 59.7 s, rounded once: not "60 s"
         ([(1, None)], None),  # one step, timed with the compile: nothing to say
     ],
 )
