@@ -19,7 +19,7 @@
 # - The time limit: 5 minutes before it SLURM sends USR1 to this script, which stops the run the same way and
 #   requeues the job (for more lead, when a step plus a save takes longer: sbatch --signal=B:USR1@600 ...).
 # torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a SIGTERM before it kills them: set here
-# to 270 s, under the 300 s warning.
+# to 270 s, under the 300 s warning (torch >= 2.12; torch 2.11's torchrun waits a fixed 30 s).
 #SBATCH --job-name=bookgpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

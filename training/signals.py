@@ -11,8 +11,9 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # accelerate >= 1.16's one-process launcher, itself given Ctrl-C or SIGTERM, passes a SIGTERM on to the run and kills
-# it this many seconds later, whatever the orchestrator's grace period (torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+# it this many seconds later, whatever the orchestrator's grace period
 ACCELERATE_KILL_S = 5
+TORCHRUN_KILL_S = 30  # torchrun's wait before it SIGKILLs its workers, fixed before torch 2.12
 
 
 def stop_with_the_launcher() -> None:
@@ -56,15 +57,38 @@ def grace_period_line(save_s: float, step_s: float) -> str:
         f"saves, so set your grace period above {grace} s before SIGKILL (docker stop -t, Kubernetes "
         "terminationGracePeriodSeconds, SLURM --signal)"
     )
-    shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-    if "TORCHELASTIC_RUN_ID" in os.environ and grace > shutdown:  # torchrun SIGKILLs its workers after that
-        line += f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above {grace} (now {shutdown})"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun SIGKILLs its workers a while after passing the signal on
+        line += _torchrun_clause(grace)
     elif 2 * (save_s + step_s) > ACCELERATE_KILL_S and _under_accelerates_one_process_launcher():
         line += (
             f"; but accelerate's one-process launcher, signalled itself, kills the run {ACCELERATE_KILL_S} s after "
             f"passing the signal on: signal this process (pid {os.getpid()}) instead"
         )
     return line
+
+
+def _torchrun_clause(grace: int) -> str:
+    """What torchrun needs beyond the grace period: nothing where it waits that long for its workers."""
+    if torchrun_reads_shutdown_timeout():
+        shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        return f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above {grace} (now {shutdown})" if grace > shutdown else ""
+    if grace <= TORCHRUN_KILL_S:
+        return ""
+    from torch import __version__
+
+    return (
+        f"; but torchrun in torch {__version__} kills the run {TORCHRUN_KILL_S} s after passing the signal on, a wait "
+        f"torch >= 2.12 reads from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: upgrade torch and set it above {grace}, or signal "
+        "the run's processes instead of the launcher"
+    )
+
+
+def torchrun_reads_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for its workers after passing on a
+    SIGTERM (torch >= 2.12, its LaunchConfig.shutdown_timeout); before, a fixed TORCHRUN_KILL_S."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return "shutdown_timeout" in LaunchConfig.__dataclass_fields__
 
 
 def _under_accelerates_one_process_launcher() -> bool:

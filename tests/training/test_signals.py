@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from accelerate.utils import compare_versions
 
-from training.signals import ACCELERATE_KILL_S, grace_period_line
+from training import signals
+from training.signals import ACCELERATE_KILL_S, grace_period_line, torchrun_reads_shutdown_timeout
 
 ACCELERATE_116 = compare_versions("accelerate", ">=", "1.16.0")
 
@@ -27,11 +29,28 @@ def test_the_grace_period_covers_the_step_and_the_save_twice(no_launcher):
                          "terminationGracePeriodSeconds, SLURM --signal)")  # fmt: skip
 
 
+@pytest.mark.skipif(not torchrun_reads_shutdown_timeout(), reason="torch < 2.12's torchrun waits a fixed 30 s")
 def test_under_torchrun_its_shutdown_timeout_is_named_when_shorter(no_launcher):
     no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")
     assert grace_period_line(save_s=3.2, step_s=1.1).endswith("terminationGracePeriodSeconds, SLURM --signal)")
     no_launcher.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "10")
     assert grace_period_line(save_s=3.2, step_s=1.1).endswith(" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above 14 (now 10)")
+
+
+def test_torchrun_reads_its_shutdown_timeout_from_torch_2_12_on():
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    assert torchrun_reads_shutdown_timeout() == (release >= (2, 12)), torch.__version__
+
+
+def test_under_a_torchrun_that_kills_after_a_fixed_30_s_a_longer_grace_says_so(no_launcher):
+    no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")
+    no_launcher.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")  # torch 2.11's torchrun does not read it
+    no_launcher.setattr(signals, "torchrun_reads_shutdown_timeout", lambda: False)
+    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("SLURM --signal)")  # 14 s: within the 30
+    slow = grace_period_line(save_s=20.0, step_s=1.5)
+    assert slow.endswith(f"; but torchrun in torch {torch.__version__} kills the run 30 s after passing the signal "
+                         "on, a wait torch >= 2.12 reads from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: upgrade torch and set it "
+                         "above 48, or signal the run's processes instead of the launcher"), slow  # fmt: skip
 
 
 @pytest.mark.skipif(not ACCELERATE_116, reason="accelerate before 1.16 lets its one-process run save")
