@@ -23,6 +23,7 @@ from evals import EvalError
 from modeling.disk import DiskFull
 from modeling.runtime import exit_process, finish
 from training.checkpoint import CheckpointError, save_checkpoint
+from training.compile_cache import compile_disk_full_reported
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
 from training.hub import HubError
@@ -70,7 +71,8 @@ def fit(run: Run) -> bool:
     with progress_bar(run.total_steps, progress.step, shown) as bar:
         while progress.step < run.total_steps:
             metrics.step_started()
-            out = trainer.train_step(batches)
+            with compile_disk_full_reported():  # a step may compile (the first does, under a compiling YAML)
+                out = trainer.train_step(batches)
             ran = progress.step + (not trainer.settled)  # the step just run (counted once its verdict is read)
             # Read the step's verdict now only when something happens after it (or it is the first, which is timed).
             if not (metrics.first or trainer.stopping or run.wants(ran)):

@@ -28,11 +28,21 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from modeling.disk import DiskFull, disk_full_line, is_disk_full
+
 PREFIX = "isa-"
+# A compile that met a full disk wrote nothing of the run's; the cache can move to another disk
+FULL_TODO = (
+    "free space on {mount} (or point TORCHINDUCTOR_CACHE_DIR at a folder on a disk with room: torch.compile's cache, "
+    "tens of MB on a CPU) and run the same command again"
+)
+FULL_KEPT = "the run's folder is untouched"
 
 
 def set_up_compile_cache(device: torch.device) -> Path | None:
@@ -54,6 +64,27 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
     # Picking builds inductor's ISA probe programs in the cache folder of the moment, once per folder (~9 s of C++
     # builds on a 2-core Cascade Lake): in the base, for every ISA, also where a child inherited its parent's subfolder.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base)
-    folder = base / (PREFIX + re.sub(r"\W+", "_", str(pick_vec_isa())).lower())
+    with compile_disk_full_reported():
+        isa = pick_vec_isa()
+    folder = base / (PREFIX + re.sub(r"\W+", "_", str(isa)).lower())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
+
+
+@contextmanager
+def compile_disk_full_reported() -> Iterator[None]:
+    """Turn a full disk met while torch.compile writes its cache (generated code, C++ kernels and their precompiled
+    headers, the ISA probes) inside the block into DiskFull, naming the cache folder and TORCHINDUCTOR_CACHE_DIR,
+    which moves it. Inductor wraps the OSError (InductorError) or quotes it (g++'s output, its compile workers'
+    errors): is_disk_full reads both."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as err:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # TORCHINDUCTOR_CACHE_DIR, else inductor's own
+
+        folder = cache_dir()
+        if not is_disk_full(err, folder):
+            raise
+        raise DiskFull(disk_full_line(folder, FULL_KEPT, FULL_TODO)) from err

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from testkit import (
     REPO,
+    fill_disk,
     hub_endpoint,
     make_train_recipe,
     rendered,
@@ -32,6 +33,7 @@ from testkit import (
     train_cmd,
 )
 from training.checkpoint import checkpoint_damage, list_checkpoints
+from training.compile_cache import PREFIX
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -447,6 +449,39 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002", "step-00000004"]
     assert not stale.exists()
     assert all(torch.equal(weights[k], t) for k, t in load_file(kept / "model.safetensors").items())
+
+
+def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepared_books, tmp_path, tmpfs):
+    """torch.compile writes its cache (TORCHINDUCTOR_CACHE_DIR) at start-up (inductor's ISA probes, once per cache
+    folder) and at the first step (generated code, C++ kernels): a full disk under it at either stops the run with one
+    line naming the folder and the variable that moves it, instead of inductor's traceback; no checkpoint is left."""
+    disk = tmpfs("2m")
+    cache = disk / "cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    todo = (
+        f"free space on {disk} (or point TORCHINDUCTOR_CACHE_DIR at a folder on a disk with room: torch.compile's "
+        "cache, tens of MB on a CPU) and run the same command again; the run's folder is untouched"
+    )
+    filler = fill_disk(disk)
+    run_dir = tmp_path / "run"
+    cmd = tiny_cmd("cpu.yaml", run_dir, prepared_books, launch_args=["-q"])  # as make train launches
+    probes = run(cmd, expect_rc=1, env=env)
+    assert probes.stderr.strip().splitlines()[-1] == f"error: disk full while writing {cache}: {todo}", probes.stderr
+
+    # the probes built (here: copied from the suite's cache, whose ISA subfolders hold the kernels), the kernels fail
+    filler.unlink()
+    shutil.rmtree(cache)
+    suite_cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
+    top = str(suite_cache)
+    shutil.copytree(suite_cache, cache, ignore=lambda folder, names: [
+        n for n in names if folder == top and (n.startswith(PREFIX) or n == "precompiled_headers")
+    ])  # fmt: skip
+    fill_disk(disk)
+    kernels = run(cmd, expect_rc=1, env=env)
+    folder = cache / Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this ISA's
+    assert "Traceback" not in kernels.stderr, kernels.stderr[-3000:]
+    assert kernels.stderr.strip().splitlines()[-1] == f"error: disk full while writing {folder}: {todo}"
+    assert list_checkpoints(run_dir) == []
 
 
 def train_steps(run_dir: Path) -> list[int]:
