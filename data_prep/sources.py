@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
-from data_prep.assets import atomic_write_bytes, cache_dir, sdist
+from data_prep.assets import atomic_write_bytes, cache_dir, sdist, writing_cache
 
 log = logging.getLogger(__name__)
 
@@ -367,8 +367,7 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
     for attempt in range(DOWNLOAD_ATTEMPTS):
         try:
             with urllib.request.urlopen(url, timeout=60) as resp:
-                atomic_write_bytes(path, resp.read())
-            return None
+                text = resp.read()
         except OSError as e:  # URLError, HTTPError and timeouts are all OSErrors
             retry = not isinstance(e, urllib.error.HTTPError) or e.code >= 500 or e.code == 429
             if not retry or attempt == DOWNLOAD_ATTEMPTS - 1:
@@ -378,6 +377,13 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
                     f".txt yourself and use files:PATH"
                 )
             time.sleep(RETRY_PAUSE * 2**attempt)
+            continue
+        try:
+            with writing_cache(path.parent):
+                atomic_write_bytes(path, text)
+        except DataPrepError as e:
+            return e
+        return None
     return None
 
 

