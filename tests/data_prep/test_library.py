@@ -4,6 +4,7 @@ bad files, and a preparation stopped by Ctrl-C and by SIGKILL that resumes to by
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,27 @@ def test_gutenberg_books_that_cannot_be_cached_say_where_and_what_to_do(tmpfs, m
         "can write, with room for the tokenizer, the default books and the eval data (~20 MB), or make room there"
     )
     assert len(handler.requests) == 2  # each book downloaded once: a cache that cannot be written is not retried
+
+
+def test_a_datasets_cache_that_cannot_be_written_says_so_not_check_the_network(tmp_path, tmpfs, monkeypatch):
+    """datasets keeps an Arrow copy of a local parquet folder in its cache: where that cannot be written, the line
+    says so and what to set, not "check the name, split and network"."""
+    datasets = pytest.importorskip("datasets", reason=NO_DATASETS)
+
+    books = tmp_path / "books"
+    books.mkdir()
+    datasets.Dataset.from_dict({"text": ["A book."], "title": ["One"]}).to_parquet(str(books / "part-0.parquet"))
+    disk = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", disk / "datasets")
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"hf:{books}"))
+    assert re.fullmatch(
+        rf"could not load Hugging Face dataset '{books}': datasets could not write {disk}/datasets\S* \(Read-only "
+        r"file system\); set HF_HOME to a folder you can write, with room for datasets' cache \(an Arrow copy of the "
+        r"data, unless --streaming\)",
+        str(err.value),
+    ), err.value
 
 
 @pytest.mark.slow  # num_proc=2 worker processes
