@@ -485,6 +485,10 @@ def _shortfall(build: Path, state: dict[str, Any]) -> str | None:
 
 
 def _check_out_dir(out: Path) -> None:
+    # Written by replacing it (renames in its parent), and locked there: fail before any work where that cannot be
+    ancestor = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not os.access(ancestor, os.W_OK):
+        raise DataPrepError(f"cannot write {out}: {ancestor} is not writable by this user; choose another --out")
     # The output dir is replaced wholesale, so never take over a folder we did not create.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
         raise DataPrepError(

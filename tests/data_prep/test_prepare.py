@@ -208,6 +208,15 @@ def test_refuses_to_replace_a_folder_it_did_not_create(tmp_path):
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"]
 
 
+def test_an_output_folder_that_cannot_be_written_stops_before_any_work(tmp_path, tmpfs):
+    disk = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    out = disk / "prepared" / "data"
+    with pytest.raises(DataPrepError) as err:
+        prepare(f"files:{_write_books(tmp_path / 'books')}", out)
+    assert str(err.value) == f"cannot write {out}: {disk} is not writable by this user; choose another --out"
+
+
 @pytest.mark.slow
 def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
     out = tmp_path / "data"
