@@ -54,7 +54,7 @@ from data_prep.sources import (
     source_licenses,
 )
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
-from modeling.disk import DiskFull, disk_full_reported
+from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
 
 log = logging.getLogger(__name__)
 
@@ -486,9 +486,8 @@ def _shortfall(build: Path, state: dict[str, Any]) -> str | None:
 
 def _check_out_dir(out: Path) -> None:
     # Written by replacing it (renames in its parent), and locked there: fail before any work where that cannot be
-    ancestor = next(p for p in (out.parent, *out.parent.parents) if p.exists())
-    if not os.access(ancestor, os.W_OK):
-        raise DataPrepError(f"cannot write {out}: {ancestor} is not writable by this user; choose another --out")
+    if (folder := unwritable_folder(out)) is not None:
+        raise DataPrepError(f"cannot write {out}: {folder} is not writable by this user; choose another --out")
     # The output dir is replaced wholesale, so never take over a folder we did not create.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
         raise DataPrepError(

@@ -23,6 +23,7 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
+from modeling.disk import unwritable_folder
 from modeling.runtime import dtype_name, finish, set_up_compute
 
 
@@ -48,13 +49,16 @@ def _positive_int(text: str) -> int:
 
 
 def check_json_path(path: str | None) -> None:
-    """EvalError where --json could not be written once the eval has run: its folder is missing, or it is one."""
+    """EvalError where --json could not be written once the eval has run: its folder is missing or not writable, or
+    it is one."""
     if path is None:
         return
     if Path(path).is_dir():
         raise EvalError(f"--json {path} is a folder; pass a file path such as {Path(path) / 'evals.json'}")
     if not Path(path).parent.is_dir():
         raise EvalError(f"--json {path}: the folder {Path(path).parent} does not exist; create it or pass another path")
+    if (folder := unwritable_folder(path)) is not None:
+        raise EvalError(f"--json {path}: {folder} is not writable by this user; pass another path")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,14 @@ def mount_of(path: str | Path) -> Path:
     return path
 
 
+def unwritable_folder(path: str | Path) -> Path | None:
+    """The folder that keeps `path` (a file or folder to be created, or replaced by a rename) from being written: the
+    nearest existing one above it, where this user may not write (a read-only disk, another user's folder); None
+    where it can be written. For checks before the work whose result goes there."""
+    folder = _existing(Path(path).absolute().parent)
+    return None if os.access(folder, os.W_OK) else folder
+
+
 def is_disk_full(err: BaseException, path: str | Path, need: int = 0) -> bool:
     """Whether `err`, raised while writing `path`, is a full disk: ENOSPC (or a full quota) in it or in what caused
     it, as an OSError or in the text of another library's error, or fewer than `need` bytes now free there."""

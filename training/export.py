@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from data_prep.tokenizer import gpt2_vocab_and_merges
-from modeling.disk import DiskFull, disk_full_reported
+from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
 from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint
 
 
@@ -35,6 +35,8 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     out = Path(out) if out is not None else run_dir / f"export-{path.name}"
     if out.exists():
         raise RunError(f"{out} already exists; remove it or choose another --out")
+    if (folder := unwritable_folder(out)) is not None:  # before loading the checkpoint, not after
+        raise RunError(f"cannot write {out}: {folder} is not writable by this user; choose another --out")
     model, source = load_checkpoint(run_dir, path)
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 

@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -125,6 +126,16 @@ def test_json_into_a_missing_folder_is_an_error_before_the_eval(tiny_run, tmp_pa
     assert exc.value.code.startswith(f"error: --json {missing / 'evals.json'}: the folder {missing} does not exist;")
     with pytest.raises(SystemExit, match=f"error: --json {tmp_path} is a folder; pass a file path such as"):
         evals_main(["--run", str(tiny_run), "--json", str(tmp_path)])
+
+
+def test_json_into_a_folder_that_cannot_be_written_is_an_error_before_the_eval(tmp_path, tmpfs):
+    disk = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    with pytest.raises(SystemExit) as exc:  # --run nowhere: had the eval started, the error would be about that
+        evals_main(["--run", str(tmp_path / "nowhere"), "--json", str(disk / "evals.json")])
+    assert (
+        exc.value.code == f"error: --json {disk / 'evals.json'}: {disk} is not writable by this user; pass another path"
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from evals.loading import load_model
 from modeling.hf_export import load_hf, to_hf_state_dict
 from testkit import run
+from training import export
 from training.checkpoint import checkpoint_dir
 from training.export import main as export_main
 
@@ -40,3 +42,15 @@ def test_export_of_an_older_checkpoint_has_its_weights(tiny_run):
 def test_bad_arguments_are_one_clear_error(tiny_run, args, message):
     with pytest.raises(SystemExit, match=f"^error: {message}"):
         export_main([str(tiny_run), *(a.format(run=tiny_run) for a in args)])
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_checkpoint_loads(tiny_run, tmpfs, monkeypatch):
+    disk = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    monkeypatch.setattr(export, "load_checkpoint", None)  # never reached
+    with pytest.raises(SystemExit) as exc:
+        export_main([str(tiny_run), "--out", str(disk / "export")])
+    assert (
+        exc.value.code
+        == f"error: cannot write {disk / 'export'}: {disk} is not writable by this user; choose another --out"
+    )
