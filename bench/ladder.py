@@ -37,7 +37,7 @@ from bench.measure import (
     unless_out_of_memory,
     untimed_bf16,
 )
-from bench.report import markdown_table, plot, profile_markdown, summary_line, target_lines
+from bench.report import markdown_table, plot, profile_markdown, report_folder, summary_line, target_lines
 from bench.rungs import (
     REPO,
     RUNGS,
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("error: --max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
     config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
-    try:  # where the report goes, made before the rungs run (their minutes are lost if it cannot be)
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        sys.exit(f"error: --out {args.out}: {err.strerror}; give a folder for the report")
+    report_folder(args.out)
     device = torch.device(args.device)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
 from bench.measure import checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
+from bench.report import report_folder
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
 from modeling.device import device_name
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
     config = checked_inputs(args.preset)
+    report_folder(args.out)
     device = torch.device(args.device)
     set_up_compile_cache(device)
     set_up_compute(device)  # as training sets its process up: no page faults on every big buffer
@@ -122,7 +124,6 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"| loss | ms | peak mem {memory} | loss value |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {r['ms']:.2f} | {r['peak_mem_gib']:.2f} | {r['loss']:.5f} |" for k, r in rows.items()]
     markdown = "\n".join([*lines, "", what, ""])
-    args.out.mkdir(parents=True, exist_ok=True)
     report = {"setting": what, "device": device_name(device), "torch": torch.__version__, "rows": rows}
     (args.out / "loss_speed.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "loss_speed.md").write_text(markdown)

@@ -1,11 +1,25 @@
-"""The ladder's report: summary lines, targets, the Markdown table, profiles and the bar chart."""
+"""The benchmarks' reports: their folder (made and checked before anything is measured), and the ladder's summary
+lines, targets, Markdown table, profiles and bar chart."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bench.measure import Result
 from bench.rungs import Role
+from modeling.disk import unwritable_folder
+
+
+def report_folder(out: Path) -> None:
+    """Make --out before the measuring, whose minutes are lost if the report cannot be written at its end: one
+    `error:` line where it cannot be made (a file there) or written (a read-only disk, another user's folder)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        sys.exit(f"error: --out {out}: {err.strerror}; give a folder for the report")
+    if unwritable_folder(out / "report") is not None:
+        sys.exit(f"error: --out {out}: not writable by this user; give a folder for the report")
 
 
 def summary_line(r: Result) -> str:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from bench import peer
 from bench.measure import untimed_bf16
+from bench.report import report_folder
 from bench.rungs import REPO, launch_config
 from data_prep import DataPrepError
 from modeling.device import cpu_model, device_name
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         launch_path = REPO / "accelerate_configs" / "1xgpu.yaml"
     os.environ.update(launch_env(launch_path))
     set_up_compile_cache(device)
-    args.out.mkdir(parents=True, exist_ok=True)
+    report_folder(args.out)
 
     curves = []
     try:

@@ -3,6 +3,7 @@ own flags, before anything is built, prepared or timed."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,3 +48,16 @@ def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prep
     with pytest.raises(SystemExit) as exc:
         ladder_main(["--preset", "tiny-cpu", "--data-dir", str(prepared_books), "--out", str(tmp_path / "report")])
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
+
+
+@pytest.mark.parametrize("cli", ["ladder", "loss_speed"])
+def test_an_out_that_cannot_be_written_is_one_error_before_the_measuring(prepared_books: Path, tmpfs, cli: str):
+    """bench.ladder and bench.loss_speed write their report at the end: a read-only --out stops them at the start."""
+    disk = tmpfs("1m")
+    (disk / "report").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    main = {"ladder": ladder_main, "loss_speed": loss_speed_main}[cli]
+    data = ["--data-dir", str(prepared_books)] if cli == "ladder" else []
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny-cpu", *data, "--out", str(disk / "report")])
+    assert exc.value.code == f"error: --out {disk / 'report'}: not writable by this user; give a folder for the report"
