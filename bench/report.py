@@ -18,7 +18,7 @@ def report_folder(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         sys.exit(f"error: --out {out}: {err.strerror}; give a folder for the report")
-    if unwritable_folder(out / "report") is not None:
+    if unwritable_folder(out / "report.json") is not None:  # a file the report writes in it
         sys.exit(f"error: --out {out}: not writable by this user; give a folder for the report")
 
 

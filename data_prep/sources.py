@@ -445,9 +445,9 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
     except Exception as e:  # hub, network and file-format failures have no common base class
         if isinstance(e, OSError) and e.errno in _UNWRITABLE:  # a write failed: datasets' cache
             raise DataPrepError(
-                f"could not load Hugging Face dataset {name!r}: datasets could not write {e.filename} ({e.strerror}); "
-                "set HF_HOME to a folder you can write, with room for datasets' cache (an Arrow copy of the data, "
-                "unless --streaming)"
+                f"could not load Hugging Face dataset {name!r}: datasets could not write {e.filename or 'its cache'} "
+                f"({e.strerror}); set HF_HOME to a folder you can write, with room for datasets' cache (an Arrow copy "
+                "of the data, unless --streaming)"
             ) from None
         raise DataPrepError(
             f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
