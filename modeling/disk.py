@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,10 +43,15 @@ def mount_of(path: str | Path) -> Path:
 
 def unwritable_folder(path: str | Path) -> Path | None:
     """The folder that keeps `path` (a file or folder to be created, or replaced by a rename) from being written: the
-    nearest existing one above it, where this user may not write (a read-only disk, another user's folder); None
-    where it can be written. For checks before the work whose result goes there."""
+    nearest existing one above it, where a file cannot be made (a read-only disk, another user's folder); None where
+    it can. For checks before the work whose result goes there. A real file, gone at once, as the run folder is
+    probed (training.checkpoint.ensure_writable): os.access would trust permission bits an NFS server overrides."""
     folder = _existing(Path(path).absolute().parent)
-    return None if os.access(folder, os.W_OK) else folder
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError:
+        return folder
 
 
 def is_disk_full(err: BaseException, path: str | Path, need: int = 0) -> bool:

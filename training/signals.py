@@ -70,7 +70,7 @@ def grace_period_line(save_s: float, step_s: float) -> str:
 def _torchrun_clause(grace: int) -> str:
     """What torchrun needs beyond the grace period: nothing where it waits that long for its workers."""
     if torchrun_reads_shutdown_timeout():
-        shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        shutdown = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", TORCHRUN_KILL_S))  # torch's default too
         return f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above {grace} (now {shutdown})" if grace > shutdown else ""
     if grace <= TORCHRUN_KILL_S:
         return ""
