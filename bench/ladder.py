@@ -37,7 +37,15 @@ from bench.measure import (
     unless_out_of_memory,
     untimed_bf16,
 )
-from bench.report import markdown_table, plot, profile_markdown, report_folder, summary_line, target_lines
+from bench.report import (
+    markdown_table,
+    plot,
+    profile_markdown,
+    report_folder,
+    save_report,
+    summary_line,
+    target_lines,
+)
 from bench.rungs import (
     REPO,
     RUNGS,
@@ -220,7 +228,7 @@ def write_report(
     measured_bf16: float | None,
     peak_text: str,
 ) -> None:
-    """ladder.json, ladder.md and ladder.png in --out; the profiles and the Markdown table printed last."""
+    """The profiles and the Markdown table printed, then ladder.json, ladder.md and ladder.png written in --out."""
     device, config = torch.device(args.device), get_preset(args.preset)
     targets = target_lines(rows, measured_bf16)
     report = {
@@ -253,14 +261,17 @@ def write_report(
         *targets,
     ]
     markdown = "\n".join([table, "", *footer, ""])
-    (args.out / "ladder.json").write_text(json.dumps(report, indent=2) + "\n")
     profiles = profile_markdown(rows)
-    (args.out / "ladder.md").write_text(markdown + ("\n" + profiles if profiles else ""))
-    plot(rows, f"{args.preset} B{args.micro_batch_size}, {device_name(device)}", args.out / "ladder.png")
-    print(f"wrote {args.out / 'ladder.json'}, {args.out / 'ladder.md'}, {args.out / 'ladder.png'}\n")
     if profiles:
         print(profiles)
-    print(markdown, end="")
+    print(markdown)
+    files = {
+        args.out / "ladder.json": json.dumps(report, indent=2) + "\n",
+        args.out / "ladder.md": markdown + ("\n" + profiles if profiles else ""),
+        args.out / "ladder.png": plot(rows, f"{args.preset} B{args.micro_batch_size}, {device_name(device)}"),
+    }
+    save_report(files)
+    print(f"wrote {', '.join(str(path) for path in files)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
 from bench.measure import checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
-from bench.report import report_folder
+from bench.report import report_folder, save_report
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
 from modeling.device import device_name
@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {k} | {r['ms']:.2f} | {r['peak_mem_gib']:.2f} | {r['loss']:.5f} |" for k, r in rows.items()]
     markdown = "\n".join([*lines, "", what, ""])
     report = {"setting": what, "device": device_name(device), "torch": torch.__version__, "rows": rows}
-    (args.out / "loss_speed.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "loss_speed.md").write_text(markdown)
     print(markdown, end="")
+    save_report(
+        {args.out / "loss_speed.json": json.dumps(report, indent=2) + "\n", args.out / "loss_speed.md": markdown}
+    )
 
 
 if __name__ == "__main__":

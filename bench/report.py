@@ -1,5 +1,5 @@
-"""The benchmarks' reports: their folder (made and checked before anything is measured), and the ladder's summary
-lines, targets, Markdown table, profiles and bar chart."""
+"""The benchmarks' reports: their folder (made and checked before anything is measured), their files (written once
+the results are on screen), and the ladder's summary lines, targets, Markdown table, profiles and bar chart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 from bench.measure import Result
 from bench.rungs import Role
-from modeling.disk import unwritable_folder
+from data_prep.assets import atomic_write_bytes
+from evals.plot import png_bytes
+from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
 
 
 def report_folder(out: Path) -> None:
@@ -20,6 +22,18 @@ def report_folder(out: Path) -> None:
         sys.exit(f"error: --out {out}: {err.strerror}; give a folder for the report")
     if unwritable_folder(out / "report.json") is not None:  # a file the report writes in it
         sys.exit(f"error: --out {out}: not writable by this user; give a folder for the report")
+
+
+def save_report(files: dict[Path, str | bytes]) -> None:
+    """Write a report's files after its results are printed, each whole or not at all: a disk that fills up (checked
+    writable at the start, but not for room) ends the benchmark with one `error:` line below the results, not a
+    traceback that takes their place."""
+    for path, data in files.items():
+        try:
+            with disk_full_reported(path, "the results are printed above"):
+                atomic_write_bytes(path, data.encode() if isinstance(data, str) else data)
+        except DiskFull as err:
+            sys.exit(f"error: {err}")
 
 
 def summary_line(r: Result) -> str:
@@ -104,7 +118,8 @@ def profile_markdown(rows: list[Result], top: int = 12) -> str:
     return "\n".join(parts)
 
 
-def plot(rows: list[Result], title: str, out_png: Path) -> None:
+def plot(rows: list[Result], title: str) -> bytes:
+    """The ladder's bar chart of tokens/s, as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,5 +139,4 @@ def plot(rows: list[Result], title: str, out_png: Path) -> None:
     ax.set_title(title, fontsize=10)
     ax.margins(x=0.15)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    return png_bytes(fig)

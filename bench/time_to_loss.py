@@ -38,9 +38,10 @@ from torch import Tensor, nn
 
 from bench import peer
 from bench.measure import untimed_bf16
-from bench.report import report_folder
+from bench.report import report_folder, save_report
 from bench.rungs import REPO, launch_config
 from data_prep import DataPrepError
+from evals.plot import png_bytes
 from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache
 from training.config import ConfigError, TrainConfig, parse_config
@@ -278,7 +279,8 @@ def markdown(rows: list[dict], key: str, target: float, budget: int) -> str:
     return "\n".join(lines)
 
 
-def plot(curves: list[Curve], target: float, title: str, out_png: Path) -> None:
+def plot(curves: list[Curve], target: float, title: str) -> bytes:
+    """Val loss against tokens and against train-step seconds, one color per recipe, as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,8 +299,7 @@ def plot(curves: list[Curve], target: float, title: str, out_png: Path) -> None:
     axes[0].legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    return png_bytes(fig)
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------
@@ -410,11 +411,15 @@ def main(argv: list[str] | None = None) -> None:
         "tables": tables,
         "curves": [dataclasses.asdict(c) for c in curves],
     }
-    (args.out / "curves.json").write_text(json.dumps(report, indent=1))
-    plot(curves, targets["val_loss"], f"{command}\n{where}", args.out / "curves.png")
     print(f"\n{command}\n{where}; seconds: train steps only, shared-machine noise included")
     for key, rows in tables.items():
         print("\n" + markdown(rows, key, targets[key], budget))
+    save_report(
+        {
+            args.out / "curves.json": json.dumps(report, indent=1),
+            args.out / "curves.png": plot(curves, targets["val_loss"], f"{command}\n{where}"),
+        }
+    )
 
 
 if __name__ == "__main__":

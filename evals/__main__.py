@@ -18,12 +18,13 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from data_prep import DataPrepError
+from data_prep.assets import atomic_write_bytes
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
-from modeling.disk import unwritable_folder
+from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
 from modeling.runtime import dtype_name, finish, set_up_compute
 
 
@@ -77,12 +78,26 @@ def main(argv: list[str] | None = None) -> None:
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}
     except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
         sys.exit(f"error: {err}")
+    status = 0
     if accelerator.is_main_process:
         print(f"{source} | {accelerator.num_processes} process(es), {dtype_name(accelerator.mixed_precision)}\n")
         print(markdown_table(runs))
         if args.json:
-            Path(args.json).write_text(json.dumps(to_json(source, runs), indent=1) + "\n")
-    finish(accelerator)  # on gloo (2+ CPU processes) this skips a teardown that can abort after the work is done
+            status = save_json(Path(args.json), to_json(source, runs))
+    # on gloo (2+ CPU processes) this skips a teardown that can abort after the work is done
+    finish(accelerator, status)
+
+
+def save_json(path: Path, report: dict) -> int:
+    """Write --json whole or not at all once the scores are printed; a disk that fills up (checked writable at the
+    start, but not for room) is one `error:` line below them, status 1."""
+    try:
+        with disk_full_reported(path, "the scores are printed above"):
+            atomic_write_bytes(path, (json.dumps(report, indent=1) + "\n").encode())
+    except DiskFull as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def markdown_table(runs: dict[str, TaskRun]) -> str:

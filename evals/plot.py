@@ -50,12 +50,17 @@ def plot_evals(metrics_path: str | Path, out_png: str | Path) -> Path:
 
 def save_png(fig: Any, out_png: str | Path) -> None:
     """A matplotlib figure to `out_png`, closed; written whole or not at all (a full disk keeps the last plot)."""
+    atomic_write_bytes(Path(out_png), png_bytes(fig))
+
+
+def png_bytes(fig: Any) -> bytes:
+    """A matplotlib figure as PNG bytes, the figure closed."""
     import matplotlib.pyplot as plt
 
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    atomic_write_bytes(Path(out_png), png.getvalue())
+    return png.getvalue()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,12 +35,13 @@ def _on_gloo() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
 
 
-def finish(accelerator: Accelerator) -> None:
-    """End the run: accelerator.end_training() (trackers closed, process group destroyed). Call it last."""
+def finish(accelerator: Accelerator, status: int = 0) -> None:
+    """End the run: accelerator.end_training() (trackers closed, process group destroyed), then exit with `status`
+    where it is not 0 or on gloo (exit_process). Call it last."""
     on_gloo = _on_gloo()  # asked before end_training destroys the group
     accelerator.end_training()
-    if on_gloo:
-        exit_process(0, on_gloo=True)
+    if on_gloo or status:
+        exit_process(status, on_gloo=on_gloo)
 
 
 def exit_process(status: int, on_gloo: bool | None = None) -> NoReturn:

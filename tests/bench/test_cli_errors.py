@@ -1,5 +1,6 @@
 """The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed): one `error:` line in the benchmark's
-own flags, before anything is built, prepared or timed."""
+own flags, before anything is built, prepared or timed; a disk that fills up by the report: one line below the
+results."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from bench.ladder import main as ladder_main
 from bench.loss_speed import main as loss_speed_main
 from bench.profile import main as profile_main
+from testkit import fill_disk
 
 CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}
 
@@ -61,3 +63,21 @@ def test_an_out_that_cannot_be_written_is_one_error_before_the_measuring(prepare
     with pytest.raises(SystemExit) as exc:
         main(["--preset", "tiny-cpu", *data, "--out", str(disk / "report")])
     assert exc.value.code == f"error: --out {disk / 'report'}: not writable by this user; give a folder for the report"
+
+
+def test_a_report_on_a_disk_that_fills_up_is_one_error_below_the_results(tmpfs, capsys):
+    """The report is written at the end, on a disk that is writable, as checked at the start, but has no room left:
+    the results are printed, then one `error:` line, and no file is left cut off."""
+    disk = tmpfs("1m")
+    out = disk / "report"
+    out.mkdir()
+    fill_disk(disk)
+    argv = ["--preset", "tiny-cpu", "--warmup", "1", "--steps", "1", "--micro-batch-size", "1", "--dynamo-backend"]
+    with pytest.raises(SystemExit) as exc:
+        loss_speed_main([*argv, "eager", "--out", str(out)])
+    assert exc.value.code == (
+        f"error: disk full while writing {out / 'loss_speed.json'}: free space on {disk} and run the same command "
+        "again; the results are printed above"
+    )
+    assert "| fused (modeling.fused_ce), compiled |" in capsys.readouterr().out
+    assert list(out.iterdir()) == []

@@ -31,7 +31,7 @@ def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
     result = run(cmd)
     assert "peer: skipped (no train_gpt2.py in" in result.stdout
 
-    # The table is printed last: one row per rung, each with a tok/s number or n/a.
+    # The table is printed, then where its files went: one row per rung, each with a tok/s number or n/a.
     table = result.stdout[result.stdout.index("| rung | change |") :]
     rows = {
         line.split("|")[1].strip(): line.split("|")[3].strip() for line in table.splitlines()[2:] if line[:1] == "|"

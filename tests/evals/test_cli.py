@@ -22,7 +22,7 @@ from evals.runner import run_task
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
-from testkit import TINY_MODEL, new_run, write_checkpoint
+from testkit import TINY_MODEL, fill_disk, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.metrics import JSONLTracker
 
@@ -136,6 +136,21 @@ def test_json_into_a_folder_that_cannot_be_written_is_an_error_before_the_eval(t
     assert (
         exc.value.code == f"error: --json {disk / 'evals.json'}: {disk} is not writable by this user; pass another path"
     )
+
+
+def test_json_on_a_disk_that_fills_up_keeps_the_scores_on_screen_and_no_file_cut_off(tiny_run, tmpfs, capsys):
+    disk = tmpfs("1m")
+    path = disk / "evals.json"
+    fill_disk(disk)  # writable, as the check before the eval finds it, but with no room for the report
+    with pytest.raises(SystemExit) as exc:
+        evals_main(["--run", str(tiny_run), "--tasks", "lambada", "--limit", "2", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 1 and "| lambada | acc |" in out
+    assert err.splitlines()[-1] == (
+        f"error: disk full while writing {path}: free space on {disk} and run the same command again; "
+        "the scores are printed above"
+    )
+    assert [p.name for p in disk.iterdir()] == ["filler"]
 
 
 @pytest.mark.parametrize(
