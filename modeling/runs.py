@@ -80,6 +80,11 @@ def read_metrics(path: str | Path) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 
 
+def is_hub_id(init_from: str) -> bool:
+    """Whether init_from names a model on the Hub (NAME or OWNER/NAME) rather than a folder: nothing at that path."""
+    return not Path(init_from).exists()
+
+
 def model_shape(preset: str, block_size: int | None = None, init_from: str = "") -> GPTConfig:
     """The model a run config names: init_from's shape (a transformers folder or Hub id) or the preset's, with
     block_size (which may shorten the context, never lengthen it). A ValueError says what to change."""
@@ -87,7 +92,7 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
         from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
 
         # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
-        if not Path(init_from).exists() and (init_from.count("/") > 1 or init_from[0] in "/.~"):
+        if is_hub_id(init_from) and (init_from.count("/") > 1 or init_from[0] in "/.~"):
             raise ValueError(
                 f"init_from {init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
                 "export/ (runs/NAME/export) or a Hub id such as gpt2"
@@ -98,7 +103,7 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
             raise ValueError(f"init_from {init_from}: {err}") from None
         except OSError as err:  # a folder without config.json, no such Hub id, or no way to the Hub
             said = " ".join(str(err).split())  # transformers' messages run over several lines
-            if not Path(init_from).exists():  # a Hub id
+            if is_hub_id(init_from):
                 said += (
                     f" A Hub id is read from huggingface.co: where it cannot be reached, download it where it can "
                     f"(hf download {init_from} --local-dir DIR) and give --init-from DIR"

@@ -24,7 +24,7 @@ import yaml
 
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES
-from modeling.runs import list_checkpoints, read_metrics
+from modeling.runs import is_hub_id, list_checkpoints, read_metrics
 from training.metrics import precision_name
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[st
         license="mit",  # bookgpt's, under which its code writes these weights; the data's is in the card's text
         tags=["gpt2", "text-generation", "bookgpt", "pretraining"],
         datasets=hub_datasets or None,
-        base_model=init_from if init_from and not Path(init_from).exists() else None,  # a Hub id, not a folder
+        base_model=init_from if init_from and is_hub_id(init_from) else None,
         eval_results=results or None,
     )
 
@@ -304,9 +304,9 @@ def _started_from(init_from: str) -> tuple[str, bool]:
     by a path on the machine that trained, which means nothing to the card's readers."""
     from huggingface_hub import ModelCard
 
-    folder = Path(init_from)
-    if not folder.exists():
+    if is_hub_id(init_from):
         return init_from, False
+    folder = Path(init_from)
     name = None
     if (folder / "README.md").is_file():
         # model_name is the card's, or its model-index's (where it has eval results); metadata that does not parse
