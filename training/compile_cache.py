@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 
 from modeling.disk import DiskFull, disk_full_line, is_disk_full
+from training.config import ConfigError
 
 PREFIX = "isa-"
+EAGER_YAML = "accelerate_configs/cpu_eager.yaml"  # the CPU launch YAML that compiles nothing
 # A compile that met a full disk wrote nothing of the run's; the cache can move to another disk
 FULL_TODO = (
     "free space on {mount} (or point TORCHINDUCTOR_CACHE_DIR at a folder on a disk with room: torch.compile's cache, "
@@ -53,7 +55,7 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
     import torch._functorch.config
 
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
-    if device.type != "cpu":
+    if device.type != "cpu" or cpp_compiler() is None:  # no compiler: no C++ kernels to keep apart
         return None
     # inductor is imported here, for a compile: an eager process is spared its import of torch._dynamo (1.9 s)
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -69,6 +71,33 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
     folder = base / (PREFIX + re.sub(r"\W+", "_", str(isa)).lower())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor builds its CPU kernels with (CXX, else g++), or None where none works: a container
+    or laptop without build tools, where a compile on the CPU fails with inductor's traceback."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        return get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return None
+
+
+def no_cpp_compiler() -> str:
+    """What is missing and how to install it, for the lines that say a CPU compile is not possible here."""
+    return (
+        f"torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler "
+        f"({os.environ.get('CXX', 'g++')}): install one (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++; "
+        "conda: conda install -c conda-forge gxx)"
+    )
+
+
+def check_cpp_compiler() -> None:
+    """ConfigError where a compile on the CPU (inductor) could not build its kernels: no working C++ compiler."""
+    if cpp_compiler() is None:
+        raise ConfigError(f"{no_cpp_compiler()}, or launch with {EAGER_YAML} (no compile: slower steps)")
 
 
 @contextmanager

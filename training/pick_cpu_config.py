@@ -3,14 +3,16 @@
 Prints the YAML's path on stdout, for `accelerate launch --config_file` (`make train` uses it this way), and one
 line on stderr saying which precision and why. It times fp32 and bf16 matmuls as the start-up hint does (~1 s):
 bf16 (cpu_bf16.yaml) where bf16 is clearly faster (AMX, Zen 4/5), fp32 (cpu.yaml) elsewhere, including CPUs
-without native bf16 (AVX2-only, where bf16 is ~100x slower; AVX-512 without its bf16 instructions, ~5x). The YAML
-stays the one place precision is set.
+without native bf16 (AVX2-only, where bf16 is ~100x slower; AVX-512 without its bf16 instructions, ~5x). Both
+compile; where no C++ compiler works (a container without build tools), fp32 without compile (cpu_eager.yaml). The
+YAML stays the one place precision is set.
 """
 
 from __future__ import annotations
 
 import sys
 
+from training.compile_cache import EAGER_YAML, cpp_compiler, no_cpp_compiler
 from training.metrics import CPU_YAML, FASTER_BY, NO_NATIVE_BF16, cpu_matmul_speeds, dtype_name
 
 
@@ -33,7 +35,10 @@ def pick(tflops: dict[str, float]) -> tuple[str, str]:
 
 
 def main() -> None:
-    yaml, line = pick(cpu_matmul_speeds())
+    if cpp_compiler() is None:
+        yaml, line = EAGER_YAML, f"precision: fp32, no compile ({EAGER_YAML}): {no_cpp_compiler()} for faster steps"
+    else:
+        yaml, line = pick(cpu_matmul_speeds())
     print(line, file=sys.stderr)
     print(yaml)
 

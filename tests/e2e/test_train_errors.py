@@ -136,6 +136,25 @@ def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
             assert words[2 if words[0] == "accelerate" else 3] == "-q", f"{script.name}: {launch}"
 
 
+def test_a_compiling_launch_on_a_machine_without_a_cpp_compiler_stops_at_start_up(workspace):
+    """cpu.yaml compiles with inductor, which builds C++ kernels: without a compiler (CXX names none) the run stops
+    before anything is written, with one line, not inductor's traceback at the first step."""
+    data, run_dir = workspace
+    before = snapshot(data, run_dir)
+    env = {**os.environ, "CXX": "/nowhere/g++"}
+    cmd = train_cmd("cpu.yaml", run_dir, data, "--resume", "never", launch_args=["-q"])
+    result = run(cmd, expect_rc=1, timeout=300, env=env)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler (/nowhere/"
+        )
+    ), result.stderr[-3000:]
+    assert snapshot(data, run_dir) == before
+
+
 def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
     """The kernel's out-of-memory killer ends a run with SIGKILL, so the run prints nothing: `python -m
     training.launch` (one process) says how it ended, last, with the shell's status for it."""

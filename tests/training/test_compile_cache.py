@@ -1,4 +1,5 @@
-"""training.compile_cache: a graph compiled for one CPU vector ISA is never served to a process compiling for others."""
+"""training.compile_cache: a graph compiled for one CPU vector ISA is never served to a process compiling for others;
+a machine without a C++ compiler is told so before a CPU compile, and may still run dynamo's other backends."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from testkit import run
-from training.compile_cache import PREFIX, set_up_compile_cache
+from training.compile_cache import PREFIX, check_cpp_compiler, cpp_compiler, set_up_compile_cache
+from training.config import ConfigError
+from training.pick_cpu_config import main as pick_cpu_config
 
 # ATEN_CPU_CAPABILITY=default: no vector ISA (scalar kernels) on every CPU, so another ISA than the native one even
 # on an AVX2-only machine.
@@ -46,6 +49,32 @@ def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert set_up_compile_cache(torch.device("cuda")) is None
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_alone(tmp_path, monkeypatch, capsys):
+    """CXX naming no compiler, as a container without build tools has none: inductor searches its list (it reads CXX
+    at import, hence its config set here too) and finds nothing. Picking the ISA would build probes with it."""
+    import torch._inductor.config
+
+    assert cpp_compiler() is not None  # this machine's, for the kernels every other compiling test builds
+    monkeypatch.setenv("CXX", "/nowhere/g++")
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nowhere/g++"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert cpp_compiler() is None
+    with pytest.raises(ConfigError) as err:
+        check_cpp_compiler()
+    assert str(err.value) == (
+        "torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler (/nowhere/g++): "
+        "install one (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++; conda: conda install -c "
+        "conda-forge gxx), or launch with accelerate_configs/cpu_eager.yaml (no compile: slower steps)"
+    )
+    # dynamo's eager and aot_eager backends build nothing: the ISA is not picked, the cache folder stays the user's
+    assert set_up_compile_cache(CPU) is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    # make train launches the YAML that does not compile, and says why
+    pick_cpu_config()
+    out, err = capsys.readouterr()
+    assert out == "accelerate_configs/cpu_eager.yaml\n"
+    assert err.startswith("precision: fp32, no compile (accelerate_configs/cpu_eager.yaml): torch.compile builds C++")
 
 
 PROBE = textwrap.dedent("""
