@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,15 +75,16 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler inductor builds its CPU kernels with (CXX, else g++), or None where none works: a container
-    or laptop without build tools, where a compile on the CPU fails with inductor's traceback."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    from torch._inductor.exc import InvalidCxxCompiler
-
+    """The C++ compiler inductor builds its CPU kernels with (CXX, else g++), or None where it does not run: a
+    container or laptop without build tools, where a compile on the CPU fails with inductor's traceback. Asked as
+    inductor asks (`CXX --version`; torch 2.13's cpp_builder.cpp_compiler_search), without importing inductor and
+    torch._dynamo (1.3 s), which processes that do not compile are spared."""
+    cxx = os.environ.get("CXX", "g++")
     try:
-        return get_cpp_compiler()
-    except InvalidCxxCompiler:
+        subprocess.run([cxx, "--version"], capture_output=True, check=True)
+    except (OSError, subprocess.SubprocessError):
         return None
+    return cxx
 
 
 def no_cpp_compiler() -> str:

@@ -20,6 +20,7 @@ from modeling.cpu_linear import matmul
 from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import read_metrics
 from modeling.runtime import dtype_name
+from training.compile_cache import cpp_compiler
 from training.config import ConfigError
 
 # Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
@@ -308,8 +309,9 @@ def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
 def cpu_precision_hint(mixed_precision: str) -> str | None:
     """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
     YAML's: bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16 Xeons and ~1/100 on AVX2-only cores
-    (no native bf16). None when the YAML's choice is right (or not a CPU one). Measures both (~1 s)."""
-    if mixed_precision not in CPU_YAML:
+    (no native bf16). None when the YAML's choice is right (or not a CPU one), or where the YAML it would name
+    cannot run (both compile: no C++ compiler). Measures both (~1 s)."""
+    if mixed_precision not in CPU_YAML or cpp_compiler() is None:
         return None
     return precision_advice(mixed_precision, cpu_matmul_speeds())
 

@@ -15,6 +15,7 @@ import torch
 from testkit import run
 from training.compile_cache import PREFIX, check_cpp_compiler, cpp_compiler, set_up_compile_cache
 from training.config import ConfigError
+from training.metrics import cpu_precision_hint
 from training.pick_cpu_config import main as pick_cpu_config
 
 # ATEN_CPU_CAPABILITY=default: no vector ISA (scalar kernels) on every CPU, so another ISA than the native one even
@@ -52,15 +53,20 @@ def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
 
 
 def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_alone(tmp_path, monkeypatch, capsys):
-    """CXX naming no compiler, as a container without build tools has none: inductor searches its list (it reads CXX
-    at import, hence its config set here too) and finds nothing. Picking the ISA would build probes with it."""
+    """CXX naming no compiler, as a container without build tools has none. cpp_compiler asks as inductor does,
+    without importing it: both name this machine's compiler, and neither finds one where CXX names none (inductor
+    reads CXX at import, hence its config set here too). Picking the ISA would build probes with it."""
     import torch._inductor.config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
 
-    assert cpp_compiler() is not None  # this machine's, for the kernels every other compiling test builds
+    assert cpp_compiler() == get_cpp_compiler()  # this machine's, for the kernels every other compiling test builds
     monkeypatch.setenv("CXX", "/nowhere/g++")
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nowhere/g++"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert cpp_compiler() is None
+    with pytest.raises(InvalidCxxCompiler):
+        get_cpp_compiler()
     with pytest.raises(ConfigError) as err:
         check_cpp_compiler()
     assert str(err.value) == (
@@ -75,6 +81,7 @@ def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_
     out, err = capsys.readouterr()
     assert out == "accelerate_configs/cpu_eager.yaml\n"
     assert err.startswith("precision: fp32, no compile (accelerate_configs/cpu_eager.yaml): torch.compile builds C++")
+    assert cpu_precision_hint("no") is None  # the launch's hint names no YAML that compiles either
 
 
 PROBE = textwrap.dedent("""
