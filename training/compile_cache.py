@@ -51,8 +51,10 @@ FULL_KEPT = "the run's folder is untouched"
 def set_up_compile_cache(device: torch.device) -> Path | None:
     """Let AOTAutograd cache graphs with custom autograd.Functions; for compiles on the CPU, point
     TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for the ISA this process compiles for,
-    and return it; elsewhere leave it as it is and return None. Call before the first compile. Idempotent; a child
-    process that inherits the variable but compiles for another ISA moves to the sibling subfolder."""
+    and return it; elsewhere, and where no C++ compiler works (dynamo's eager backends build no kernels; an inductor
+    launch stops first: check_cpp_compiler), leave it as it is and return None. Call before the first compile.
+    Idempotent; a child process that inherits the variable but compiles for another ISA moves to the sibling
+    subfolder."""
     import torch._functorch.config
 
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
