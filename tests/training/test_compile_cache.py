@@ -55,17 +55,16 @@ def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
 def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_alone(tmp_path, monkeypatch, capsys):
     """CXX naming no compiler, as a container without build tools has none. cpp_compiler asks as inductor does,
     without importing it: both name this machine's compiler, and neither finds one where CXX names none (inductor
-    reads CXX at import, hence its config set here too). Picking the ISA would build probes with it."""
+    reads CXX at import, hence its config patched here too). Picking the ISA would build probes with it."""
     import torch._inductor.config
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 
     assert cpp_compiler() == get_cpp_compiler()  # this machine's, for the kernels every other compiling test builds
     monkeypatch.setenv("CXX", "/nowhere/g++")
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nowhere/g++"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert cpp_compiler() is None
-    with pytest.raises(InvalidCxxCompiler):
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/nowhere/g++")}), pytest.raises(InvalidCxxCompiler):
         get_cpp_compiler()
     with pytest.raises(ConfigError) as err:
         check_cpp_compiler()
