@@ -53,13 +53,14 @@ from bench.rungs import (
     Role,
     Trainer,
     compile_backend,
+    dynamo_backend,
     full_recipe_trainer,
     launch_config,
     tf32_matmuls,
 )
 from modeling.config import get_preset
 from modeling.device import cpu_model, device_name
-from training.compile_cache import set_up_compile_cache
+from training.compile_cache import cpp_compiler, set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
 
@@ -79,6 +80,9 @@ def run_ladder(
         reason = rung.unavailable(bench.device)
         if reason is None and recipe.autocast is not None and rung.role is not Role.FULL_RECIPE:
             reason = untimed
+        if reason is None and recipe.compile:  # rung 11 compiles as its launch YAML says
+            full = rung.role is Role.FULL_RECIPE
+            reason = cannot_compile(bench.device, dynamo_backend(launch, backend_override) if full else backend)
         if reason is not None:
             result = dataclasses.replace(row, status="n/a", reason=reason)
         elif rung.role is Role.FULL_RECIPE:
@@ -131,14 +135,24 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
         )
         row = Result("peer", name, change, role=Role.PEER, as_published=autocast)
         deep = backend is not None and bench.profile_steps > 0
-        if autocast and untimed is not None:
-            result = dataclasses.replace(row, status="n/a", reason=untimed)
+        reason = untimed if autocast else None
+        if reason is None and backend is not None:
+            reason = cannot_compile(bench.device, backend)
+        if reason is not None:
+            result = dataclasses.replace(row, status="n/a", reason=reason)
         else:
             with peer.peer_matmul_precision():  # its script's setting, for its rows only
                 result = unless_out_of_memory(row, partial(bench.measure, row, make, deep_profile=deep, tf32=True))
         print(summary_line(result), flush=True)
         results.append(result)
     return results
+
+
+def cannot_compile(device: torch.device, backend: str) -> str | None:
+    """Why a row compiled with `backend` cannot run here (None where it can): inductor builds C++ kernels on the CPU."""
+    if device.type == "cpu" and backend == "inductor" and cpp_compiler() is None:
+        return "n/a: torch.compile's CPU kernels need a C++ compiler, and none works here (install g++)"
+    return None
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 
@@ -52,3 +53,24 @@ def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
     assert all(r["compile_s"] is not None for r in measured if int(r["label"]) >= 8)
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "ladder.md").read_text().startswith("| rung | change |")
+
+
+def test_without_a_cpp_compiler_the_rows_inductor_compiles_are_na_and_the_rest_measured(prepared_books, tmp_path):
+    """CXX naming no compiler (a container without build tools): the rows inductor would compile on the CPU (rung 8,
+    and rung 11 under cpu.yaml) say why they are not measured, instead of inductor's traceback ending the ladder and
+    the rows measured before it; the report is written."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "bench.ladder", "--preset", "tiny-cpu", "--device", "cpu", "--micro-batch-size", "2",
+        "--warmup", "1", "--steps", "1", "--rungs", "0,8,11", "--peak-tflops", "1",
+        "--data-dir", str(prepared_books), "--out", str(out), "--peer-dir", str(tmp_path / "no-peer"),
+    ]  # fmt: skip
+    run(cmd, env={**os.environ, "CXX": "/nowhere/g++"})
+    rows = {r["label"]: r for r in json.loads((out / "ladder.json").read_text())["rows"]}
+    assert rows["0"]["status"] == "ok" and rows["0"]["tok_s"] > 0
+    for label in ("8", "11"):
+        assert rows[label]["status"] == "n/a", rows[label]
+        assert (
+            rows[label]["reason"]
+            == "n/a: torch.compile's CPU kernels need a C++ compiler, and none works here (install g++)"
+        )
