@@ -26,6 +26,7 @@ kernels that are Triton's.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -80,13 +81,19 @@ def cpp_compiler() -> str | None:
     """The C++ compiler inductor builds its CPU kernels with (CXX, else g++), or None where it does not run: a
     container or laptop without build tools, where a compile on the CPU fails with inductor's traceback. Asked as
     inductor asks (`CXX --version`; torch 2.13's cpp_builder.cpp_compiler_search), without importing inductor and
-    torch._dynamo (1.3 s), which processes that do not compile are spared."""
+    torch._dynamo (1.3 s), which processes that do not compile are spared. Asked once per name, as inductor caches
+    its search: a compiling launch asks three times (the check, the cache's set-up, the precision hint)."""
     cxx = os.environ.get("CXX", "g++")
+    return cxx if _runs(cxx) else None
+
+
+@functools.cache
+def _runs(cxx: str) -> bool:
     try:
         subprocess.run([cxx, "--version"], capture_output=True, check=True)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return cxx
+        return False
+    return True
 
 
 def no_cpp_compiler() -> str:
