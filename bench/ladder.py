@@ -60,7 +60,7 @@ from bench.rungs import (
 )
 from modeling.config import get_preset
 from modeling.device import cpu_model, device_name
-from training.compile_cache import cpp_compiler, set_up_compile_cache
+from training.compile_cache import missing_build_tools, set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
 
@@ -149,10 +149,10 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
 
 
 def cannot_compile(device: torch.device, backend: str) -> str | None:
-    """Why a row compiled with `backend` cannot run here (None where it can): inductor builds C++ kernels on the CPU."""
-    if device.type == "cpu" and backend == "inductor" and cpp_compiler() is None:
-        return "n/a: torch.compile's CPU kernels need a C++ compiler, and none works here (install g++)"
-    return None
+    """Why a row compiled with `backend` cannot run here (None where it can): inductor builds its kernels with a
+    compiler (missing_build_tools)."""
+    missing = missing_build_tools(device) if backend == "inductor" else None
+    return None if missing is None else f"n/a: {missing}"
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------

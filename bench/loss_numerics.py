@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bench.measure import check_can_compile
 from modeling.fused_ce import fused_linear_cross_entropy
 from training.compile_cache import set_up_compile_cache
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)")
     args = parser.parse_args()
+    check_can_compile(torch.device(args.device), "inductor")
     set_up_compile_cache(torch.device(args.device))
     fns = {
         "F.cross_entropy": plain_cross_entropy,

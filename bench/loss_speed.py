@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
-from bench.measure import checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
+from bench.measure import check_can_compile, checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
 from bench.report import report_folder, save_report
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     config = checked_inputs(args.preset)
     report_folder(args.out)
     device = torch.device(args.device)
+    check_can_compile(device, args.dynamo_backend)
     set_up_compile_cache(device)
     set_up_compute(device)  # as training sets its process up: no page faults on every big buffer
     n = args.micro_batch_size * config.block_size

@@ -22,6 +22,7 @@ from bench.rungs import TRAIN, Recipe, Role, Trainer, ladder_trainer, tf32_matmu
 from data_prep import DataPrepError, ensure_default_corpus
 from data_prep.loader import MANIFEST_NAME, TokenLoader
 from modeling.config import GPTConfig, get_preset
+from training.compile_cache import missing_build_tools
 from training.metrics import memory_stats
 from training.step import is_out_of_memory
 
@@ -131,6 +132,15 @@ def checked_inputs(preset: str, data_dir: Path | None = None, log: Callable[[str
     except (ValueError, DataPrepError) as err:
         sys.exit(f"error: {err}")
     return config
+
+
+def check_can_compile(device: torch.device, backend: str) -> None:
+    """A benchmark whose rows compile with `backend` exits before any work with one `error:` line where inductor
+    could not build its kernels (training.compile_cache.missing_build_tools), not with inductor's traceback at its
+    first compiled row."""
+    missing = missing_build_tools(device) if backend == "inductor" else None
+    if missing is not None:
+        sys.exit(f"error: {missing}; this benchmark compiles with it")
 
 
 @dataclass

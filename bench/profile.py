@@ -31,8 +31,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.measure import checked_inputs, flops_per_token
-from bench.rungs import REPO, TRAIN, full_recipe_trainer, launch_config
+from bench.measure import check_can_compile, checked_inputs, flops_per_token
+from bench.rungs import REPO, TRAIN, dynamo_backend, full_recipe_trainer, launch_config
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dynamo-backend", default=None, help="override the YAML's compile backend (eager: no compile)")
     args = p.parse_args(argv)
     checked_inputs(args.preset, args.data_dir)  # before the threads and inductor are set up; build_step builds it
+    launch = launch_config(REPO / "accelerate_configs" / YAML[args.precision])
+    check_can_compile(torch.device("cpu"), dynamo_backend(launch, args.dynamo_backend))
     if args.threads:
         torch.set_num_threads(args.threads)
     set_up_compile_cache(torch.device("cpu"))

@@ -29,7 +29,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import subprocess
+import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +55,7 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
     """Let AOTAutograd cache graphs with custom autograd.Functions; for compiles on the CPU, point
     TORCHINDUCTOR_CACHE_DIR (the user's or torch's default) at its subfolder for the ISA this process compiles for,
     and return it; elsewhere, and where no C++ compiler works (dynamo's eager backends build no kernels; an inductor
-    launch stops first: check_cpp_compiler), leave it as it is and return None. Call before the first compile.
+    launch stops first: check_build_tools), leave it as it is and return None. Call before the first compile.
     Idempotent; a child process that inherits the variable but compiles for another ISA moves to the sibling
     subfolder."""
     import torch._functorch.config
@@ -105,10 +107,51 @@ def no_cpp_compiler() -> str:
     )
 
 
-def check_cpp_compiler() -> None:
-    """ConfigError where a compile on the CPU (inductor) could not build its kernels: no working C++ compiler."""
-    if cpp_compiler() is None:
-        raise ConfigError(f"{no_cpp_compiler()}, or launch with {EAGER_YAML} (no compile: slower steps)")
+def c_compiler() -> str | None:
+    """The C compiler Triton builds its CUDA driver module and each kernel's launcher with (CC, else gcc, else clang
+    on the PATH: triton 3.6's runtime.build), or None where it does not run: a CUDA runtime image without build
+    tools, where a GPU compile failed at the first step with Triton's "Failed to find C compiler" in inductor's
+    traceback."""
+    cc = os.environ.get("CC")
+    if cc is None:
+        cc = shutil.which("gcc") or shutil.which("clang")
+    return cc if cc is not None and _runs(cc) else None
+
+
+def python_headers() -> Path:
+    """Python.h where Triton's builds include it from (a system Python without its -dev package has none)."""
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme  # Debian's own scheme, as Triton maps it
+    return Path(sysconfig.get_paths(scheme=scheme)["include"]) / "Python.h"
+
+
+def missing_build_tools(device: torch.device) -> str | None:
+    """What torch.compile's inductor lacks here to build kernels for `device`, and how to install it; None where
+    nothing is missing. On the CPU a C++ compiler; on CUDA (and ROCm) a C compiler and Python's headers, with which
+    Triton builds its launchers."""
+    if device.type == "cpu":
+        return None if cpp_compiler() else no_cpp_compiler()
+    if device.type != "cuda":
+        return None
+    missing = [] if c_compiler() else [f"no working C compiler ({os.environ.get('CC', 'gcc or clang')})"]
+    if not python_headers().is_file():
+        missing.append(f"no Python headers ({python_headers()})")
+    if not missing:
+        return None
+    return (
+        f"torch.compile's GPU kernels are Triton's, which builds their launchers with a C compiler against Python's "
+        f"headers, and this machine has {' and '.join(missing)}: install them (Debian/Ubuntu: apt install gcc "
+        "python3-dev; Fedora: dnf install gcc python3-devel; conda: conda install -c conda-forge gcc)"
+    )
+
+
+def check_build_tools(device: torch.device) -> None:
+    """ConfigError where an inductor compile for `device` could not build its kernels (missing_build_tools): at
+    start-up, not with inductor's traceback at the first step."""
+    missing = missing_build_tools(device)
+    if missing is not None:
+        eager = EAGER_YAML if device.type == "cpu" else "--dynamo_backend no after `accelerate launch`"
+        raise ConfigError(f"{missing}, or launch with {eager} (no compile: slower steps)")
 
 
 @contextmanager

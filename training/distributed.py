@@ -30,7 +30,7 @@ from data_prep.loader import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
 from modeling.runtime import set_up_compute
-from training.compile_cache import check_cpp_compiler, set_up_compile_cache
+from training.compile_cache import check_build_tools, set_up_compile_cache
 from training.config import ConfigError
 
 T = TypeVar("T")
@@ -190,8 +190,8 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
-        if accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR and accelerator.device.type == "cpu":
-            check_cpp_compiler()  # before any work: inductor would stop at the first step with its traceback
+        if accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR:
+            check_build_tools(accelerator.device)  # before any work: inductor would stop at the first step
         set_up_compile_cache(accelerator.device)  # before prepare() compiles
         # Compiling DDP's forward (accelerate compiles the DDP module), dynamo meets the profiler label DDP opens and
         # warns on every rank that it ignores it; no profiler runs in training.

@@ -1,6 +1,6 @@
-"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed): one `error:` line in the benchmark's
-own flags, before anything is built, prepared or timed; a disk that fills up by the report: one line below the
-results."""
+"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed) and a machine they cannot compile on:
+one `error:` line (in the benchmark's own flags), before anything is built, prepared or timed; a disk that fills up
+by the report: one line below the results."""
 
 from __future__ import annotations
 
@@ -50,6 +50,23 @@ def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prep
     with pytest.raises(SystemExit) as exc:
         ladder_main(["--preset", "tiny-cpu", "--data-dir", str(prepared_books), "--out", str(tmp_path / "report")])
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
+
+
+@pytest.mark.parametrize("cli", ["profile", "loss_speed"])
+def test_without_a_cpp_compiler_a_compiling_benchmark_is_one_error_before_the_measuring(
+    prepared_books: Path, tmp_path: Path, monkeypatch, cli: str
+):
+    """CXX naming no compiler (a container without build tools): inductor's traceback at the first compiled step was
+    the benchmark's end. bench.ladder's compiled rows are n/a instead (tests/e2e/test_ladder_cli.py)."""
+    monkeypatch.setenv("CXX", "/nowhere/g++")
+    args = ["--preset", "tiny-cpu"]
+    args += ["--data-dir", str(prepared_books)] if cli == "profile" else ["--out", str(tmp_path / "report")]
+    with pytest.raises(SystemExit) as exc:
+        {"profile": profile_main, "loss_speed": loss_speed_main}[cli](args)
+    assert str(exc.value.code).startswith(
+        "error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler "
+        "(/nowhere/g++): install one"
+    ) and str(exc.value.code).endswith("; this benchmark compiles with it")
 
 
 @pytest.mark.parametrize("cli", ["ladder", "loss_speed"])

@@ -1,5 +1,6 @@
 """training.compile_cache: a graph compiled for one CPU vector ISA is never served to a process compiling for others;
-a machine without a C++ compiler is told so before a CPU compile, and may still run dynamo's other backends."""
+a machine without a C++ compiler is told so before a CPU compile, and may still run dynamo's other backends; one
+without the C compiler or Python headers Triton builds with, before a GPU compile."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 import torch
 
 from testkit import run
-from training.compile_cache import PREFIX, check_cpp_compiler, cpp_compiler, set_up_compile_cache
+from training.compile_cache import (
+    PREFIX,
+    c_compiler,
+    check_build_tools,
+    cpp_compiler,
+    missing_build_tools,
+    set_up_compile_cache,
+)
 from training.config import ConfigError
 from training.metrics import cpu_precision_hint
 from training.pick_cpu_config import main as pick_cpu_config
@@ -67,7 +75,7 @@ def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_
     with torch._inductor.config.patch({"cpp.cxx": (None, "/nowhere/g++")}), pytest.raises(InvalidCxxCompiler):
         get_cpp_compiler()
     with pytest.raises(ConfigError) as err:
-        check_cpp_compiler()
+        check_build_tools(CPU)
     assert str(err.value) == (
         "torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler (/nowhere/g++): "
         "install one (Debian/Ubuntu: apt install g++; Fedora: dnf install gcc-c++; conda: conda install -c "
@@ -81,6 +89,39 @@ def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_
     assert out == "accelerate_configs/cpu_eager.yaml\n"
     assert err.startswith("precision: fp32, no compile (accelerate_configs/cpu_eager.yaml): torch.compile builds C++")
     assert cpu_precision_hint("no") is None  # the launch's hint names no YAML that compiles either
+
+
+def test_without_a_c_compiler_or_python_headers_a_gpu_compile_is_one_line(tmp_path, monkeypatch):
+    """Triton builds its CUDA driver module and each kernel's launcher with CC, else gcc, else clang on the PATH
+    (checked against triton 3.6's runtime.build on this machine: it builds where c_compiler finds one, and fails
+    where it does not: CC naming none or empty, a PATH without either), including Python.h. A CUDA runtime image
+    lacks both; the GPU launch's inductor compile stops at start-up, naming what is missing and the launch that
+    does not compile. The CPU's C++ compiler is not asked for."""
+    cuda = torch.device("cuda")
+    assert c_compiler() is not None and missing_build_tools(cuda) is None  # this machine has build tools
+    monkeypatch.setenv("CXX", "/nowhere/g++")
+    assert missing_build_tools(cuda) is None
+    monkeypatch.setenv("CC", "/nowhere/cc")
+    with pytest.raises(ConfigError) as err:
+        check_build_tools(cuda)
+    assert str(err.value) == (
+        "torch.compile's GPU kernels are Triton's, which builds their launchers with a C compiler against Python's "
+        "headers, and this machine has no working C compiler (/nowhere/cc): install them (Debian/Ubuntu: apt "
+        "install gcc python3-dev; Fedora: dnf install gcc python3-devel; conda: conda install -c conda-forge gcc), "
+        "or launch with --dynamo_backend no after `accelerate launch` (no compile: slower steps)"
+    )
+    monkeypatch.setenv("CC", "")  # Triton runs an empty CC, which fails
+    assert c_compiler() is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    assert c_compiler() is None
+    monkeypatch.setattr("training.compile_cache.python_headers", lambda: tmp_path / "Python.h")  # no -dev package
+    assert missing_build_tools(cuda).startswith(
+        "torch.compile's GPU kernels are Triton's, which builds their launchers with a C compiler against Python's "
+        f"headers, and this machine has no working C compiler (gcc or clang) and no Python headers ({tmp_path}/"
+        "Python.h): install them"
+    )
+    assert missing_build_tools(torch.device("mps")) is None  # no compile there (training.distributed)
 
 
 PROBE = textwrap.dedent("""
