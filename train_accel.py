@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, redirect_stdout
+from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.auto import tqdm
@@ -35,14 +36,39 @@ from training.signals import StopRequest, grace_period_line, stop_with_the_launc
 from training.step import TrainingAborted, is_out_of_memory
 
 
+class ProgressLines:
+    """The progress bar where no terminal shows it: a log file, and SLURM's job output, `docker logs` and nohup,
+    which take stdout and stderr together. tqdm redraws its bar there by carriage returns, and the run's lines
+    landed on the bar's text; this prints tqdm's figures as a line of their own at each log step instead."""
+
+    FORMAT = "step {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    def __init__(self, total: int, initial: int, file: TextIO) -> None:
+        self.total, self.n, self.initial, self.file = total, initial, initial, file
+        self.started = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def set_postfix(self, **postfix: str) -> None:
+        shown = ", ".join(f"{k}={postfix[k]}" for k in sorted(postfix))  # in tqdm's order
+        line = tqdm.format_meter(self.n, self.total, time.monotonic() - self.started, initial=self.initial,
+                                 postfix=shown, bar_format=self.FORMAT)  # fmt: skip
+        print(line, file=self.file, flush=True)
+
+
 @contextmanager
-def progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm]:
+def progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm | ProgressLines]:
     """The run's progress bar. Where stdout is a terminal the bar is drawn there, and the lines the run prints while it
     is up go above it (tqdm clears the bar, writes the line, draws the bar again) instead of onto the bar's line; and
     no pipe between the two streams reorders them (accelerate 1.16's one-process launcher, `make train`'s, passes
-    stderr through one of its own, where tqdm would also draw a 10-character bar). Elsewhere the bar is drawn on
-    stderr, so that a redirected stdout, a log, holds the run's lines alone."""
+    stderr through one of its own, where tqdm would also draw a 10-character bar). Elsewhere the progress goes to
+    stderr, so that a redirected stdout, a log, holds the run's lines alone: as a bar where stderr is a terminal, as
+    lines where it is not (ProgressLines)."""
     on_stdout = shown and sys.stdout.isatty()
+    if shown and not on_stdout and not sys.stderr.isatty():
+        yield ProgressLines(total, initial, sys.stderr)
+        return
     file = sys.stdout if on_stdout else sys.stderr
     above = redirect_stdout(DummyTqdmFile(sys.stdout)) if on_stdout else nullcontext()
     with tqdm(total=total, initial=initial, disable=not shown, file=file) as bar, above:

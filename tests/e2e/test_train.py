@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,22 @@ def test_make_train_in_a_terminal_draws_one_full_bar_below_the_runs_lines(prepar
     for start in ("step 2: val_loss ", "step 4: val_loss ", "checkpoint saved in "):
         assert any(line.startswith(start) for line in lines[:at]), "\n".join(lines)
     assert lines[at + 1].startswith("run folder: "), "\n".join(lines)
+
+
+def test_a_log_of_stdout_and_stderr_together_holds_each_line_whole(prepared_books, tmp_path):
+    """SLURM's job output (no --error), `docker logs` and nohup take the run's stdout and stderr into one file. tqdm
+    redrew its bar there by carriage returns and the run's lines (start-up, evals) landed on the bar's text: the
+    progress is a line of its own at each log step instead, with the bar's figures."""
+    cmd = train_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "4", "--micro-batch-size", "4",
+                    "--total-batch-tokens", "256", "--log-interval", "2", "--eval-interval", "2", "--eval-windows", "4",
+                    "--checkpoint-interval", "0")  # fmt: skip
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        subprocess.run(cmd, cwd=testkit.REPO, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=300)
+    text = log.read_bytes().decode()  # as written: read_text() would turn carriage returns into newlines
+    assert "\r" not in text, text
+    lines = text.splitlines()
+    for start in ("start-up: ", "step 2/4 (50%) [", "step 2: val_loss ", "step 4/4 (100%) [", "step 4: val_loss "):
+        assert sum(line.startswith(start) for line in lines) == 1, text
+    assert all(", loss=" in line and ", tok_s=" in line for line in lines if re.match(r"step \d+/4 ", line)), text
+    assert lines[-1].startswith("run folder: "), text
