@@ -31,6 +31,7 @@ from bench import peer
 from bench.measure import (
     Bench,
     Result,
+    cannot_compile,
     checked_inputs,
     largest_micro_batch,
     measure_ladder_rung,
@@ -60,7 +61,7 @@ from bench.rungs import (
 )
 from modeling.config import get_preset
 from modeling.device import cpu_model, device_name
-from training.compile_cache import missing_build_tools, set_up_compile_cache
+from training.compile_cache import set_up_compile_cache
 from training.metrics import dtype_name, measure_matmul_tflops, peak_tflops
 
 
@@ -146,13 +147,6 @@ def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe
         print(summary_line(result), flush=True)
         results.append(result)
     return results
-
-
-def cannot_compile(device: torch.device, backend: str) -> str | None:
-    """Why a row compiled with `backend` cannot run here (None where it can): inductor builds its kernels with a
-    compiler (missing_build_tools)."""
-    missing = missing_build_tools(device) if backend == "inductor" else None
-    return None if missing is None else f"n/a: {missing}"
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------

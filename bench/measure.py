@@ -134,11 +134,16 @@ def checked_inputs(preset: str, data_dir: Path | None = None, log: Callable[[str
     return config
 
 
+def cannot_compile(device: torch.device, backend: str) -> str | None:
+    """What a compile with `backend` lacks here, and how to install it (None where it can run): inductor builds its
+    kernels with a compiler (training.compile_cache.missing_build_tools); dynamo's other backends build nothing."""
+    return missing_build_tools(device) if backend == "inductor" else None
+
+
 def check_can_compile(device: torch.device, backend: str) -> None:
-    """A benchmark whose rows compile with `backend` exits before any work with one `error:` line where inductor
-    could not build its kernels (training.compile_cache.missing_build_tools), not with inductor's traceback at its
-    first compiled row."""
-    missing = missing_build_tools(device) if backend == "inductor" else None
+    """A benchmark whose rows compile with `backend` exits before any work with one `error:` line where they could
+    not (cannot_compile), not with inductor's traceback at its first compiled row."""
+    missing = cannot_compile(device, backend)
     if missing is not None:
         sys.exit(f"error: {missing}; this benchmark compiles with it")
 

@@ -71,6 +71,6 @@ def test_without_a_cpp_compiler_the_rows_inductor_compiles_are_na_and_the_rest_m
     for label in ("8", "11"):
         assert rows[label]["status"] == "n/a", rows[label]
         assert rows[label]["reason"].startswith(
-            "n/a: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler "
+            "torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler "
             "(/nowhere/g++): install one"
         )
