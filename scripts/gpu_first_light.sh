@@ -235,6 +235,9 @@ for name in ("accelerate", "transformers", "tiktoken", "numpy", "safetensors", "
         print(f"{name} {md.version(name)}")
     except md.PackageNotFoundError:
         print(f"{name} not installed")
+from training.compile_cache import missing_build_tools  # what a compiling launch checks at its start
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+print(f"torch.compile's build tools ({device.type}): {missing_build_tools(device) or 'found'}")
 EOF
     # everything the steps import must be here (datasets only builds shards: not needed)
     limited $PY -c "import train_accel, bench.ladder, bench.loss_speed, bench.loss_numerics, evals.__main__, pytest"

@@ -34,6 +34,7 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
     # the train step's micro-batch auto (the CPU default, 8, divides tiny_cpu.yaml's 16 sequences) and start-up line
     assert "micro-batch: auto -> 8 (the CPU default on cpu, not probed; accumulation 2)" in summary, summary
     assert "start-up: " in summary and "first step + compile" in summary, summary
+    assert "torch.compile's build tools (cpu): found" in (out / "01-environment.log").read_text()
     assert "2 passed, 1 skipped" in (out / "02-tests.log").read_text()  # the verdict test's CUDA case skips here
     # the recipe step: both recipes' curves, the table against AdamW + cosine's final val loss in summary.md
     recipe = json.loads((out / "recipe" / "curves.json").read_text())
