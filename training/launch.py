@@ -12,7 +12,8 @@ module is `accelerate launch` with the same arguments, in process, minus those t
 
 It exits with the run's status, prints the root cause's `error:` line when rank 0 did not print it already (a
 failure on another rank first, a crash), and after a SIGTERM lets the run's own last line (the checkpoint it saved)
-stand. `-q` also silences torchrun's per-process log lines.
+stand. What accelerate's launcher itself refuses (a config file not found, FP8 without its library) is one
+`error:` line too. `-q` also silences torchrun's per-process log lines.
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ def main() -> None:
             print(f"error: the run ended with signal {name}; its output above says how far it got", file=sys.stderr)
             sys.exit(128 - err.returncode)
         sys.exit(err.returncode)
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as err:
+        # accelerate's own checks of the YAML and flags before it starts the run (a config file not found, FP8
+        # without its library, flags that contradict each other): its message, as one line
+        print(f"error: accelerate launch: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

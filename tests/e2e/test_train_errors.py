@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import REPO, hub_endpoint, make_train_recipe, run, train_cmd
+from testkit import REPO, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
 from training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -149,6 +149,26 @@ def test_a_compiling_launch_on_a_machine_without_a_cpp_compiler_stops_at_start_u
     assert last.startswith("error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ "
                            "compiler (/nowhere/g++): install one"), result.stderr[-3000:]  # fmt: skip
     assert snapshot(data, run_dir) == before
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        ("nowhere.yaml", r"error: accelerate launch: The passed configuration file `.*nowhere.yaml` does not exist"),
+        # accelerate refuses it where neither Transformer Engine nor torchao is installed, the run where one is
+        ("fp8.yaml", r"error: .*(FP8 is not available on this machine|mixed_precision: fp8)"),
+    ],
+)
+def test_what_accelerate_refuses_before_the_run_is_one_line_from_the_launcher(tmp_path, yaml, message):
+    """`python -m training.launch` (the cluster scripts' launcher): what accelerate's launcher itself refuses, before
+    any process of the run starts, is its message as one `error:` line, not its traceback."""
+    (tmp_path / "fp8.yaml").write_text(
+        "distributed_type: 'NO'\nmixed_precision: fp8\nuse_cpu: true\nnum_processes: 1\n"
+    )
+    cmd = [sys.executable, "-m", "training.launch", "-q", "--config_file", str(tmp_path / yaml), str(TRAIN_ACCEL)]
+    result = run(cmd, expect_rc=1)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.match(message, result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
 
 
 def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
