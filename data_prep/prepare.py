@@ -63,6 +63,7 @@ DEFAULT_VAL_FRACTION = 0.1
 BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora
 BATCH_DOCS = 256  # ... and at most this many books, so tiny documents still make progress checkpoints
 PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run got
+LOG_EVERY_S = 60.0  # where no terminal shows the books' bar: a line of its figures at most this often
 # The start-up estimate of a source's size and preparation time. GPT-2 BPE spends ~4.0 bytes of English book prose
 # a token (4.01 on LAMBADA's novel passages; 3.25 on the default corpus' verse and drama). Tokenizing is the work: a
 # --num-proc worker does 1.1-1.3M tokens per CPU-second (reading, cleaning and tokenizing the default corpus' books
@@ -340,6 +341,42 @@ def _init_worker(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+class _LoggedBar:
+    """The bar's figures as a log line of their own, at most every LOG_EVERY_S seconds and once more at the end."""
+
+    def __init__(self, total: int | None, done: int) -> None:
+        self.total, self.initial, self.n, self.shown_n = total, done, done, done
+        self.started = self.shown_at = time.monotonic()
+        self.form = "{desc}: {n_fmt}/{total_fmt} books ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}]"
+        if total is None:  # a streamed source: only reading it tells how many books it has
+            self.form = "{desc}: {n_fmt} books [{elapsed}, {rate_fmt}]"
+
+    def update(self, count: int) -> None:
+        self.n += count
+        if time.monotonic() - self.shown_at >= LOG_EVERY_S:
+            self.show()
+
+    def show(self) -> None:
+        self.shown_at, self.shown_n = time.monotonic(), self.n
+        elapsed = self.shown_at - self.started
+        log.info(tqdm.format_meter(self.n, self.total, elapsed, initial=self.initial, prefix="Preparing",
+                                   unit="book", bar_format=self.form))  # fmt: skip
+
+
+@contextmanager
+def _books_bar(total: int | None, done: int) -> Iterator[tqdm | _LoggedBar]:
+    """The books prepared: tqdm's bar where stderr is a terminal. Elsewhere (a batch job's log, nohup) tqdm would
+    redraw it by carriage returns, the whole preparation one line of the log: its figures are lines of their own."""
+    if sys.stderr.isatty():
+        with tqdm(total=total, initial=done, desc="Preparing", unit="book") as bar:
+            yield bar
+        return
+    bar = _LoggedBar(total, done)
+    yield bar
+    if bar.n != bar.shown_n:
+        bar.show()
+
+
 def _build(
     build: Path,
     books: Plan,
@@ -356,7 +393,7 @@ def _build(
     os.truncate(index_path, state["index_bytes"])  # drop lines written after the last checkpoint
     done = state["records_done"]
     total = len(books.ids) if books.ids is not None else None
-    with open(index_path, "ab") as index, tqdm(total=total, initial=done, desc="Preparing", unit="book") as bar:
+    with open(index_path, "ab") as index, _books_bar(total, done) as bar:
         for count, docs in _tokenized(_batches(books.records(done)), num_proc):
             for doc_id, title, tokens in docs:
                 for part_id, split, part in _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"]):

@@ -388,3 +388,19 @@ def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_byt
     assert f"Resuming the killed preparation in {disk}/.books.build after {done} books" in caplog.text
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
     assert all((out / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())
+
+
+def test_in_a_log_the_books_done_are_lines_of_their_own(tmp_path, monkeypatch, capsys, caplog):
+    """A batch job's log (stderr no terminal): tqdm redrew its bar there by carriage returns, the whole preparation
+    one line of the log; its figures are log lines of their own instead, at most every LOG_EVERY_S and at the end."""
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)
+    for every_s, shown in ((0.0, ["1/3", "2/3", "3/3"]), (60.0, ["3/3"])):
+        monkeypatch.setattr(prepare_module, "LOG_EVERY_S", every_s)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+            assert main(["--source", "default:sonnets,hamlet,macbeth", "--out", str(tmp_path / str(every_s))]) == 0
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Preparing")]
+        assert [
+            re.match(r"Preparing: (\d/3) books \(\d+%\) \[\d\d:\d\d<\d\d:\d\d, ", line)[1] for line in lines
+        ] == shown
+        assert "\r" not in capsys.readouterr().err
