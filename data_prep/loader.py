@@ -456,7 +456,8 @@ class TokenLoader:
         if diffs:
             raise DataPrepError(
                 f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; resume with "
-                f"the same data, seed and block size, or start a fresh run"
+                f"the same data, seed and block size, or start afresh: --resume never sets this run aside (or give "
+                "another --out-dir)"
             )
         windows, rest = divmod(int(state["tokens"]), self.block_size)
         if rest or not 0 <= windows <= len(self.dataset):

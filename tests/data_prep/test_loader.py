@@ -243,7 +243,8 @@ def test_resume_with_other_data_or_seed_is_refused(prepared_books):
     other = TokenLoader(prepared_books, "train", BLOCK, 4, world_size=1)
     with pytest.raises(
         DataPrepError,
-        match=r"cannot resume the train loader: the checkpoint has seed=1 \(now 0\); resume with the same data, seed",
+        match=r"cannot resume the train loader: the checkpoint has seed=1 \(now 0\); resume with the same data, seed "
+        r"and block size, or start afresh: --resume never sets this run aside",
     ):
         other.load_state_dict(state)
 
