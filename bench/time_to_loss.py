@@ -72,7 +72,7 @@ class Curve:
     tokens: list[int]  # after each eval's step
     seconds: list[float]  # train-step seconds up to that step
     val_loss: list[float]  # evaluate(): eval_windows windows spread over the val split
-    val_loss_opening: list[float]  # the val loss before #21: the split's first eval_windows windows
+    val_loss_opening: list[float]  # the earlier val loss: the split's first eval_windows windows
     tokens_per_step: int
     compile_s: float  # the first step's extra time (compile, warm-up), left out of `seconds`
 
@@ -130,8 +130,8 @@ def train_curve(
 
 
 def opening_windows(run: Run) -> Run:
-    """The run with the val set of before #21 item 5: the val split's first eval_windows windows, in order (one
-    book's opening), so the numbers restate on both definitions. One process: the benchmark runs no DDP."""
+    """The run with the earlier val set: the val split's first eval_windows windows, in order (one book's opening),
+    so the numbers restate on both definitions. One process: the benchmark runs no DDP."""
     windows = copy.copy(run.val_windows)
     windows.indices = windows.mine = np.arange(len(windows.indices), dtype=np.int64)
     return dataclasses.replace(run, val_windows=windows)
@@ -230,8 +230,8 @@ def spread(values: list[float | None], fmt: str) -> str:
     return text if len(got) == len(values) else f"{text} ({len(got)}/{len(values)} seeds)"
 
 
-# The two val definitions every curve carries: today's (evaluate) and the one before #21 item 5.
-VAL_KEYS = {"val_loss": "val split, spread windows", "val_loss_opening": "val split's opening (before #21)"}
+# The two val definitions every curve carries: today's (evaluate) and the earlier one (the opening windows).
+VAL_KEYS = {"val_loss": "val split, spread windows", "val_loss_opening": "val split's opening (the earlier val set)"}
 
 
 def val_targets(curves: list[Curve], baseline: str, target: float | None) -> dict[str, float]:
