@@ -440,6 +440,7 @@ class TokenLoader:
             "block_size": self.block_size,
             "shuffle": self.shuffle,
             "num_windows": len(self.dataset),
+            "data_digest": self.manifest.content_digest,
             "world_size": self.world_size,
             "micro_batch_size": self.micro_batch_size,
         }
@@ -453,6 +454,11 @@ class TokenLoader:
         mine = self.state_dict()
         keys = ("seed", "block_size", "shuffle", "num_windows")
         diffs = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
+        saved = state.get("data_digest")  # absent from checkpoints written before it was kept
+        if saved is not None and saved != mine["data_digest"]:  # e.g. re-prepared with other books, as many windows
+            diffs.append(
+                f"data {saved[:12]} (now {mine['data_digest'][:12]}: other tokens in {self.manifest.data_dir})"
+            )
         if diffs:
             raise DataPrepError(
                 f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; resume with "

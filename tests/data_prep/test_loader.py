@@ -1,6 +1,8 @@
 """Loader: manifest checks, windows, rank disjointness and exact resume."""
 
+import hashlib
 import json
+import re
 import shutil
 from collections import Counter
 from itertools import islice
@@ -247,6 +249,27 @@ def test_resume_with_other_data_or_seed_is_refused(prepared_books):
         r"and block size, or start afresh: --resume never sets this run aside",
     ):
         other.load_state_dict(state)
+
+
+def test_resume_on_other_tokens_of_as_many_windows_is_refused_and_on_a_copy_elsewhere_goes_on(prepared_books, tmp_path):
+    """Books prepared again with other text of the same length: as many windows, other tokens. The content digest
+    tells them apart; the same shards in another folder (a node-local copy) are the same data."""
+    state = TokenLoader(prepared_books, "train", BLOCK, 4, seed=1).state_dict()
+    copy, other = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(prepared_books, copy)
+    shutil.copytree(prepared_books, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    shard = next(s for s in manifest["shards"] if s["split"] == "train")
+    tokens = np.fromfile(other / shard["file"], dtype=np.uint16)[::-1].copy()  # the same tokens, in another order
+    tokens.tofile(other / shard["file"])
+    shard["sha256"] = hashlib.sha256(tokens.tobytes()).hexdigest()
+    (other / "manifest.json").write_text(json.dumps(manifest))
+
+    TokenLoader(copy, "train", BLOCK, 4, seed=1).load_state_dict(state)
+    moved = TokenLoader(other, "train", BLOCK, 4, seed=1)
+    assert len(moved.dataset) == state["num_windows"]
+    with pytest.raises(DataPrepError, match=rf": other tokens in {re.escape(str(other))}\); resume with the same data"):
+        moved.load_state_dict(state)
 
 
 def test_accelerate_checkpointing_round_trip(prepared_books, tmp_path):
