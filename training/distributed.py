@@ -56,11 +56,13 @@ def no_gpu_note(device: torch.device) -> str | None:
     ACCELERATE_USE_CPU; other launches (several processes, `python train_accel.py`) are left alone."""
     if device.type != "cpu" or os.environ.get("ACCELERATE_USE_CPU", "").lower() != "false":
         return None
+    return f"note: the launch YAML is for a GPU (use_cpu: false), but {_why_no_gpu()}: this run trains on the CPU"
+
+
+def _why_no_gpu() -> str:
     if torch.version.cuda is None:
-        why = f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch for the GPU)"
-    else:
-        why = f"torch {torch.__version__} sees no GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)"
-    return f"note: the launch YAML is for a GPU (use_cpu: false), but {why}: this run trains on the CPU"
+        return f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch for the GPU)"
+    return f"torch {torch.__version__} sees no GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)"
 
 
 def check_launch() -> None:
@@ -70,10 +72,20 @@ def check_launch() -> None:
         _check_fsdp_yaml()
     _check_gpu_count()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if _launched_with("DEEPSPEED") and precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError(  # DeepSpeed's CPU accelerator refused it in prepare(), with a traceback on every rank
-            "the launch asks for DeepSpeed with mixed_precision: fp16, which DeepSpeed does not run on a CPU: set "
-            "mixed_precision: bf16 (or no) in the YAML, or pass --mixed_precision bf16 to accelerate launch"
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower()  # the YAML's use_cpu, as the one-process launcher says
+    if precision == "fp16" and (use_cpu == "true" or accelerator_needs_cpu()):
+        # accelerate autocasts to fp16 on GPUs only: on a CPU the run trained fp32 while its first line, logs and
+        # model card said fp16; DeepSpeed's CPU accelerator refused it in prepare(), with a traceback on every rank
+        if _launched_with("DEEPSPEED"):
+            why = "which DeepSpeed does not run on a CPU"
+        else:
+            why = "which accelerate does not apply on a CPU: the run would train in fp32"
+        if use_cpu == "false":
+            why += f", and the YAML is for a GPU, but {_why_no_gpu()}"
+        raise ConfigError(
+            f"the launch asks for mixed_precision: fp16, {why}; set mixed_precision: bf16 where this CPU's bf16 is "
+            "fast (cpu_bf16.yaml; `python -m training.pick_cpu_config` names the faster YAML) or no (cpu.yaml), or "
+            "pass --mixed_precision bf16 to accelerate launch"
         )
     # accelerate's fp8 swaps every Linear for Transformer Engine's, torchao's or MS-AMP's: weights of their own
     # tensor types, which the checkpoints (safetensors) cannot hold (torchao's run trained, then failed at its

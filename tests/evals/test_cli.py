@@ -70,6 +70,12 @@ def test_bench_times_generation_as_the_generate_cli_samples(prompt_tokens, capsy
     [
         (["--tasks", "lambda"], "unknown eval task 'lambda': did you mean 'lambada'?"),
         (["--checkpoint", "nowhere"], "checkpoint nowhere does not exist; "),
+        pytest.param(
+            ["--mixed-precision", "fp16"],
+            "fp16 (--mixed-precision or the launch config) does not apply on a CPU: accelerate autocasts to fp16 on "
+            "GPUs only; pass --mixed-precision bf16 or no",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 applies on the GPU"),
+        ),
     ],
 )
 def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -340,6 +341,8 @@ def test_a_gpu_launch_that_finds_no_gpu_says_it_trains_on_the_cpu(monkeypatch, n
         assert note.endswith(": this run trains on the CPU")
 
 
+FP16_ON_CPU = "mixed_precision: fp16, which accelerate does not apply on a CPU: the run would train in fp32"
+FP16_INSTEAD = r"set mixed_precision: bf16 where this CPU's bf16 is fast \(cpu_bf16.yaml; .*\) or no \(cpu.yaml\)"
 FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file NEW.yaml`"
 
 
@@ -349,13 +352,20 @@ FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, FSDP1),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": None}, FSDP1),
         ({"ACCELERATE_MIXED_PRECISION": "fp8"}, r"mixed_precision: fp8 .*set mixed_precision: bf16 .*--fp8-head true"),
+        ({"ACCELERATE_USE_CPU": "true", "ACCELERATE_MIXED_PRECISION": "fp16"}, rf"{FP16_ON_CPU}; {FP16_INSTEAD}"),
         pytest.param(
-            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp16"},
-            r"DeepSpeed with mixed_precision: fp16, which DeepSpeed does not run on a CPU: set mixed_precision: bf16",
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp16", "ACCELERATE_USE_CPU": None},
+            rf"mixed_precision: fp16, which DeepSpeed does not run on a CPU; {FP16_INSTEAD}",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed runs fp16 on GPUs"),
         ),
+        pytest.param(  # 1xgpu_fp16.yaml where torch sees no GPU: why there is none, too
+            {"ACCELERATE_USE_CPU": "false", "ACCELERATE_MIXED_PRECISION": "fp16"},
+            rf"{FP16_ON_CPU}, and the YAML is for a GPU, but torch {re.escape(torch.__version__)} (is a CPU-only "
+            rf"build|sees no GPU) .*\); {FP16_INSTEAD}",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on the GPU"),
+        ),
     ],
-    ids=["fsdp_version 1", "no fsdp_version", "fp8", "DeepSpeed fp16 on a CPU"],
+    ids=["fsdp_version 1", "no fsdp_version", "fp8", "fp16 on a CPU", "DeepSpeed fp16 on a CPU", "GPU YAML, no GPU"],
 )
 def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(monkeypatch, tmp_path, env, message):
     """What `accelerate launch` puts in the environment for such a YAML (or flag) gives one ConfigError saying what
@@ -364,7 +374,9 @@ def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(mon
       shards with FSDP2, and `accelerate to-fsdp2` converts the YAML;
     - mixed_precision fp8 (an `accelerate config` answer): accelerate swaps every Linear for an FP8 library's, whose
       weights the checkpoints cannot hold (with torchao installed, such a run trained and then failed at its first
-      save, with a traceback)."""
+      save, with a traceback);
+    - mixed_precision fp16 on a CPU (an `accelerate config` answer there, or a GPU YAML on a machine without one):
+      accelerate autocasts to fp16 on GPUs only, so the run trained in fp32 and called itself fp16."""
     for name, value in env.items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
