@@ -65,6 +65,10 @@ def _why_no_gpu() -> str:
     return f"torch {torch.__version__} sees no GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)"
 
 
+# torch.compile's compiler, and dynamo's two debugging backends (graphs traced, then run eagerly)
+TRAINED_BACKENDS = ("NO", "INDUCTOR", "EAGER", "AOT_EAGER")
+
+
 def check_launch() -> None:
     """What `accelerate launch` read from the YAML (or its flags) that this project does not run: one ConfigError,
     at the start of setup, before anything is written."""
@@ -86,6 +90,15 @@ def check_launch() -> None:
             f"the launch asks for mixed_precision: fp16, {why}; set mixed_precision: bf16 where this CPU's bf16 is "
             "fast (cpu_bf16.yaml; `python -m training.pick_cpu_config` names the faster YAML) or no (cpu.yaml), or "
             "pass --mixed_precision bf16 to accelerate launch"
+        )
+    # accelerate config offers every backend dynamo had; others than these failed at prepare() (not in this torch:
+    # onnxrt) or at the first step (not installed: tvm) with dynamo's traceback, or were never measured (cudagraphs)
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
+    if backend not in TRAINED_BACKENDS:
+        raise ConfigError(
+            f"the launch asks for dynamo_backend: {backend}, which this project does not train with: set "
+            "dynamo_backend: INDUCTOR in the YAML (torch.compile's own compiler, which the project's YAMLs use) or "
+            "NO, or pass --dynamo_backend inductor to accelerate launch"
         )
     # accelerate's fp8 swaps every Linear for Transformer Engine's, torchao's or MS-AMP's: weights of their own
     # tensor types, which the checkpoints (safetensors) cannot hold (torchao's run trained, then failed at its

@@ -364,8 +364,20 @@ FSDP1 = r"FSDP version 1 .*`accelerate to-fsdp2 --config_file YAML --output_file
             rf"build|sees no GPU) .*\); {FP16_INSTEAD}",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on the GPU"),
         ),
+        (
+            {"ACCELERATE_DYNAMO_BACKEND": "TVM"},
+            r"dynamo_backend: TVM, which this project does not train with: set dynamo_backend: INDUCTOR in the YAML",
+        ),
     ],
-    ids=["fsdp_version 1", "no fsdp_version", "fp8", "fp16 on a CPU", "DeepSpeed fp16 on a CPU", "GPU YAML, no GPU"],
+    ids=[
+        "fsdp_version 1",
+        "no fsdp_version",
+        "fp8",
+        "fp16 on a CPU",
+        "DeepSpeed fp16 on a CPU",
+        "GPU YAML, no GPU",
+        "dynamo tvm",
+    ],
 )
 def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(monkeypatch, tmp_path, env, message):
     """What `accelerate launch` puts in the environment for such a YAML (or flag) gives one ConfigError saying what
@@ -376,7 +388,9 @@ def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(mon
       weights the checkpoints cannot hold (with torchao installed, such a run trained and then failed at its first
       save, with a traceback);
     - mixed_precision fp16 on a CPU (an `accelerate config` answer there, or a GPU YAML on a machine without one):
-      accelerate autocasts to fp16 on GPUs only, so the run trained in fp32 and called itself fp16."""
+      accelerate autocasts to fp16 on GPUs only, so the run trained in fp32 and called itself fp16;
+    - a dynamo backend other than inductor (or dynamo's eager debugging ones), which `accelerate config` offers:
+      tvm, not installed, failed at the first step with dynamo's traceback."""
     for name, value in env.items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
