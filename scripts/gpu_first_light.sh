@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First light on one CUDA GPU (issue #25): every GPU check in one go of <= 9 minutes on an H100, each figure and log
+# First light on one CUDA GPU: every GPU check in one go of <= 9 minutes on an H100, each figure and log
 # written to OUT_DIR and packed at the end into OUT_DIR/first_light.tgz, without the run's weights. From a checkout
 # with a prepared data/default, no network needed:
 #
@@ -33,9 +33,9 @@
 #   hellaswag python -m evals on the train step's export, HELLASWAG_LIMIT (2000) examples
 #   cpu       the unit tests that launch no process (tests/modeling, tests/training, -m "not slow") on this machine's
 #             CPU, CPU_TEST_WORKERS (8) pytest workers, each test's result on its own line: GPU machines have had
-#             Intel Xeons with AMX, which this project's CI VMs rarely are (issue #36); the failures go into
+#             Intel Xeons with AMX, which this project's CI VMs rarely are; the failures go into
 #             summary.md with the CPU's name and ISA
-#   cpu_speed the CPU training step (issue #36) on the box's CPU, pinned to two cores as a 2-core VM has them
+#   cpu_speed the CPU training step on the box's CPU, pinned to two cores as a 2-core VM has them
 #             (taskset -c 0,1, OMP_NUM_THREADS=2): python -m bench.ladder at small-cpu, rung 11 in bf16
 #             (accelerate_configs/cpu_bf16.yaml): tok/s and MFU against the measured bf16 matmul peak; then
 #             python -m bench.profile on the same step: its time by kind, each matmul's time within it by shape
@@ -56,7 +56,7 @@
 # eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the GPU box
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
-# What the next lent GPU runs (issue #39, "GPU, measured"), within one device call of <= 9 minutes, on an H100 where
+# What the next lent GPU runs, within one device call of <= 9 minutes, on an H100 where
 # one is lent (the start-up target is an H100's; the last three calls all got H200s):
 #   FIRST_LIGHT_STEPS="environment gpus train regional fsdp cpu_speed recipe" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
@@ -67,8 +67,8 @@
 # Zen 4 at gpt2-124m the first step + compile took 22.6-23.4 s against 34.0-40.4 s for the whole model, at the
 # same tok/s), whose start-up line and tok/s decide whether the GPU YAMLs compile per block; FSDP2 on one GPU
 # (fsdp: that it trains, checkpoints and exports, its start-up line and tok/s); the CPU step on the box's CPU at
-# two cores (#36: >= 40% of the measured bf16 peak at small-cpu on AMX; 22.7% so far), with bench.profile's table
-# of its matmuls' times within the step; last, where time is left, the recipe step's Muon against AdamW (393k
+# two cores (the target on AMX: >= 40% of the measured bf16 peak at small-cpu; 22.7% so far), with bench.profile's
+# table of its matmuls' times within the step; last, where time is left, the recipe step's Muon against AdamW (393k
 # against 459k tok/s on the H100 at 64k-token steps, matrix by matrix). The ladder (1.03x, 1.04x build-nanogpt),
 # loss, tests and cpu steps (the unit tests on the box's AMX Xeon: 310 passed on 2026-11-27 afternoon, the one
 # failure fixed since), measured on 2026-11-26/27, are left out for time.
