@@ -192,14 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     cap = args.max_batch_factor
     if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
         raise SystemExit("error: --max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
-    config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
-    report_folder(args.out)
     device = torch.device(args.device)
-    set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
         "cpu.yaml" if device.type == "cpu" else "1xgpu.yaml"
     )
-    launch = launch_config(launch_path)
+    launch = checked_launch(launch_path, device)
+    config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
+    report_folder(args.out)
+    set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.
     # On CUDA the fp32 rows that allow TF32 (rungs 2-4, rung 11 in fp32, the fp32 peer) against the TF32 peak.
     peaks = {"bf16": peak_tflops(device, "bf16", args.peak_tflops)}
@@ -225,6 +225,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     command = f"{prog} {shlex.join(raw)}".strip()
     write_report(args, command, rows, launch_path, peaks, measured_bf16, peak_text)
+
+
+def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:
+    """Rung 11's launch YAML, read as `accelerate launch` reads it; one `error:` line before anything is measured where
+    there is none, or where it asks for fp16 on a CPU, which accelerate leaves in fp32 (rung 11 would be fp32 under an
+    fp16 label, beside a peer that autocasts to fp16 itself)."""
+    if not path.is_file():
+        raise SystemExit(f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)")
+    launch = launch_config(path)
+    if device.type == "cpu" and launch.get("mixed_precision") == "fp16":
+        raise SystemExit(
+            f"error: --accelerate-config {path} asks for mixed_precision: fp16, which accelerate does not apply on a "
+            "CPU: give accelerate_configs/cpu_bf16.yaml or cpu.yaml"
+        )
+    return launch
 
 
 def write_report(

@@ -13,7 +13,7 @@ import pytest
 from bench.ladder import main as ladder_main
 from bench.loss_speed import main as loss_speed_main
 from bench.profile import main as profile_main
-from testkit import fill_disk
+from testkit import REPO, fill_disk
 
 CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}
 
@@ -50,6 +50,26 @@ def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prep
     with pytest.raises(SystemExit) as exc:
         ladder_main(["--preset", "tiny-cpu", "--data-dir", str(prepared_books), "--out", str(tmp_path / "report")])
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
+
+
+@pytest.mark.parametrize("yaml", ["nowhere.yaml", "1xgpu_fp16.yaml"])
+def test_a_ladder_launch_yaml_it_cannot_run_is_one_error_before_anything_is_made(tmp_path: Path, yaml: str):
+    """A missing --accelerate-config was accelerate's FileNotFoundError traceback; an fp16 one on the CPU ran rung 11
+    in fp32 (accelerate autocasts to fp16 on GPUs only) under an fp16 label."""
+    path = REPO / "accelerate_configs" / yaml
+    data, out = tmp_path / "data", tmp_path / "report"
+    with pytest.raises(SystemExit) as exc:
+        ladder_main(["--device", "cpu", "--accelerate-config", str(path), "--data-dir", str(data), "--out", str(out)])
+    if yaml == "nowhere.yaml":
+        assert exc.value.code == (
+            f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)"
+        )
+    else:
+        assert exc.value.code == (
+            f"error: --accelerate-config {path} asks for mixed_precision: fp16, which accelerate does not apply on a "
+            "CPU: give accelerate_configs/cpu_bf16.yaml or cpu.yaml"
+        )
+    assert list(tmp_path.iterdir()) == []  # no corpus prepared, no report folder
 
 
 @pytest.mark.parametrize("cli", ["profile", "loss_speed"])
