@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:
-    """Rung 11's launch YAML, read as `accelerate launch` reads it; one `error:` line before anything is measured where
-    there is none, or where it asks for fp16 on a CPU, which accelerate leaves in fp32 (rung 11 would be fp32 under an
-    fp16 label, beside a peer that autocasts to fp16 itself)."""
-    if not path.is_file():
-        raise SystemExit(f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)")
+    """Rung 11's launch YAML (launch_config), checked before anything is measured: fp16 on a CPU is one `error:` line,
+    since accelerate leaves it in fp32 (rung 11 would be fp32 under an fp16 label, beside a peer that autocasts to fp16
+    itself)."""
     launch = launch_config(path)
     if device.type == "cpu" and launch.get("mixed_precision") == "fp16":
         raise SystemExit(

@@ -260,7 +260,10 @@ def ladder_trainer(
 
 
 def launch_config(path: Path) -> dict[str, Any]:
-    """The launch YAML as `accelerate launch` reads it (accelerate's own config loader)."""
+    """The launch YAML as `accelerate launch` reads it (accelerate's own config loader); where there is none, one
+    `error:` line (the benchmarks' --accelerate-config) instead of accelerate's traceback."""
+    if not path.is_file():
+        raise SystemExit(f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)")
     return load_config_from_file(str(path)).to_dict()
 
 

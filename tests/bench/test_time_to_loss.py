@@ -64,6 +64,16 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
     assert not (tmp_path / "ttl").exists()  # no recipe trained, nor was this process set up for it (conftest's guard)
 
 
+def test_a_missing_launch_yaml_is_one_error_before_anything_trains(tmp_path):
+    argv = ["--recipe", "today", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(tmp_path / "ttl")]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--accelerate-config", str(tmp_path / "my.yaml")])  # accelerate's FileNotFoundError traceback
+    assert exc.value.code == (
+        f"error: --accelerate-config {tmp_path / 'my.yaml'}: no such file; give a launch YAML (accelerate_configs/)"
+    )
+    assert not (tmp_path / "ttl").exists()
+
+
 @pytest.mark.slow
 def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_path):
     """AdamW and Muon at tiny-cpu for 4 steps, eager fp32 (cpu_eager.yaml) so nothing compiles: each curve starts
