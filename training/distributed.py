@@ -91,7 +91,7 @@ def check_launch() -> None:
             "fast (cpu_bf16.yaml; `python -m training.pick_cpu_config` names the faster YAML) or no (cpu.yaml), or "
             "pass --mixed_precision bf16 to accelerate launch"
         )
-    # accelerate config offers every backend dynamo had; others than these failed at prepare() (not in this torch:
+    # accelerate config offers every backend dynamo had; the others failed at prepare() (not in this torch:
     # onnxrt) or at the first step (not installed: tvm) with dynamo's traceback, or were never measured (cudagraphs)
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
     if backend not in TRAINED_BACKENDS:
