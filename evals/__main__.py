@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> None:
         check_json_path(args.json)  # before the eval, not after it
         tasks = parse_tasks(args.tasks)
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
-        model, source = load_model_from_args(args)
         accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
-        if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
+        if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":  # before the model is read
             raise EvalError(  # and the table would say fp16 above fp32's scores
                 "fp16 (--mixed-precision or the launch config) does not apply on a CPU: accelerate autocasts to fp16 "
                 "on GPUs only; pass --mixed-precision bf16 or no"
             )
+        model, source = load_model_from_args(args)
         # VML warmed up (1 and 2 processes score alike only with no sloppier first exp), freed memory kept (each
         # batch's logits, far over glibc's mmap limit, reuse the last batch's pages)
         set_up_compute(accelerator.device)

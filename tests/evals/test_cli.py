@@ -78,7 +78,7 @@ def test_bench_times_generation_as_the_generate_cli_samples(prompt_tokens, capsy
         ),
     ],
 )
-def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message):
+def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message, fresh_accelerate_state):
     with pytest.raises(SystemExit) as exc:
         evals_main(["--run", str(tiny_run), "--tasks", "hellaswag", *argv])
     assert str(exc.value.code).startswith("error: ") and message in str(exc.value.code)
