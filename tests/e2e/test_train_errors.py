@@ -171,6 +171,24 @@ def test_what_accelerate_refuses_before_the_run_is_one_line_from_the_launcher(tm
     assert re.match(message, result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
 
 
+def test_the_first_rank_to_fail_prints_the_line_when_torchrun_stops_rank_0_first(tmp_path):
+    """Every rank reaches the same bad input, but torchrun stops the rest, rank 0 too, as soon as one fails (an
+    8-GPU YAML on a 1-GPU machine: rank 4 was first there): the first rank to report prints the line, once."""
+    script = tmp_path / "bad_input.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from training.launch import report_error\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(120)  # stopped by torchrun once rank 1 has failed\n"
+        "report_error('error: the same bad input on every rank')\n"
+        "sys.exit(1)\n"
+    )
+    yaml = str(REPO / "accelerate_configs" / "cpu_ddp2.yaml")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file", yaml, str(script)]
+    result = run(cmd, expect_rc=1, timeout=100, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert result.stderr.splitlines().count("error: the same bad input on every rank") == 1, result.stderr[-3000:]
+
+
 def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
     """The kernel's out-of-memory killer ends a run with SIGKILL, so the run prints nothing: `python -m
     training.launch` (one process) says how it ended, last, with the shell's status for it."""
