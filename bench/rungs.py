@@ -299,6 +299,7 @@ def full_recipe_trainer(
             mode=dynamo.get("dynamo_mode"),
             fullgraph=dynamo.get("dynamo_use_fullgraph"),
             dynamic=dynamo.get("dynamo_use_dynamic"),
+            use_regional_compilation=dynamo.get("dynamo_use_regional_compilation"),  # the GPU YAMLs': per block
         ),
     )
     set_up_compute(accelerator.device)  # as build_accelerator does for train_accel.py

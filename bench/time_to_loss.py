@@ -337,12 +337,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def launch_env(path: Path) -> dict[str, str]:
-    """The variables `accelerate launch` would set from the YAML for precision and compile (read by setup())."""
+    """The variables `accelerate launch` would set from the YAML for precision and compile (read by setup()): its
+    dynamo_config's keys as ACCELERATE_<KEY> (the GPU YAMLs' dynamo_use_regional_compilation among them)."""
     launch = launch_config(path)
-    backend = (launch.get("dynamo_config") or {}).get("dynamo_backend", "NO")
-    return {
-        "ACCELERATE_MIXED_PRECISION": str(launch.get("mixed_precision", "no")),
-        "ACCELERATE_DYNAMO_BACKEND": backend,
+    dynamo = {"dynamo_backend": "NO"} | (launch.get("dynamo_config") or {})
+    return {"ACCELERATE_MIXED_PRECISION": str(launch.get("mixed_precision", "no"))} | {
+        f"ACCELERATE_{key.upper()}": str(value) for key, value in dynamo.items() if value is not None
     }
 
 

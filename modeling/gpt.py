@@ -118,7 +118,7 @@ class Block(nn.Module):
 class LMHead(Linear):
     """The output head (the token embedding's matrix, tied): the logits of hidden states, or, given targets, the
     training loss in the form modeling.fused_ce picks. The loss is this module's forward so that a compile of the head
-    compiles it: regional compilation (the FSDP2 YAMLs, `accelerate config`'s offer) compiles each repeated block and
+    compiles it: regional compilation (the GPU YAMLs, `accelerate config`'s offer) compiles each repeated block and
     every other leaf module on its own, and the model's own code around them runs eagerly: the loss computed there
     cost a CPU's bf16 FSDP2 step 15-25% (BENCHMARKS.md, "The loss under regional compilation")."""
 

@@ -46,10 +46,6 @@
 #             --micro-batch-size auto, an eval, a sharded checkpoint and the export gathered from the shards: FSDP2,
 #             its per-block compile and the head's compiled loss, never yet run on a GPU; its start-up line and tok/s
 #             go into summary.md (--dry-run: cpu_fsdp2.yaml in one process, dynamo's eager backend)
-#   regional  the train step's run for SHORT_STEPS (30) steps compiled per block (`accelerate launch
-#             --dynamo_use_regional_compilation`: each Block compiled once for all layers, as the FSDP2 YAMLs do;
-#             no eval, checkpoint or export): its start-up line and tok/s against the train step's whole-model
-#             compile (--dry-run: dynamo's eager backend)
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
 # loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
@@ -57,21 +53,17 @@
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs, within one device call of <= 9 minutes, on an H100 where
-# one is lent (the start-up target is an H100's; the last three calls all got H200s):
-#   FIRST_LIGHT_STEPS="environment gpus train regional fsdp cpu_speed recipe" TRAIN_STEPS=40 RECIPE_SEEDS=1 \
+# one is lent (the start-up target is an H100's; the last four calls all got H200s):
+#   FIRST_LIGHT_STEPS="environment train recipe ladder fp8" TRAIN_STEPS=40 RECIPE_SEEDS=1 LADDER_RUNGS=11 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
-# and reads from summary.md: that 8xh100.yaml on this machine's fewer GPUs stops with one line (gpus, ~10 s); the
-# start-up line (47.0, 60.5 and 57.8 s on three fresh H200s, the compile 27-32 s of it; target <= 45 s on an H100);
-# tok/s at the micro-batch auto picks (H200: 470-484k, MFU 41%, with Muon's Newton-Schulz matrix by matrix; target
-# 560k), now with each shape's matrices iterated as one batch; the same run compiled per block (regional: on a
-# Zen 4 at gpt2-124m the first step + compile took 22.6-23.4 s against 34.0-40.4 s for the whole model, at the
-# same tok/s), whose start-up line and tok/s decide whether the GPU YAMLs compile per block; FSDP2 on one GPU
-# (fsdp: that it trains, checkpoints and exports, its start-up line and tok/s); the CPU step on the box's CPU at
-# two cores (the target on AMX: >= 40% of the measured bf16 peak at small-cpu; 22.7% so far), with bench.profile's
-# table of its matmuls' times within the step; last, where time is left, the recipe step's Muon against AdamW (393k
-# against 459k tok/s on the H100 at 64k-token steps, matrix by matrix). The ladder (1.03x, 1.04x build-nanogpt),
-# loss, tests and cpu steps (the unit tests on the box's AMX Xeon: 310 passed on 2026-11-27 afternoon, the one
-# failure fixed since), measured on 2026-11-26/27, are left out for time.
+# and reads from summary.md: the start-up line with the GPU YAMLs compiling per block (32.6 s on a fresh H200 on
+# 2026-12-04, the compile 12.8 s of it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200,
+# 2026-12-04: 504-529k, MFU 44-46%, on two machines; target 560k); the recipe step's Muon + wsd against AdamW +
+# cosine (time to AdamW's final val; Muon's steps 393k against AdamW's 459k tok/s on the H100 at 64k-token steps
+# before Muon's matrices of one shape were iterated as one batch), never yet run to its end; rung 11 against
+# build-nanogpt with rung 11 compiled per block as train_accel.py now is (1.03x, 1.04x whole-model); the FP8 head
+# (+2.6% on the H100). The gpus, fsdp and cpu_speed steps ran on 2026-12-04, the loss, tests and cpu steps on
+# 2026-11-26/27 (the unit tests on the box's AMX Xeon: 310 passed, the one failure fixed since).
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
@@ -98,7 +90,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed gpus fsdp regional"
+ALL_STEPS="environment tests train recipe fp8 ladder loss nccl hellaswag cpu cpu_speed gpus fsdp"
 STEPS=${FIRST_LIGHT_STEPS:-$ALL_STEPS}
 for name in $STEPS; do
     [[ " $ALL_STEPS " == *" $name "* ]] || die "unknown step $name in FIRST_LIGHT_STEPS (the steps: $ALL_STEPS)"
@@ -142,7 +134,8 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 4 --eval-windows 8 --data-dir '$DATA'"
         --eval-every 2 --seeds 1 --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
     SHORT_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
-    REGIONAL=(--dynamo_backend eager --dynamo_use_regional_compilation)  # cpu_eager.yaml compiles nothing
+    # the GPU YAMLs compile per block; cpu_eager.yaml compiles nothing: dynamo's eager backend, per block
+    TRAIN_COMPILE=(--dynamo_backend eager --dynamo_use_regional_compilation)
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
     LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)
     HELLASWAG=${HELLASWAG_LIMIT:-4}
@@ -165,7 +158,7 @@ else
     RECIPE_ARGS=(--set "--total-batch-tokens 65536 --max-steps 100 --warmup-steps 10 --data-dir '$DATA'"
         --eval-every 10 --seeds "${RECIPE_SEEDS:-2}" --recipe default --recipe "$ADAMW")
     SHORT_ARGS=(--max-steps "${SHORT_STEPS:-30}" --log-interval 10 --micro-batch-size auto)
-    REGIONAL=(--dynamo_use_regional_compilation)
+    TRAIN_COMPILE=()  # 1xgpu.yaml's: inductor, per block
     LADDER_ARGS=(--rungs "${LADDER_RUNGS:-0,2,5,7,9,11}" --profile-steps 3)
     LOSS_ARGS=()
     HELLASWAG=${HELLASWAG_LIMIT:-2000}
@@ -331,12 +324,10 @@ for name in $STEPS; do
         environment) step environment environment ;;
         tests) step tests numerics ;;
         train) step train env TORCH_LOGS=recompiles,graph_breaks "${LAUNCH[@]}" --config_file "$TRAIN_YAML" \
-            train_accel.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT/train" ;;
+            "${TRAIN_COMPILE[@]}" train_accel.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT/train" ;;
         recipe) step recipe $PY -m bench.time_to_loss "${RECIPE_ARGS[@]}" --baseline adamw-cosine --out "$OUT/recipe" ;;
         fp8) step fp8 "${LAUNCH[@]}" --config_file "$TRAIN_YAML" train_accel.py "${SHORT_ARGS[@]}" "${QUIET[@]}" \
             --fp8-head true --data-dir "$DATA" --out-dir "$OUT/fp8" ;;
-        regional) step regional "${LAUNCH[@]}" --config_file "$TRAIN_YAML" "${REGIONAL[@]}" train_accel.py \
-            "${SHORT_ARGS[@]}" "${QUIET[@]}" --data-dir "$DATA" --out-dir "$OUT/regional" ;;
         ladder) step ladder $PY -m bench.ladder --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" \
             --data-dir "$DATA" --out "$OUT/ladder" "${LADDER_ARGS[@]}" "${PEER_ARGS[@]}" ;;
         loss) step loss $PY -m bench.loss_speed --preset "$PRESET" --device "$DEVICE" --micro-batch-size "$MB" \
@@ -354,7 +345,7 @@ done
 
 {
     echo
-    for log in "$OUT"/*-train.log "$OUT"/*-fp8.log "$OUT"/*-fsdp.log "$OUT"/*-regional.log; do
+    for log in "$OUT"/*-train.log "$OUT"/*-fp8.log "$OUT"/*-fsdp.log; do
         [[ -f $log ]] || continue
         echo "## $(basename "$log"): the compile, the micro-batch, the start-up, the FP8 head"
         echo
@@ -389,7 +380,7 @@ done
         sed -n '/^python -m bench.time_to_loss/,$p' "$recipe_log"
         echo
     fi
-    for run in train fp8 fsdp regional; do
+    for run in train fp8 fsdp; do
         if [[ -f $OUT/$run/metrics.jsonl ]]; then
             echo "## $run/metrics.jsonl (last rows)"
             echo

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from bench import peer
 from bench.ladder import run_ladder, run_peers
 from bench.measure import Bench, Result, flops_per_token, peak_kind, unless_out_of_memory, untimed_bf16
 from bench.report import target_lines
-from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, launch_config, tf32_matmuls
+from bench.rungs import REPO, RUNGS, Recipe, Role, Trainer, full_recipe_trainer, launch_config, tf32_matmuls
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT
 from modeling.reference import ReferenceGPT
 from training.metrics import cuda_matmul_kind, datasheet_peak
+from training.step import Trainer as StepTrainer
 
 
 def test_reference_variants_compute_the_same_loss():
@@ -235,3 +237,13 @@ def test_fp32_rows_that_run_tf32_on_cuda_are_scored_against_the_tf32_peak():
             assert cuda_matmul_kind("no") == kind
     h100 = "NVIDIA H100 80GB HBM3"
     assert datasheet_peak(h100, "tf32")[0] > 7 * datasheet_peak(h100, "fp32")[0]
+
+
+def test_rung_11_compiles_per_block_where_its_launch_yaml_does(fresh_accelerate_state):
+    """The GPU YAMLs compile per block (dynamo_use_regional_compilation): rung 11, train_accel.py's step under the
+    launch YAML, compiles each Block as the training run does, not the whole model."""
+    launch = launch_config(REPO / "accelerate_configs" / "cpu_eager.yaml")
+    launch["dynamo_config"] = {"dynamo_backend": "EAGER", "dynamo_use_regional_compilation": True}
+    trainer = full_recipe_trainer(get_preset("tiny-cpu"), torch.device("cpu"), 2, launch, None)
+    [step_trainer] = [c.cell_contents for c in trainer.step.__closure__ if isinstance(c.cell_contents, StepTrainer)]
+    assert all(isinstance(block, OptimizedModule) for block in step_trainer.model.transformer.h)

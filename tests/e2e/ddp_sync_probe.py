@@ -24,8 +24,9 @@ def main() -> None:
     run = setup(cfg)  # builds the sampler (generation_model) as every training run does
     accelerator = run.accelerator
     calls: list[bool] = []  # one entry per all-reduce: sync_gradients at the time
-    # The DDP wrapper the run built, found by type: wherever the compile wrapper's _orig_mod points now.
-    ddps = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    # The DDP wrapper the run built, found by type: wherever the compile wrapper's _orig_mod points now. Compiled per
+    # block, the prepared model is a shallow copy of the DDP wrapper (accelerate's compile_regions): one reducer.
+    ddps = list({id(o.reducer): o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)}.values())
     for ddp in ddps:
         # DDP checks the hook's annotations
         def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import modeling.fused_ce
+from bench.time_to_loss import launch_env as time_to_loss_env
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
 from testkit import REPO, free_port, fsdp_yaml
@@ -458,10 +459,25 @@ def test_fsdp2_shards_each_block_when_the_launch_names_no_class_or_policy(monkey
     assert [m for m in model.modules() if policy(m)] == list(model.transformer.h)
 
 
-@pytest.mark.parametrize("name", ["8xh100_fsdp.yaml", "cpu_fsdp2.yaml"])
-def test_fsdp_yamls_compile_per_block(name):
+GPU_YAMLS = ["1xgpu.yaml", "1xgpu_fp16.yaml", "4xa100.yaml", "8xh100.yaml", "2x8xh100.yaml", "8xh100_fsdp.yaml"]
+
+
+@pytest.mark.parametrize("name", [*GPU_YAMLS, "cpu_fsdp2.yaml"])
+def test_gpu_and_fsdp_yamls_compile_per_block(name):
+    """Per block: the whole model's speed on an H200, its first compile a third as long (BENCHMARKS.md, "Sixth
+    light"); under FSDP2, inside the hooks that gather each block's weights."""
     assert load(name).dynamo_config == {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
     assert launch_env(name)["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] == "True"
+
+
+@pytest.mark.parametrize("name", ["1xgpu.yaml", "cpu.yaml", "cpu_bf16.yaml", "cpu_eager.yaml"])
+def test_time_to_loss_trains_under_the_precision_and_compile_accelerate_launch_sets(name):
+    """bench.time_to_loss trains in its own process, not through `accelerate launch`: it sets what the launcher
+    would from the YAML, per block where the YAML says so."""
+    ours, theirs = time_to_loss_env(CONFIG_DIR / name), launch_env(name)
+    assert ours.items() <= theirs.items()
+    regional = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
+    assert ours.get(regional, "False") == theirs[regional]
 
 
 def test_regional_compilation_compiles_our_block_once_for_every_layer():
