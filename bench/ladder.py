@@ -53,10 +53,10 @@ from bench.rungs import (
     Recipe,
     Role,
     Trainer,
+    checked_launch,
     compile_backend,
     dynamo_backend,
     full_recipe_trainer,
-    launch_config,
     tf32_matmuls,
 )
 from modeling.config import get_preset
@@ -225,19 +225,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     command = f"{prog} {shlex.join(raw)}".strip()
     write_report(args, command, rows, launch_path, peaks, measured_bf16, peak_text)
-
-
-def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:
-    """Rung 11's launch YAML (launch_config), checked before anything is measured: fp16 on a CPU is one `error:` line,
-    since accelerate leaves it in fp32 (rung 11 would be fp32 under an fp16 label, beside a peer that autocasts to fp16
-    itself)."""
-    launch = launch_config(path)
-    if device.type == "cpu" and launch.get("mixed_precision") == "fp16":
-        raise SystemExit(
-            f"error: --accelerate-config {path} asks for mixed_precision: fp16, which accelerate does not apply on a "
-            "CPU: give accelerate_configs/cpu_bf16.yaml or cpu.yaml"
-        )
-    return launch
 
 
 def write_report(

@@ -267,6 +267,19 @@ def launch_config(path: Path) -> dict[str, Any]:
     return load_config_from_file(str(path)).to_dict()
 
 
+def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:
+    """A benchmark's launch YAML (launch_config: rung 11's, bench.time_to_loss's), checked before anything is made or
+    measured: fp16 on a CPU is one `error:` line, since accelerate leaves it in fp32 (rung 11 would be fp32 under an
+    fp16 label, beside a peer that autocasts to fp16 itself)."""
+    launch = launch_config(path)
+    if device.type == "cpu" and launch.get("mixed_precision") == "fp16":
+        raise SystemExit(
+            f"error: --accelerate-config {path} asks for mixed_precision: fp16, which accelerate does not apply on a "
+            "CPU: give accelerate_configs/cpu_bf16.yaml or cpu.yaml"
+        )
+    return launch
+
+
 def dynamo_backend(launch: dict[str, Any], override: str | None) -> str:
     return override or str((launch.get("dynamo_config") or {}).get("dynamo_backend", "no")).lower()
 

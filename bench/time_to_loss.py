@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from bench import peer
 from bench.measure import untimed_bf16
 from bench.report import report_folder, save_report
-from bench.rungs import REPO, launch_config
+from bench.rungs import REPO, checked_launch
 from data_prep import DataPrepError
 from evals.plot import png_bytes
 from modeling.device import cpu_model, device_name
@@ -336,10 +336,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def launch_env(path: Path) -> dict[str, str]:
+def launch_env(path: Path, device: torch.device) -> dict[str, str]:
     """The variables `accelerate launch` would set from the YAML for precision and compile (read by setup()): its
     dynamo_config's keys as ACCELERATE_<KEY> (the GPU YAMLs' dynamo_use_regional_compilation among them)."""
-    launch = launch_config(path)
+    launch = checked_launch(path, device)
     dynamo = {"dynamo_backend": "NO"} | (launch.get("dynamo_config") or {})
     return {"ACCELERATE_MIXED_PRECISION": str(launch.get("mixed_precision", "no"))} | {
         f"ACCELERATE_{key.upper()}": str(value) for key, value in dynamo.items() if value is not None
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         launch_path = REPO / yaml
     else:
         launch_path = REPO / "accelerate_configs" / "1xgpu.yaml"
-    os.environ.update(launch_env(launch_path))
+    os.environ.update(launch_env(launch_path, device))
     set_up_compile_cache(device)
     report_folder(args.out)
 

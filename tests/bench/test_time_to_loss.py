@@ -64,13 +64,24 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
     assert not (tmp_path / "ttl").exists()  # no recipe trained, nor was this process set up for it (conftest's guard)
 
 
-def test_a_missing_launch_yaml_is_one_error_before_anything_trains(tmp_path):
+@pytest.mark.parametrize(
+    ("yaml", "line"),
+    [
+        # accelerate's FileNotFoundError traceback, before
+        (None, "no such file; give a launch YAML (accelerate_configs/)"),
+        # training's own line, before, naming an `accelerate launch` flag, after an empty report folder was made
+        ("distributed_type: 'NO'\nmixed_precision: fp16\nuse_cpu: true\n", "asks for mixed_precision: fp16"),
+    ],
+    ids=["missing", "fp16 on a CPU"],
+)
+def test_a_launch_yaml_it_cannot_train_under_is_one_error_before_anything_is_made(tmp_path, yaml, line):
+    launch = tmp_path / "my.yaml"
+    if yaml:
+        launch.write_text(yaml)
     argv = ["--recipe", "today", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(tmp_path / "ttl")]
     with pytest.raises(SystemExit) as exc:
-        main([*argv, "--accelerate-config", str(tmp_path / "my.yaml")])  # accelerate's FileNotFoundError traceback
-    assert exc.value.code == (
-        f"error: --accelerate-config {tmp_path / 'my.yaml'}: no such file; give a launch YAML (accelerate_configs/)"
-    )
+        main([*argv, "--accelerate-config", str(launch)])
+    assert str(exc.value.code).startswith(f"error: --accelerate-config {launch}") and line in exc.value.code
     assert not (tmp_path / "ttl").exists()
 
 

@@ -474,7 +474,7 @@ def test_gpu_and_fsdp_yamls_compile_per_block(name):
 def test_time_to_loss_trains_under_the_precision_and_compile_accelerate_launch_sets(name):
     """bench.time_to_loss trains in its own process, not through `accelerate launch`: it sets what the launcher
     would from the YAML, per block where the YAML says so."""
-    ours, theirs = time_to_loss_env(CONFIG_DIR / name), launch_env(name)
+    ours, theirs = time_to_loss_env(CONFIG_DIR / name, torch.device("cuda")), launch_env(name)
     assert ours.items() <= theirs.items()
     regional = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"
     assert ours.get(regional, "False") == theirs[regional]
