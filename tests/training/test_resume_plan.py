@@ -220,36 +220,40 @@ def test_pruning_keeps_the_newest_and_the_best_and_passes_over_a_damaged_meta(tm
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000008"]
 
 
-def launched_rank(folder: Path, rank: int, line: str | None, monkeypatch, capsys) -> ProcessFailure:
-    """What torchrun's agent reads back from one failed rank whose run reported `line` (None: it crashed)."""
-    error_file = folder / "attempt_0" / str(rank) / "error.json"  # torchrun's layout: the attempt's folder per rank
+def launched_rank(
+    folder: Path, rank: int, line: str | None, monkeypatch, capsys, torchrun_layout: bool = True
+) -> ProcessFailure:
+    """What torchrun's agent reads back from one failed rank whose run reported `line` (None: it crashed). In
+    torchrun's layout of error files the first rank to report prints; in another, rank 0."""
+    error_file = folder / "attempt_0" / str(rank) / "error.json" if torchrun_layout else folder / f"error_{rank}.json"
+    first = not any(folder.glob("attempt_0/*/error.json")) if torchrun_layout else rank == 0
     error_file.parent.mkdir(parents=True, exist_ok=True)
-    first = not any(folder.glob("attempt_0/*/error.json"))
     if line:
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
         report_error(line)
     printed = capsys.readouterr().err
-    assert printed == (f"{line}\n" if line and first else "")  # the first rank to report alone prints
+    assert printed == (f"{line}\n" if line and first else "")  # printed once
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(error_file))
 
 
 def test_the_launcher_prints_the_root_cause_only_when_no_rank_did(tmp_path, monkeypatch, capsys):
     both = {r: launched_rank(tmp_path / "both", r, "error: lr must be > 0", monkeypatch, capsys) for r in (1, 0)}
     assert _root_cause_line(ChildFailedError("train_accel.py", both)) is None  # printed by rank 1, the first
-    other = {1: launched_rank(tmp_path / "other", 1, "error: disk full on rank 1", monkeypatch, capsys)}
-    other[1].message["extraInfo"]["printed"] = "False"  # as when another machine's rank was the first to report
-    assert _root_cause_line(ChildFailedError("train_accel.py", other)) == "error: disk full on rank 1"
+    # error files laid out otherwise: rank 0 prints, and it did not fail
+    full = "error: disk full on rank 1"
+    other = {1: launched_rank(tmp_path / "other", 1, full, monkeypatch, capsys, torchrun_layout=False)}
+    assert _root_cause_line(ChildFailedError("train_accel.py", other)) == full
     # a rank's own error line wins over a peer's crash in the same second (a lost connection as it exited)
     lost = tmp_path / "mixed" / "error_0.json"
     lost.parent.mkdir()
     message = {"message": "RuntimeError: Connection closed by peer", "extraInfo": {"timestamp": "0"}}
     lost.write_text(json.dumps({"message": message}))  # as torchelastic's record decorator writes it
     mixed = {0: ProcessFailure(local_rank=0, pid=1000, exitcode=1, error_file=str(lost))}
-    mixed[3] = launched_rank(tmp_path / "mixed", 3, "error: out of memory at micro-batch 64", monkeypatch, capsys)
+    oom = "error: out of memory at micro-batch 64"
+    mixed[3] = launched_rank(tmp_path / "mixed", 3, oom, monkeypatch, capsys, torchrun_layout=False)
     mixed[3].timestamp = mixed[0].timestamp = 0
-    mixed[3].message["extraInfo"]["printed"] = "False"  # another machine's rank printed first
-    assert _root_cause_line(ChildFailedError("train_accel.py", mixed)) == "error: out of memory at micro-batch 64"
+    assert _root_cause_line(ChildFailedError("train_accel.py", mixed)) == oom
     crashed = {0: launched_rank(tmp_path / "crashed", 0, None, monkeypatch, capsys)}
     assert _root_cause_line(ChildFailedError("train_accel.py", crashed)) == (
         "error: rank 0 ended with exit status 1 (To enable traceback see: "
