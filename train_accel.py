@@ -22,13 +22,12 @@ from tqdm.contrib import DummyTqdmFile
 from data_prep import DataPrepError
 from evals import EvalError
 from modeling.disk import DiskFull
-from modeling.runtime import exit_process, finish
+from modeling.runtime import exit_process, finish, report_error
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.compile_cache import compile_disk_full_reported
 from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
 from training.hub import HubError
-from training.launch import report_error
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.metrics import StartupClock
 from training.runlock import RunFolderInUse

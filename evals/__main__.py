@@ -25,7 +25,7 @@ from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
-from modeling.runtime import dtype_name, finish, set_up_compute
+from modeling.runtime import dtype_name, exit_process, finish, report_error, set_up_compute
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         encoding = get_encoding()
         runs = {task: run_task(model, task, encoding, args.limit, args.batch_size, accelerator) for task in tasks}
     except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
-        sys.exit(f"error: {err}")
+        report_error(f"error: {err}")  # once, by the first process to report it, under a multi-process launch
+        exit_process(1)
     status = 0
     if accelerator.is_main_process:
         print(f"{source} | {accelerator.num_processes} process(es), {dtype_name(accelerator.mixed_precision)}\n")

@@ -1,10 +1,13 @@
 """What every process that runs the model shares, training and evals alike: its set-up on a CPU, precision names
-and the end of a (possibly multi-process) run."""
+and the end of a (possibly multi-process) run, its error line among it."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -14,6 +17,8 @@ from modeling.vector_math import warm_up_vector_math
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+PRINTED = "printed"  # an extraInfo key of torchelastic's error file: this rank printed its error on the console
 
 
 def set_up_compute(device: torch.device) -> None:
@@ -58,3 +63,30 @@ def exit_process(status: int, on_gloo: bool | None = None) -> NoReturn:
     if on_gloo:
         os._exit(status)
     sys.exit(status)
+
+
+def report_error(line: str) -> None:
+    """Print `line` once per machine and leave it in this process's torchelastic error file (set by torchrun for
+    each rank) for the launcher's summary. Under torchrun the first rank to report prints; without it, rank 0."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    printed = _first_to_report(error_file) if error_file else os.environ.get("RANK", "0") == "0"
+    if printed:
+        print(line, file=sys.stderr, flush=True)
+    if error_file:  # the format of torch.distributed.elastic's ErrorHandler.record_exception
+        info = {"py_callstack": line, "timestamp": str(int(time.time())), PRINTED: str(printed)}
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+
+
+def _first_to_report(error_file: str) -> bool:
+    """Whether this rank is the first of its machine's to report an error in this attempt: a marker made once in
+    the attempt's folder, which torchrun's log layout (`<run_id>/attempt_<n>/<local_rank>/error.json`) gives this
+    machine's ranks alone, made afresh at each restart. Rank 0 where the layout is another's."""
+    attempt = Path(error_file).parent.parent
+    if not attempt.name.startswith("attempt_"):
+        return os.environ.get("RANK", "0") == "0"
+    try:
+        os.close(os.open(attempt / "error-printed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

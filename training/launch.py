@@ -1,9 +1,10 @@
 """The last word of a launch: one `error:` line that says what was wrong and what to do, printed once.
 
-A run reports its error through `report_error`: the first of a machine's ranks to report prints it (every rank of a
-launch gets the same bad input, so one copy is enough; the first, because torchrun stops the others as soon as one
-fails, rank 0 too), and every rank writes it into torchelastic's error file, which torchrun (accelerate's
-multi-process launcher) reads back: its failure summary then quotes our line instead of a link to its docs.
+A run reports its error through `modeling.runtime.report_error`: the first of a machine's ranks to report prints it
+(every rank of a launch gets the same bad input, so one copy is enough; the first, because torchrun stops the others
+as soon as one fails, rank 0 too), and every rank writes it into torchelastic's error file, which torchrun
+(accelerate's multi-process launcher) reads back: its failure summary then quotes our line instead of a link to its
+docs.
 
 `accelerate launch` still ends a failed multi-process run with torchrun's ChildFailedError traceback (and a
 SIGTERM'd one with SignalException's): it raises them in the launcher process, where the run cannot reach. This
@@ -20,48 +21,19 @@ stand. What accelerate's launcher itself refuses (a config file not found, FP8 w
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-PRINTED = "printed"  # an extraInfo key: this rank printed its error on the console
+from modeling.runtime import PRINTED
+
 # How long torchrun's rendezvous waits for every machine by default, and its --rdzv_conf key, by --rdzv_backend
 RENDEZVOUS_WAIT_S = 600
 RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
-
-
-def report_error(line: str) -> None:
-    """Print `line` once per machine and leave it in this process's torchelastic error file (set by torchrun for
-    each rank) for the launcher's summary. Under torchrun the first rank to report prints; without it, rank 0."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    printed = _first_to_report(error_file) if error_file else os.environ.get("RANK", "0") == "0"
-    if printed:
-        print(line, file=sys.stderr, flush=True)
-    if error_file:  # the format of torch.distributed.elastic's ErrorHandler.record_exception
-        info = {"py_callstack": line, "timestamp": str(int(time.time())), PRINTED: str(printed)}
-        with open(error_file, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": info}}, f)
-
-
-def _first_to_report(error_file: str) -> bool:
-    """Whether this rank is the first of its machine's to report an error in this attempt: a marker made once in
-    the attempt's folder, which torchrun's log layout (`<run_id>/attempt_<n>/<local_rank>/error.json`) gives this
-    machine's ranks alone, made afresh at each restart. Rank 0 where the layout is another's."""
-    attempt = Path(error_file).parent.parent
-    if not attempt.name.startswith("attempt_"):
-        return os.environ.get("RANK", "0") == "0"
-    try:
-        os.close(os.open(attempt / "error-printed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
 
 
 def _root_cause_line(err: Exception) -> str | None:

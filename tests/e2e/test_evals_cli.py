@@ -110,3 +110,14 @@ def test_generation_reuses_the_memory_each_token_frees(tmp_path):
     faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_GENERATION]).stdout.split()[-1])
     mlp_activations = config.block_size * 4 * config.n_embd * 4 // 4096  # pages: the window x 4 n_embd fp32
     assert faults < mlp_activations // 10, (faults, mlp_activations)
+
+
+def test_a_bad_argument_under_two_processes_is_one_line(tmp_path):
+    """Both processes of a launch reach the same bad input: the line is printed once, last (not once per process,
+    then the launcher's line about rank 0's exit status)."""
+    yaml = str(REPO / "accelerate_configs" / "cpu_ddp2.yaml")
+    cmd = [sys.executable, "-m", "training.launch", "-q", "--config_file", yaml, "-m", "evals"]
+    result = run([*cmd, "--run", str(tmp_path / "nowhere"), "--tasks", "lambada"], expect_rc=1, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: run folder {tmp_path / 'nowhere'} does not exist"], result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == errors[0]

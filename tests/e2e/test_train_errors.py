@@ -177,7 +177,7 @@ def test_the_first_rank_to_fail_prints_the_line_when_torchrun_stops_rank_0_first
     script = tmp_path / "bad_input.py"
     script.write_text(
         "import os, sys, time\n"
-        "from training.launch import report_error\n"
+        "from modeling.runtime import report_error\n"
         "if os.environ['RANK'] == '0':\n"
         "    time.sleep(120)  # stopped by torchrun once rank 1 has failed\n"
         "report_error('error: the same bad input on every rank')\n"

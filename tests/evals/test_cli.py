@@ -27,6 +27,17 @@ from training.checkpoint import checkpoint_dir
 from training.metrics import JSONLTracker
 
 
+def evals_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """`python -m evals`'s error: exit status 1 and one `error:` message, the last it printed (report_error: printed
+    once across the processes of a launch)."""
+    with pytest.raises(SystemExit) as exc:
+        evals_main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1, lines
+    start = max(i for i, line in enumerate(lines) if line.startswith("error: "))
+    return "\n".join(lines[start:])
+
+
 def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     model, source = load_model(tiny_run, checkpoint=checkpoint_dir(tiny_run, 1))
     assert source.endswith("step-00000001 (model.safetensors)") and model.config.block_size == 32
@@ -78,10 +89,9 @@ def test_bench_times_generation_as_the_generate_cli_samples(prompt_tokens, capsy
         ),
     ],
 )
-def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message, fresh_accelerate_state):
-    with pytest.raises(SystemExit) as exc:
-        evals_main(["--run", str(tiny_run), "--tasks", "hellaswag", *argv])
-    assert str(exc.value.code).startswith("error: ") and message in str(exc.value.code)
+def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message, fresh_accelerate_state, capsys):
+    line = evals_error(["--run", str(tiny_run), "--tasks", "hellaswag", *argv], capsys)
+    assert line.startswith("error: ") and message in line
 
 
 def test_bad_limits_are_one_clear_error(tiny_run, capsys):
@@ -113,35 +123,36 @@ def unprovisionable_tokenizer(tmp_path, monkeypatch) -> Iterator[None]:
 
 @pytest.mark.parametrize("cli", ["evals", "generate", "bench"])
 def test_a_tokenizer_that_cannot_be_provisioned_is_one_clear_error(
-    tiny_run, unprovisionable_tokenizer, fresh_accelerate_state, cli
+    tiny_run, unprovisionable_tokenizer, fresh_accelerate_state, cli, capsys
 ):
-    main, argv = {
-        "evals": (evals_main, ["--run", str(tiny_run), "--tasks", "lambada", "--limit", "1"]),
-        "generate": (generate_main, ["--run", str(tiny_run), "--max-new-tokens", "1"]),
-        "bench": (bench_main, ["--limit", "1"]),
-    }[cli]
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert str(exc.value.code).startswith("error: cannot load the GPT-2 tokenizer: tiktoken could not fetch it")
+    if cli == "evals":
+        line = evals_error(["--run", str(tiny_run), "--tasks", "lambada", "--limit", "1"], capsys)
+    else:
+        main, argv = {
+            "generate": (generate_main, ["--run", str(tiny_run), "--max-new-tokens", "1"]),
+            "bench": (bench_main, ["--limit", "1"]),
+        }[cli]
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        line = str(exc.value.code)
+    assert line.startswith("error: cannot load the GPT-2 tokenizer: tiktoken could not fetch it")
 
 
-def test_json_into_a_missing_folder_is_an_error_before_the_eval(tiny_run, tmp_path):
+def test_json_into_a_missing_folder_is_an_error_before_the_eval(tiny_run, tmp_path, capsys):
     missing = tmp_path / "missing"
-    with pytest.raises(SystemExit) as exc:  # --run nowhere: had the eval started, the error would be about that
-        evals_main(["--run", str(tmp_path / "nowhere"), "--json", str(missing / "evals.json")])
-    assert exc.value.code.startswith(f"error: --json {missing / 'evals.json'}: the folder {missing} does not exist;")
-    with pytest.raises(SystemExit, match=f"error: --json {tmp_path} is a folder; pass a file path such as"):
-        evals_main(["--run", str(tiny_run), "--json", str(tmp_path)])
+    # --run nowhere: had the eval started, the error would be about that
+    line = evals_error(["--run", str(tmp_path / "nowhere"), "--json", str(missing / "evals.json")], capsys)
+    assert line.startswith(f"error: --json {missing / 'evals.json'}: the folder {missing} does not exist;")
+    line = evals_error(["--run", str(tiny_run), "--json", str(tmp_path)], capsys)
+    assert line.startswith(f"error: --json {tmp_path} is a folder; pass a file path such as")
 
 
-def test_json_into_a_folder_that_cannot_be_written_is_an_error_before_the_eval(tmp_path, tmpfs):
+def test_json_into_a_folder_that_cannot_be_written_is_an_error_before_the_eval(tmp_path, tmpfs, capsys):
     disk = tmpfs("1m")
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    with pytest.raises(SystemExit) as exc:  # --run nowhere: had the eval started, the error would be about that
-        evals_main(["--run", str(tmp_path / "nowhere"), "--json", str(disk / "evals.json")])
-    assert (
-        exc.value.code == f"error: --json {disk / 'evals.json'}: {disk} is not writable by this user; pass another path"
-    )
+    # --run nowhere: had the eval started, the error would be about that
+    line = evals_error(["--run", str(tmp_path / "nowhere"), "--json", str(disk / "evals.json")], capsys)
+    assert line == f"error: --json {disk / 'evals.json'}: {disk} is not writable by this user; pass another path"
 
 
 def test_json_on_a_disk_that_fills_up_keeps_the_scores_on_screen_and_no_file_cut_off(tiny_run, tmpfs, capsys):
@@ -173,10 +184,10 @@ def test_bench_bad_arguments_are_one_clear_error(argv, message):
     assert str(exc.value.code).startswith(message)
 
 
-def test_run_folder_problems_are_one_clear_error(tmp_path):
+def test_run_folder_problems_are_one_clear_error(tmp_path, capsys):
     run = new_run(tmp_path)
-    with pytest.raises(SystemExit, match=r"error: run folder .* has no checkpoint .*train it first"):
-        evals_main(["--run", str(run)])
+    line = evals_error(["--run", str(run)], capsys)
+    assert re.match(r"error: run folder .* has no checkpoint .*train it first", line)
     with pytest.raises(EvalError, match=r"run folder .*missing does not exist"):
         load_model(tmp_path / "missing")
     other = new_run(tmp_path / "other", preset="small-cpu")  # weights of a tiny-cpu model, config of small-cpu

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from modeling.runtime import report_error
 from training.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -27,7 +28,7 @@ from training.checkpoint import (
     write_manifest,
 )
 from training.config import ConfigError, TrainConfig, config_to_yaml
-from training.launch import _root_cause_line, report_error
+from training.launch import _root_cause_line
 from training.loop import optimizer_for_engine
 
 
