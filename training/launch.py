@@ -29,8 +29,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from modeling.runtime import PRINTED
-
 # How long torchrun's rendezvous waits for every machine by default, and its --rdzv_conf key, by --rdzv_backend
 RENDEZVOUS_WAIT_S = 600
 RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
@@ -39,6 +37,8 @@ RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
 def _root_cause_line(err: Exception) -> str | None:
     """The line to print for torchrun's ChildFailedError: None when a rank printed its error already, else the first
     `error:` line a rank reported (from its error file), or one that names the first failed rank and how it ended."""
+    from modeling.runtime import PRINTED  # here: this launcher imports torch only once its C++ logging is quieted
+
     failures = err.failures.values()
     if any(isinstance(f.message, dict) and f.message.get("extraInfo", {}).get(PRINTED) == "True" for f in failures):
         return None
