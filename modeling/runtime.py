@@ -1,5 +1,5 @@
 """What every process that runs the model shares, training and evals alike: its set-up on a CPU, precision names
-and the end of a (possibly multi-process) run, its error line among it."""
+and the end of a (possibly multi-process) run: its exit, and its error line, printed once."""
 
 from __future__ import annotations
 
