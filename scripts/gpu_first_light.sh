@@ -53,17 +53,15 @@
 # has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs, within one device call of <= 9 minutes, on an H100 where
-# one is lent (the start-up target is an H100's; the last four calls all got H200s):
-#   FIRST_LIGHT_STEPS="environment train recipe ladder fp8" TRAIN_STEPS=40 RECIPE_SEEDS=1 LADDER_RUNGS=11 \
+# one is lent (the start-up target is an H100's; the last five calls all got H200s):
+#   FIRST_LIGHT_STEPS="environment train fp8 recipe ladder" TRAIN_STEPS=40 RECIPE_SEEDS=2 LADDER_RUNGS=11 \
 #       scripts/gpu_first_light.sh OUT --cache .gpu/cache --peer-dir .gpu/build-nanogpt --time-limit 510
-# and reads from summary.md: the start-up line with the GPU YAMLs compiling per block (32.6 s on a fresh H200 on
-# 2026-12-04, the compile 12.8 s of it; target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200,
-# 2026-12-04: 504-529k, MFU 44-46%, on two machines; target 560k); the recipe step's Muon + wsd against AdamW +
-# cosine (time to AdamW's final val; Muon's steps 393k against AdamW's 459k tok/s on the H100 at 64k-token steps
-# before Muon's matrices of one shape were iterated as one batch), never yet run to its end; rung 11 against
-# build-nanogpt with rung 11 compiled per block as train_accel.py now is (1.03x, 1.04x whole-model); the FP8 head
-# (+2.6% on the H100). The gpus, fsdp and cpu_speed steps ran on 2026-12-04, the loss, tests and cpu steps on
-# 2026-11-26/27 (the unit tests on the box's AMX Xeon: 310 passed, the one failure fixed since).
+# and reads from summary.md: the start-up line (32.0 s on a fresh H200 on 2026-12-04, the compile 12.7 s of it;
+# target <= 45 s on an H100); tok/s at the micro-batch auto picks (H200: 504-532k, MFU 44-46%, on three machines;
+# target 560k) and with the FP8 head (553-558k); the recipe step's Muon + wsd against AdamW + cosine over two seeds
+# (one seed on an H200: AdamW's final val in 19.9% of its tokens); rung 11 against build-nanogpt (1.04x at B16).
+# The gpus, fsdp and cpu_speed steps ran on 2026-12-04, the loss, tests and cpu steps on 2026-11-26/27 (the unit
+# tests on the box's AMX Xeon: 310 passed, the one failure fixed since).
 # BENCHMARKS.md, "GPU", has every figure so far, with the GPU, torch and command.
 set -uo pipefail
 
