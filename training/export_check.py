@@ -3,8 +3,9 @@ run in a process of its own, which a run on a GPU starts on its main process whi
 
 The check takes 6-9 s on a fresh GPU machine (transformers' import from a cold disk, the tokenizer's vocab and
 merges, derived on a machine's first run and read from the cache after it, a one-layer export written and loaded
-back; 2.4 s on a warm 2-core Zen 4): in a process of its own it
-overlaps the data, model and prepare() phases instead of adding to them, on cores the start-up leaves idle. A
+back; 2.4 s on a warm 2-core Zen 4): in a process of its own, started before the Accelerator, it overlaps CUDA's
+start and the data, model and prepare() phases instead of adding to them, on cores the start-up leaves idle (started
+after the Accelerator, the run still waited 4.3 s for it on a fresh H200). A
 process, not a thread: the check builds models, which draw from the global generator the run's init uses, and
 imports torch's and transformers' modules while the run imports its own. A run on the CPU checks in its own
 process: its cores are the run's (a child cost its start-up 3 s more on the Zen 4).
@@ -59,6 +60,25 @@ class ExportCheck:
             start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle, not this check's
         )  # fmt: skip
         atexit.register(self._proc.kill)  # a run that stops before the verdict leaves no check behind
+
+    @staticmethod
+    def expected_here() -> bool:
+        """Whether this process will be its launch's main process on a CUDA GPU, read before the Accelerator exists
+        from what the launcher set (RANK; ACCELERATE_USE_CPU, a launch YAML's use_cpu) and torch's CUDA. The run
+        corrects a wrong read once its Accelerator is built."""
+        import torch
+        from accelerate.utils import parse_flag_from_env
+
+        return (
+            os.environ.get("RANK", "0") == "0"
+            and not parse_flag_from_env("ACCELERATE_USE_CPU")
+            and torch.cuda.is_available()
+        )
+
+    def cancel(self) -> None:
+        """Stop the check unread: the run checks in its own process, or not at all."""
+        self._proc.kill()
+        self._proc.communicate()
 
     def verdict(self) -> None:
         """Wait for the check; export_failure's ConfigError where the export would fail."""

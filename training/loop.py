@@ -221,6 +221,10 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("config")  # the config read, the run folder locked
 
     auto = cfg.micro_batch_size == AUTO
+    # The export the end of the run writes, tried by the main process, which writes it: beside a GPU in a process
+    # of its own (training.export_check), started before the Accelerator where the launch says this process will be
+    # that one, so it overlaps CUDA's and the process group's start too; on a CPU in check_outputs, below.
+    export_check = ExportCheck(model_config) if cfg.export_hf and ExportCheck.expected_here() else None
     accelerator = build_accelerator(
         grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
@@ -228,10 +232,12 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         project_dir=str(run_dir),
     )
     check_ranks_agree(accelerator, dataclasses.asdict(cfg), run_dir)
-    # The export the end of the run writes, tried by the main process, which writes it: beside a GPU in a process
-    # of its own from now on (training.export_check); on a CPU in check_outputs, below.
-    child_check = cfg.export_hf and accelerator.is_main_process and accelerator.device.type != "cpu"
-    export_check = ExportCheck(model_config) if child_check else None
+    beside = cfg.export_hf and accelerator.is_main_process and accelerator.device.type != "cpu"
+    if export_check and not beside:  # the launch was read wrong: no child here
+        export_check.cancel()
+        export_check = None
+    elif beside and not export_check:  # a GPU other than CUDA's, or a launch read wrong the other way
+        export_check = ExportCheck(model_config)
     cfg, engine_note = optimizer_for_engine(cfg, SHARDED_ENGINES.get(accelerator.distributed_type))
     # before any work, against the optimizer this engine runs: a refused resume stops every rank alike
     resume_from, resume_notes = decided_on_main(accelerator, lambda: plan_resume(cfg))

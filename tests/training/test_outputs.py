@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -65,6 +66,44 @@ def test_the_export_check_in_a_process_of_its_own(prepared_books, tmp_path, monk
     python_path_with(monkeypatch, tmp_path, "sitecustomize", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(ConfigError, match=EXPORT_FAILS.format("its check ended with exit status -9")):
         ExportCheck(get_preset("tiny-cpu")).verdict()
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({}, True), ({"RANK": "0"}, True), ({"RANK": "3"}, False), ({"ACCELERATE_USE_CPU": "true"}, False),
+     ({"ACCELERATE_USE_CPU": "False"}, True)],
+)  # fmt: skip
+def test_the_early_export_check_reads_the_launch(monkeypatch, env, expected):
+    """Before its Accelerator exists, a process on a GPU machine (torch sees CUDA) expects to be the main process
+    on a GPU unless the launcher gave it another rank or a YAML's use_cpu."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("RANK", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ExportCheck.expected_here() is expected
+
+
+def test_an_early_export_check_the_accelerator_contradicts_is_stopped_and_the_run_checks_itself(
+    prepared_books, tmp_path, monkeypatch, fresh_accelerate_state
+):
+    """Where the launch was read wrong (a child started, then the Accelerator on the CPU), the child is stopped and
+    the run checks in its own process: here, whose transformers is missing, where the child's is not."""
+    started: list[ExportCheck] = []
+    start = ExportCheck.__init__
+
+    def recorded(check: ExportCheck, model_config) -> None:
+        start(check, model_config)
+        started.append(check)
+
+    monkeypatch.setattr(ExportCheck, "__init__", recorded)
+    monkeypatch.setattr(ExportCheck, "expected_here", staticmethod(lambda: True))  # as if the launch said a GPU
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "modeling.hf_export", raising=False)
+    reason = "ModuleNotFoundError: import of transformers halted; None in sys.modules"
+    with pytest.raises(ConfigError, match=EXPORT_FAILS.format(reason) + "$"):
+        setup(tiny_config(prepared_books, tmp_path / "run"))
+    assert len(started) == 1 and started[0]._proc.returncode == -signal.SIGKILL  # stopped, not left running
 
 
 def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_exports_them(
