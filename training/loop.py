@@ -246,7 +246,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
             accelerator.print(note)
     world_size = accelerator.num_processes
     if auto:  # the run from here on is the one launched with the size picked
-        size, why = resolve_micro_batch(accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing)
+        size, why = resolve_micro_batch(
+            accelerator, model_config, cfg.total_batch_tokens, cfg.activation_checkpointing, cfg.optimizer == "muon"
+        )
         cfg = cfg.replace(micro_batch_size=size)
     grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch_size, model_config.block_size, world_size)
     accelerator.gradient_accumulation_steps = grad_accum

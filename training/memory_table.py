@@ -1,10 +1,14 @@
 """Per-GPU memory of each preset's training state under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, as Markdown.
 
     python -m training.memory_table [--gpus 8] [--micro-batch-size 16] [--presets gpt2-774m,gpt2-1558m]
+                                    [--optimizer adamw]
 
-Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.yaml) and our AdamW:
-- DDP: fp32 weights (bf16 autocast), fp32 gradients and AdamW's two fp32 moments, all whole on every GPU.
-- FSDP2: the same fp32 weights, gradients and moments, each split over the GPUs (bf16 is the compute copy).
+Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.yaml) and our optimizers:
+- DDP: fp32 weights (bf16 autocast), fp32 gradients and the optimizer's fp32 state, all whole on every GPU: under
+  the default recipe Muon's one momentum for the blocks' matrices (most of the parameters) and AdamW's two moments
+  for the rest; under --optimizer adamw two moments for every parameter.
+- FSDP2: the same fp32 weights, gradients and AdamW's moments (Muon needs whole matrices: the sharded engines train
+  with AdamW), each split over the GPUs (bf16 is the compute copy).
 - ZeRO-2 / ZeRO-3 (DeepSpeed bf16 mode): bf16 weights (whole / split) and bf16 gradients (split); the optimizer
   holds the fp32 master weights and both moments, split: the ZeRO paper's 2 + 2 + 12 bytes per parameter.
 Not counted: transient buffers (FSDP2's all-gathered bf16 blocks, ZeRO-3's gathered layers, DDP's gradient
@@ -46,6 +50,9 @@ class Engine:
     optimizer: State  # AdamW's exp_avg and exp_avg_sq (8 B), plus the fp32 master weights where kept apart (4 B)
 
 
+MUON_SAVES = 4  # bytes a parameter: Muon keeps one fp32 momentum buffer where AdamW keeps two moments
+
+
 ENGINES: dict[str, Engine] = {
     "DDP": Engine(weights=State(4, False), grads=State(4, False), optimizer=State(8, False)),
     "FSDP2": Engine(weights=State(4, True), grads=State(4, True), optimizer=State(8, True)),
@@ -60,10 +67,22 @@ def count_params(config: GPTConfig) -> int:
         return GPT(config).num_params()
 
 
-def state_bytes(params: int, engine: str, gpus: int) -> dict[str, float]:
-    """Bytes each GPU holds for weights, gradients and optimizer state, and their total."""
+def muon_params(config: GPTConfig) -> int:
+    """How many of the parameters the default recipe gives Muon (the blocks' matrices: GPT.optimizer_groups),
+    counted on the meta device."""
+    with torch.device("meta"):
+        groups = GPT(config).optimizer_groups(0.0, muon=True)
+    return sum(p.numel() for group in groups if group["name"] == "muon" for p in group["params"])
+
+
+def state_bytes(params: int, engine: str, gpus: int, muon: int = 0) -> dict[str, float]:
+    """Bytes each GPU holds for weights, gradients and optimizer state, and their total; `muon` of the parameters
+    under Muon (one process or DDP only), the rest under AdamW."""
     layout = ENGINES[engine]
+    if muon and layout.optimizer.sharded:
+        raise ValueError(f"{engine} shards each matrix and Muon needs whole ones: its runs train with AdamW")
     out = {name: getattr(layout, name).per_gpu(params, gpus) for name in ("weights", "grads", "optimizer")}
+    out["optimizer"] -= MUON_SAVES * muon
     out["total"] = sum(out.values())
     return out
 
@@ -83,10 +102,11 @@ def activation_bytes(config: GPTConfig, micro_batch_size: int, checkpointed: boo
     return 36 * per_block * config.n_layer
 
 
-def markdown_table(presets: list[str], gpus: int, micro_batch_size: int) -> str:
+def markdown_table(presets: list[str], gpus: int, micro_batch_size: int, optimizer: str = "muon") -> str:
+    optimizers = "Muon + AdamW under DDP, AdamW sharded" if optimizer == "muon" else "AdamW"
     lines = [
-        f"Per-GPU memory (GiB) with {gpus} GPUs, bf16 mixed precision, AdamW; activations (estimated, the same "
-        f"for every engine) at micro-batch {micro_batch_size} × full context.",
+        f"Per-GPU memory (GiB) with {gpus} GPUs, bf16 mixed precision, {optimizers}; activations (estimated, the "
+        f"same for every engine) at micro-batch {micro_batch_size} × full context.",
         "",
         "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -96,8 +116,9 @@ def markdown_table(presets: list[str], gpus: int, micro_batch_size: int) -> str:
         params = count_params(config)
         activations = activation_bytes(config, micro_batch_size) / GIB
         checkpointed = activation_bytes(config, micro_batch_size, checkpointed=True) / GIB
+        muon = muon_params(config) if optimizer == "muon" else 0
         for engine in ENGINES:
-            b = state_bytes(params, engine, gpus)
+            b = state_bytes(params, engine, gpus, 0 if ENGINES[engine].optimizer.sharded else muon)
             lines.append(
                 f"| {preset} | {params / 1e6:,.1f}M | {engine} | {b['weights'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
                 f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} | {checkpointed:.1f} |"
@@ -112,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         "--micro-batch-size", type=int, default=TrainConfig.micro_batch_size, help="sequences per GPU per forward"
     )
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma list of presets (default: all)")
+    parser.add_argument(
+        "--optimizer", choices=["muon", "adamw"], default=TrainConfig.optimizer, help="as train_accel.py's --optimizer"
+    )
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.micro_batch_size < 1:
         parser.error("--gpus and --micro-batch-size must be >= 1")
@@ -121,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             get_preset(preset)
         except ValueError as err:
             parser.error(str(err))  # names the valid presets
-    print(markdown_table(presets, args.gpus, args.micro_batch_size))
+    print(markdown_table(presets, args.gpus, args.micro_batch_size, args.optimizer))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 from modeling.config import GPTConfig
 from modeling.fused_ce import takes_full_logits
 from training.config import grad_accum_steps
-from training.memory_table import GIB, activation_bytes, count_params, state_bytes
+from training.memory_table import GIB, activation_bytes, count_params, muon_params, state_bytes
 
 AUTO = "auto"
 GPU_CAP = 64  # llm.c's and modded-nanogpt's micro-batch at GPT-2 124M, T 1024, on an H100
@@ -49,20 +49,26 @@ def engine_name(accelerator: Accelerator) -> str:
 
 
 def estimated_peak_bytes(
-    config: GPTConfig, micro_batch: int, engine: str, processes: int, checkpointed: bool, full_logits: bool
+    config: GPTConfig,
+    micro_batch: int,
+    engine: str,
+    processes: int,
+    checkpointed: bool,
+    full_logits: bool,
+    muon: bool = False,
 ) -> float:
-    """A process's estimated peak memory in training: the engine's states, the activations and, where the loss takes
-    them, the full bf16 logits, times ESTIMATE_FACTOR."""
-    states = state_bytes(count_params(config), engine, processes)["total"]
+    """A process's estimated peak memory in training: the engine's states (under Muon where `muon`), the activations
+    and, where the loss takes them, the full bf16 logits, times ESTIMATE_FACTOR."""
+    states = state_bytes(count_params(config), engine, processes, muon_params(config) if muon else 0)["total"]
     logits = micro_batch * config.block_size * config.vocab_size * 2 if full_logits else 0
     return ESTIMATE_FACTOR * (states + activation_bytes(config, micro_batch, checkpointed) + logits)
 
 
 def resolve_micro_batch(
-    accelerator: Accelerator, config: GPTConfig, total_batch_tokens: int, checkpointed: bool
+    accelerator: Accelerator, config: GPTConfig, total_batch_tokens: int, checkpointed: bool, muon: bool
 ) -> tuple[int, str]:
-    """micro_batch_size auto for this launch: the size, the same on every process (the smallest of their picks), and
-    how it was chosen, in words."""
+    """micro_batch_size auto for this launch (`muon`: its optimizer is the default Muon + AdamW, else AdamW): the
+    size, the same on every process (the smallest of their picks), and how it was chosen, in words."""
     processes = accelerator.num_processes
     sequences = grad_accum_steps(total_batch_tokens, 1, config.block_size, processes)
     device = accelerator.device
@@ -76,7 +82,7 @@ def resolve_micro_batch(
     def peak(size: int) -> float:
         logits_bytes = size * config.block_size * config.vocab_size * 2
         full = takes_full_logits("cuda", compiled, logits_bytes, total)
-        return estimated_peak_bytes(config, size, engine, processes, checkpointed, full)
+        return estimated_peak_bytes(config, size, engine, processes, checkpointed, full, muon)
 
     mine = largest_micro_batch(sequences, GPU_CAP, lambda size: peak(size) <= HEADROOM * free)
     size = int(accelerator.gather(torch.tensor([mine], device=device)).min())

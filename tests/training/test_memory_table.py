@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from modeling.config import get_preset
 from modeling.gpt import GPT
-from training.memory_table import GIB, activation_bytes, count_params, main, state_bytes
+from training.memory_table import GIB, activation_bytes, count_params, main, muon_params, state_bytes
+from training.optim import build_optimizer
 
 # 124,475,904 = wte 50,304×768 + wpe 1,024×768 + 12 blocks × (12·768² + 13·768) + ln_f 2×768 (head tied to wte)
 P = 124_475_904
@@ -51,13 +53,39 @@ def test_activations_by_hand():
     assert activation_bytes(get_preset("gpt2-124m"), micro_batch_size=16, checkpointed=True) == want
 
 
-def test_cli_prints_the_markdown_rows(capsys):
-    main(["--presets", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "16"])
+@pytest.mark.parametrize("muon", [True, False], ids=["muon", "adamw"])
+def test_the_optimizer_state_is_what_the_optimizers_hold_after_a_step(muon):
+    """The optimizer column against the optimizer itself (training.optim's, as a run builds it): the bytes of its
+    state tensors after a step, Muon's momentum buffers and AdamW's moments (the step counters left out)."""
+    config = get_preset("tiny-cpu")
+    model = GPT(config)
+    optimizer = build_optimizer(model.optimizer_groups(0.1, muon=muon), lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
+    _, loss = model(torch.randint(0, 50_257, (2, 16)), torch.randint(0, 50_257, (2, 16)))
+    loss.backward()
+    optimizer.step()
+    held = sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim())
+    want = state_bytes(count_params(config), "DDP", gpus=1, muon=muon_params(config) if muon else 0)["optimizer"]
+    assert held == want
+    if muon:  # the blocks' matrices: most of tiny-cpu's parameters, as of GPT-2's
+        assert 0 < muon_params(config) < count_params(config)
+
+
+def test_muon_is_refused_where_the_engine_shards_the_matrices():
+    with pytest.raises(ValueError, match="FSDP2 shards each matrix and Muon needs whole ones"):
+        state_bytes(P, "FSDP2", gpus=8, muon=1)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_cli_prints_the_markdown_rows(capsys, optimizer):
+    main(["--presets", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "16", "--optimizer", optimizer])
     out = capsys.readouterr().out
     header = "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |"
     assert header in out
-    ddp_total = 16 * P / GIB  # 1.855 GiB
-    assert f"| gpt2-124m | 124.5M | DDP | 0.46 | 0.46 | 0.93 | {ddp_total:.2f} | 5.1 | 1.0 |" in out
+    # AdamW: 8 B a parameter; Muon: 4 B for the blocks' matrices (12 × 12 · 768²), AdamW's 8 for the rest
+    moments = 8 * P if optimizer == "adamw" else 8 * P - 4 * 12 * 12 * 768**2
+    ddp_total = (8 * P + moments) / GIB  # 1.855 GiB under AdamW
+    assert f"| gpt2-124m | 124.5M | DDP | 0.46 | 0.46 | {moments / GIB:.2f} | {ddp_total:.2f} | 5.1 | 1.0 |" in out
+    assert "| gpt2-124m | 124.5M | FSDP2 | 0.06 | 0.06 | 0.12 | 0.23 | 5.1 | 1.0 |" in out  # AdamW either way
     assert "| gpt2-124m | 124.5M | ZeRO-3 | 0.03 | 0.03 | 0.17 | 0.23 | 5.1 | 1.0 |" in out
     assert out.count("| gpt2-124m |") == 4
 
