@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import TorchDynamoPlugin
@@ -260,11 +261,17 @@ def ladder_trainer(
 
 
 def launch_config(path: Path) -> dict[str, Any]:
-    """The launch YAML as `accelerate launch` reads it (accelerate's own config loader); where there is none, one
-    `error:` line (the benchmarks' --accelerate-config) instead of accelerate's traceback."""
+    """The launch YAML as `accelerate launch` reads it (accelerate's own config loader); where there is none, or
+    accelerate's loader rejects it, one `error:` line (the benchmarks' --accelerate-config) instead of a traceback."""
     if not path.is_file():
         raise SystemExit(f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)")
-    return load_config_from_file(str(path)).to_dict()
+    try:
+        return load_config_from_file(str(path)).to_dict()
+    except (ValueError, TypeError, yaml.YAMLError) as err:  # a value accelerate lacks, a key it does not know
+        raise SystemExit(
+            f"error: --accelerate-config {path}: accelerate cannot read it ({type(err).__name__}: "
+            f"{' '.join(str(err).split())}); write one with `accelerate config`, or start from accelerate_configs/"
+        ) from err
 
 
 def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:

@@ -52,17 +52,26 @@ def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prep
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
 
 
-@pytest.mark.parametrize("yaml", ["nowhere.yaml", "1xgpu_fp16.yaml"])
+@pytest.mark.parametrize("yaml", ["nowhere.yaml", "1xgpu_fp16.yaml", "typo.yaml"])
 def test_a_ladder_launch_yaml_it_cannot_run_is_one_error_before_anything_is_made(tmp_path: Path, yaml: str):
-    """A missing --accelerate-config was accelerate's FileNotFoundError traceback; an fp16 one on the CPU ran rung 11
-    in fp32 (accelerate autocasts to fp16 on GPUs only) under an fp16 label."""
+    """A missing --accelerate-config was accelerate's FileNotFoundError traceback, and one accelerate's loader
+    rejects its ValueError's; an fp16 one on the CPU ran rung 11 in fp32 (accelerate autocasts to fp16 on GPUs only)
+    under an fp16 label."""
     path = REPO / "accelerate_configs" / yaml
+    if yaml == "typo.yaml":  # a value accelerate lacks
+        path = tmp_path.parent / f"{tmp_path.name}-{yaml}"
+        path.write_text("distributed_type: MULTI_GPUS\nmixed_precision: bf16\n")
     data, out = tmp_path / "data", tmp_path / "report"
     with pytest.raises(SystemExit) as exc:
         ladder_main(["--device", "cpu", "--accelerate-config", str(path), "--data-dir", str(data), "--out", str(out)])
     if yaml == "nowhere.yaml":
         assert exc.value.code == (
             f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)"
+        )
+    elif yaml == "typo.yaml":
+        assert exc.value.code == (
+            f"error: --accelerate-config {path}: accelerate cannot read it (ValueError: 'MULTI_GPUS' is not a valid "
+            "DistributedType); write one with `accelerate config`, or start from accelerate_configs/"
         )
     else:
         assert exc.value.code == (

@@ -71,8 +71,10 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
         (None, "no such file; give a launch YAML (accelerate_configs/)"),
         # training's own line, before, naming an `accelerate launch` flag, after an empty report folder was made
         ("distributed_type: 'NO'\nmixed_precision: fp16\nuse_cpu: true\n", "asks for mixed_precision: fp16"),
+        # accelerate's loader's traceback, before: a key accelerate does not know
+        ("distributed_type: 'NO'\nmixed_precison: bf16\n", "accelerate cannot read it (ValueError: The config file"),
     ],
-    ids=["missing", "fp16 on a CPU"],
+    ids=["missing", "fp16 on a CPU", "a key accelerate rejects"],
 )
 def test_a_launch_yaml_it_cannot_train_under_is_one_error_before_anything_is_made(tmp_path, yaml, line):
     launch = tmp_path / "my.yaml"
