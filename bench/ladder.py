@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
         "cpu.yaml" if device.type == "cpu" else "1xgpu.yaml"
     )
-    launch = checked_launch(launch_path, device)
+    launch = checked_launch(launch_path, device, args.dynamo_backend)
     config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
     report_folder(args.out)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile

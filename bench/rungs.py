@@ -25,6 +25,7 @@ from modeling.gpt import GPT
 from modeling.reference import GELU, LayerNorm, MultiHeadAttention, ReferenceGPT
 from modeling.runtime import set_up_compute
 from training.config import TrainConfig
+from training.distributed import TRAINED_BACKENDS
 from training.metrics import dtype_name
 from training.optim import build_optimizer
 from training.step import Trainer as StepTrainer
@@ -274,15 +275,22 @@ def launch_config(path: Path) -> dict[str, Any]:
         ) from err
 
 
-def checked_launch(path: Path, device: torch.device) -> dict[str, Any]:
+def checked_launch(path: Path, device: torch.device, backend_override: str | None = None) -> dict[str, Any]:
     """A benchmark's launch YAML (launch_config: rung 11's, bench.time_to_loss's), checked before anything is made or
     measured: fp16 on a CPU is one `error:` line, since accelerate leaves it in fp32 (rung 11 would be fp32 under an
-    fp16 label, beside a peer that autocasts to fp16 itself)."""
+    fp16 label, beside a peer that autocasts to fp16 itself); so is a compile backend train_accel.py refuses
+    (training.distributed.TRAINED_BACKENDS), unless `backend_override` replaces it."""
     launch = launch_config(path)
     if device.type == "cpu" and launch.get("mixed_precision") == "fp16":
         raise SystemExit(
             f"error: --accelerate-config {path} asks for mixed_precision: fp16, which accelerate does not apply on a "
             "CPU: give accelerate_configs/cpu_bf16.yaml or cpu.yaml"
+        )
+    backend = dynamo_backend(launch, backend_override).upper()
+    if backend not in TRAINED_BACKENDS:
+        raise SystemExit(
+            f"error: --accelerate-config {path} asks for dynamo_backend: {backend}, which train_accel.py does not "
+            "train with: give a YAML with dynamo_backend INDUCTOR or NO (accelerate_configs/)"
         )
     return launch
 

@@ -52,21 +52,30 @@ def test_a_ladder_out_that_cannot_be_a_folder_is_one_error_before_the_rungs(prep
     assert exc.value.code == f"error: --out {tmp_path / 'report'}: File exists; give a folder for the report"
 
 
-@pytest.mark.parametrize("yaml", ["nowhere.yaml", "1xgpu_fp16.yaml", "typo.yaml"])
+@pytest.mark.parametrize("yaml", ["nowhere.yaml", "1xgpu_fp16.yaml", "typo.yaml", "cudagraphs.yaml"])
 def test_a_ladder_launch_yaml_it_cannot_run_is_one_error_before_anything_is_made(tmp_path: Path, yaml: str):
     """A missing --accelerate-config was accelerate's FileNotFoundError traceback, and one accelerate's loader
     rejects its ValueError's; an fp16 one on the CPU ran rung 11 in fp32 (accelerate autocasts to fp16 on GPUs only)
-    under an fp16 label."""
+    under an fp16 label, and one with a compile backend train_accel.py refuses timed rung 11 under it."""
     path = REPO / "accelerate_configs" / yaml
-    if yaml == "typo.yaml":  # a value accelerate lacks
+    written = {
+        "typo.yaml": "distributed_type: MULTI_GPUS\nmixed_precision: bf16\n",  # a value accelerate lacks
+        "cudagraphs.yaml": "distributed_type: 'NO'\nuse_cpu: true\ndynamo_config:\n  dynamo_backend: CUDAGRAPHS\n",
+    }
+    if yaml in written:
         path = tmp_path.parent / f"{tmp_path.name}-{yaml}"
-        path.write_text("distributed_type: MULTI_GPUS\nmixed_precision: bf16\n")
+        path.write_text(written[yaml])
     data, out = tmp_path / "data", tmp_path / "report"
     with pytest.raises(SystemExit) as exc:
         ladder_main(["--device", "cpu", "--accelerate-config", str(path), "--data-dir", str(data), "--out", str(out)])
     if yaml == "nowhere.yaml":
         assert exc.value.code == (
             f"error: --accelerate-config {path}: no such file; give a launch YAML (accelerate_configs/)"
+        )
+    elif yaml == "cudagraphs.yaml":
+        assert exc.value.code == (
+            f"error: --accelerate-config {path} asks for dynamo_backend: CUDAGRAPHS, which train_accel.py does not "
+            "train with: give a YAML with dynamo_backend INDUCTOR or NO (accelerate_configs/)"
         )
     elif yaml == "typo.yaml":
         assert exc.value.code == (

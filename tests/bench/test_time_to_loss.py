@@ -73,8 +73,10 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
         ("distributed_type: 'NO'\nmixed_precision: fp16\nuse_cpu: true\n", "asks for mixed_precision: fp16"),
         # accelerate's loader's traceback, before: a key accelerate does not know
         ("distributed_type: 'NO'\nmixed_precison: bf16\n", "accelerate cannot read it (ValueError: The config file"),
+        # each recipe's launch refused it at its start-up, after the report folder was made
+        ("distributed_type: 'NO'\ndynamo_config:\n  dynamo_backend: TVM\n", "asks for dynamo_backend: TVM"),
     ],
-    ids=["missing", "fp16 on a CPU", "a key accelerate rejects"],
+    ids=["missing", "fp16 on a CPU", "a key accelerate rejects", "a backend train_accel.py refuses"],
 )
 def test_a_launch_yaml_it_cannot_train_under_is_one_error_before_anything_is_made(tmp_path, yaml, line):
     launch = tmp_path / "my.yaml"
