@@ -24,7 +24,7 @@ from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
-from testkit import NO_DATASETS, TINY_MODEL, new_run, write_checkpoint
+from testkit import NO_DATASETS, TINY_MODEL, new_run, set_up_by_the_process, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import set_up_compile_cache
 
@@ -51,12 +51,6 @@ def fresh_dynamo() -> None:
         torch._dynamo.reset()
 
 
-# Variables set once per process, kept by environment_kept: pytest's own (the phase it is in), DS_ACCELERATOR (set by
-# modeling.device.quiet_deepspeed before DeepSpeed loads) and PYTORCH_NVML_BASED_CUDA_CHECK (DeepSpeed's import sets
-# it); so are a library's private ones (inductor's _TORCHINDUCTOR_*, for its compile workers).
-PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
-
-
 @pytest.fixture(autouse=True)
 def environment_kept() -> Iterator[None]:
     """Fails a test that leaves os.environ changed, and puts it back (monkeypatch's own changes are undone before this
@@ -67,9 +61,7 @@ def environment_kept() -> Iterator[None]:
     yield
     after = dict(os.environ)
     changed = sorted(
-        k
-        for k in before.keys() | after.keys()
-        if before.get(k) != after.get(k) and k not in PROCESS_SET_UP and not k.startswith("_")
+        k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and not set_up_by_the_process(k)
     )
     if changed:
         for k in changed:

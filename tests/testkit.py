@@ -161,9 +161,22 @@ class WarmLaunches:
         return RuntimeError(f"the warm launch server ended:\n{self.log.read_text()[-5000:]}")
 
 
+# Variables a process sets for itself once, not a test: pytest's own (the phase it is in, the test running),
+# DS_ACCELERATOR (set by modeling.device.quiet_deepspeed before DeepSpeed loads) and PYTORCH_NVML_BASED_CUDA_CHECK
+# (DeepSpeed's import sets it); so are a library's private ones (inductor's _TORCHINDUCTOR_*, for its compile workers,
+# set by the first compile). conftest's environment_kept lets them change; a warm launch's server need not have seen
+# them, since its imports read none of them and each copy takes its request's whole environment.
+PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+
+
+def set_up_by_the_process(name: str) -> bool:
+    return name in PROCESS_SET_UP or name.startswith("_")
+
+
 def settled(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment but pytest's PYTEST_CURRENT_TEST, which names the test running (each launch gets its own)."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    """The environment but the variables set_up_by_the_process: a worker's first in-process compile (or DeepSpeed
+    import) after the server started sent every later launch of that worker to a fresh interpreter."""
+    return {k: v for k, v in env.items() if not set_up_by_the_process(k)}
 
 
 def as_text(output: IO[bytes]) -> str:
