@@ -48,18 +48,16 @@ def engine_name(accelerator: Accelerator) -> str:
     return "DDP"
 
 
+def states_bytes(config: GPTConfig, engine: str, processes: int, muon: bool) -> float:
+    """A process's weights, gradients and optimizer state (training.memory_table; under Muon where `muon`)."""
+    return state_bytes(count_params(config), engine, processes, muon_params(config) if muon else 0)["total"]
+
+
 def estimated_peak_bytes(
-    config: GPTConfig,
-    micro_batch: int,
-    engine: str,
-    processes: int,
-    checkpointed: bool,
-    full_logits: bool,
-    muon: bool = False,
+    config: GPTConfig, micro_batch: int, states: float, checkpointed: bool, full_logits: bool
 ) -> float:
-    """A process's estimated peak memory in training: the engine's states (under Muon where `muon`), the activations
-    and, where the loss takes them, the full bf16 logits, times ESTIMATE_FACTOR."""
-    states = state_bytes(count_params(config), engine, processes, muon_params(config) if muon else 0)["total"]
+    """A process's estimated peak memory in training: its `states` (states_bytes), the activations and, where the
+    loss takes them, the full bf16 logits, times ESTIMATE_FACTOR."""
     logits = micro_batch * config.block_size * config.vocab_size * 2 if full_logits else 0
     return ESTIMATE_FACTOR * (states + activation_bytes(config, micro_batch, checkpointed) + logits)
 
@@ -78,11 +76,12 @@ def resolve_micro_batch(
     free, total = torch.cuda.mem_get_info(device)
     engine = engine_name(accelerator)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    states = states_bytes(config, engine, processes, muon)  # the model built on the meta device: once, not per size
 
     def peak(size: int) -> float:
         logits_bytes = size * config.block_size * config.vocab_size * 2
         full = takes_full_logits("cuda", compiled, logits_bytes, total)
-        return estimated_peak_bytes(config, size, engine, processes, checkpointed, full, muon)
+        return estimated_peak_bytes(config, size, states, checkpointed, full)
 
     mine = largest_micro_batch(sequences, GPU_CAP, lambda size: peak(size) <= HEADROOM * free)
     size = int(accelerator.gather(torch.tensor([mine], device=device)).min())
