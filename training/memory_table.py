@@ -61,18 +61,13 @@ ENGINES: dict[str, Engine] = {
 }
 
 
-def count_params(config: GPTConfig) -> int:
-    """The model's parameter count (tied embedding counted once), built on the meta device: no memory, no init."""
+def param_counts(config: GPTConfig) -> tuple[int, int]:
+    """The model's parameter count (tied embedding counted once) and how many of them the default recipe gives Muon
+    (the blocks' matrices: GPT.optimizer_groups), from the model built on the meta device: no memory, no init."""
     with torch.device("meta"):
-        return GPT(config).num_params()
-
-
-def muon_params(config: GPTConfig) -> int:
-    """How many of the parameters the default recipe gives Muon (the blocks' matrices: GPT.optimizer_groups),
-    counted on the meta device."""
-    with torch.device("meta"):
-        groups = GPT(config).optimizer_groups(0.0, muon=True)
-    return sum(p.numel() for group in groups if group["name"] == "muon" for p in group["params"])
+        model = GPT(config)
+    groups = model.optimizer_groups(0.0, muon=True)
+    return model.num_params(), sum(p.numel() for group in groups if group["name"] == "muon" for p in group["params"])
 
 
 def state_bytes(params: int, engine: str, gpus: int, muon: int = 0) -> dict[str, float]:
@@ -113,10 +108,10 @@ def markdown_table(presets: list[str], gpus: int, micro_batch_size: int, optimiz
     ]
     for preset in presets:
         config = get_preset(preset)
-        params = count_params(config)
+        params, muon_count = param_counts(config)
         activations = activation_bytes(config, micro_batch_size) / GIB
         checkpointed = activation_bytes(config, micro_batch_size, checkpointed=True) / GIB
-        muon = muon_params(config) if optimizer == "muon" else 0
+        muon = muon_count if optimizer == "muon" else 0
         for engine in ENGINES:
             b = state_bytes(params, engine, gpus, 0 if ENGINES[engine].optimizer.sharded else muon)
             lines.append(

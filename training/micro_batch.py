@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 from modeling.config import GPTConfig
 from modeling.fused_ce import takes_full_logits
 from training.config import grad_accum_steps
-from training.memory_table import GIB, activation_bytes, count_params, muon_params, state_bytes
+from training.memory_table import GIB, activation_bytes, param_counts, state_bytes
 
 AUTO = "auto"
 GPU_CAP = 64  # llm.c's and modded-nanogpt's micro-batch at GPT-2 124M, T 1024, on an H100
@@ -48,15 +48,16 @@ def engine_name(accelerator: Accelerator) -> str:
     return "DDP"
 
 
-def states_bytes(config: GPTConfig, engine: str, processes: int, muon: bool) -> float:
+def process_state_bytes(config: GPTConfig, engine: str, processes: int, muon: bool) -> float:
     """A process's weights, gradients and optimizer state (training.memory_table; under Muon where `muon`)."""
-    return state_bytes(count_params(config), engine, processes, muon_params(config) if muon else 0)["total"]
+    params, muon_count = param_counts(config)
+    return state_bytes(params, engine, processes, muon_count if muon else 0)["total"]
 
 
 def estimated_peak_bytes(
     config: GPTConfig, micro_batch: int, states: float, checkpointed: bool, full_logits: bool
 ) -> float:
-    """A process's estimated peak memory in training: its `states` (states_bytes), the activations and, where the
+    """A process's estimated peak memory in training: its `states` (process_state_bytes), the activations and, where the
     loss takes them, the full bf16 logits, times ESTIMATE_FACTOR."""
     logits = micro_batch * config.block_size * config.vocab_size * 2 if full_logits else 0
     return ESTIMATE_FACTOR * (states + activation_bytes(config, micro_batch, checkpointed) + logits)
@@ -76,7 +77,7 @@ def resolve_micro_batch(
     free, total = torch.cuda.mem_get_info(device)
     engine = engine_name(accelerator)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
-    states = states_bytes(config, engine, processes, muon)  # the model built on the meta device: once, not per size
+    states = process_state_bytes(config, engine, processes, muon)  # one meta-device model a launch, not one a size
 
     def peak(size: int) -> float:
         logits_bytes = size * config.block_size * config.vocab_size * 2

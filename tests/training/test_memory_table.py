@@ -7,7 +7,7 @@ import torch
 
 from modeling.config import get_preset
 from modeling.gpt import GPT
-from training.memory_table import GIB, activation_bytes, count_params, main, muon_params, state_bytes
+from training.memory_table import GIB, activation_bytes, main, param_counts, state_bytes
 from training.optim import build_optimizer
 
 # 124,475,904 = wte 50,304×768 + wpe 1,024×768 + 12 blocks × (12·768² + 13·768) + ln_f 2×768 (head tied to wte)
@@ -16,9 +16,9 @@ P = 124_475_904
 
 def test_parameter_count_from_the_preset():
     assert P == 50_304 * 768 + 1_024 * 768 + 12 * (12 * 768**2 + 13 * 768) + 2 * 768
-    assert count_params(get_preset("gpt2-124m")) == P
+    assert param_counts(get_preset("gpt2-124m"))[0] == P
     # the meta-device count is the real model's
-    assert count_params(get_preset("tiny-cpu")) == GPT(get_preset("tiny-cpu")).num_params()
+    assert param_counts(get_preset("tiny-cpu"))[0] == GPT(get_preset("tiny-cpu")).num_params()
 
 
 @pytest.mark.parametrize(
@@ -64,10 +64,11 @@ def test_the_optimizer_state_is_what_the_optimizers_hold_after_a_step(muon):
     loss.backward()
     optimizer.step()
     held = sum(t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim())
-    want = state_bytes(count_params(config), "DDP", gpus=1, muon=muon_params(config) if muon else 0)["optimizer"]
+    params, muon_count = param_counts(config)
+    want = state_bytes(params, "DDP", gpus=1, muon=muon_count if muon else 0)["optimizer"]
     assert held == want
     if muon:  # the blocks' matrices: most of tiny-cpu's parameters, as of GPT-2's
-        assert 0 < muon_params(config) < count_params(config)
+        assert 0 < muon_count < params
 
 
 def test_muon_is_refused_where_the_engine_shards_the_matrices():

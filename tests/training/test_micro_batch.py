@@ -9,7 +9,7 @@ from modeling.config import get_preset
 from training.config import ConfigError, TrainConfig, load_yaml, parse_config
 from training.loop import setup
 from training.memory_table import GIB
-from training.micro_batch import CPU_DEFAULT, estimated_peak_bytes, largest_micro_batch, states_bytes
+from training.micro_batch import CPU_DEFAULT, estimated_peak_bytes, largest_micro_batch, process_state_bytes
 
 
 def test_auto_parses_from_yaml_and_flags_and_anything_else_is_refused(tmp_path):
@@ -51,7 +51,7 @@ def test_largest_power_of_two_that_divides_and_fits(sequences, cap, fits_up_to, 
 def test_the_estimate_covers_the_h100s_measured_peak_with_little_to_spare(micro_batch, measured_gib):
     """gpt2-124m, one process, bf16, compiled (the full logits): the ladder's rung 11 peaks on the H100."""
     config = get_preset("gpt2-124m")
-    states = states_bytes(config, "DDP", 1, muon=False)  # the ladder's AdamW
+    states = process_state_bytes(config, "DDP", 1, muon=False)  # the ladder's AdamW
     estimate = estimated_peak_bytes(config, micro_batch, states, False, True) / GIB
     assert measured_gib <= estimate <= 1.1 * measured_gib, estimate
 
