@@ -69,7 +69,7 @@ def report_error(line: str) -> None:
     """Print `line` once per machine and leave it in this process's torchelastic error file (set by torchrun for
     each rank) for the launcher's summary. Under torchrun the first rank to report prints; without it, rank 0."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    printed = _first_to_report(error_file) if error_file else os.environ.get("RANK", "0") == "0"
+    printed = _first_to_report(error_file)
     if printed:
         print(line, file=sys.stderr, flush=True)
     if error_file:  # the format of torch.distributed.elastic's ErrorHandler.record_exception
@@ -78,12 +78,13 @@ def report_error(line: str) -> None:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
 
 
-def _first_to_report(error_file: str) -> bool:
+def _first_to_report(error_file: str | None) -> bool:
     """Whether this rank is the first of its machine's to report an error in this attempt: a marker made once in
     the attempt's folder, which torchrun's log layout (`<run_id>/attempt_<n>/<local_rank>/error.json`) gives this
-    machine's ranks alone, made afresh at each restart. Rank 0 where the layout is another's."""
-    attempt = Path(error_file).parent.parent
-    if not attempt.name.startswith("attempt_"):
+    machine's ranks alone, made afresh at each restart. Rank 0 without torchrun's error file, or where the layout is
+    another's."""
+    attempt = Path(error_file).parent.parent if error_file else None
+    if attempt is None or not attempt.name.startswith("attempt_"):
         return os.environ.get("RANK", "0") == "0"
     try:
         os.close(os.open(attempt / "error-printed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
