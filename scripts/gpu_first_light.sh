@@ -124,7 +124,7 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 4 --log-interval 2 --eval-interval 4 --eval-windows 2
         --sample-interval 4 --checkpoint-interval 4 --micro-batch-size auto)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
-    FSDP_YAML=(accelerate_configs/cpu_fsdp2.yaml --dynamo_backend eager)  # tests/e2e/test_sharded.py compiles it
+    FSDP_YAML=(accelerate_configs/cpu_fsdp2.yaml --dynamo_backend eager)  # test_sharded.py compiles it (aot_eager)
     FSDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 2 --eval-windows 2
         --sample-interval 0 --checkpoint-interval 2)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")

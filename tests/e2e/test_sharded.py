@@ -4,7 +4,10 @@ Every run trains the tiny preset in fp32 with AdamW (the engines' stand-in for t
 global batches of 1,024 tokens (2 processes × micro-batch 4 × accumulation 2), so each engine's per-step losses must
 match the DDP run's (cpu_ddp2.yaml). Sharding is checked in the checkpoints, where a silent fallback to DDP would
 show: accelerate writes DDP weights whole.
-FSDP2 runs compiled per block, as its GPU YAML does, so its save/resume is that of a compiled model.
+FSDP2 runs compiled per block, as its YAML and the GPU's say, so its save/resume is that of a compiled model: with
+dynamo's aot_eager backend (FSDP2_COMPILE), whose graphs and AOTAutograd backward are inductor's up to the kernels,
+without the minute of C++ builds inductor's CPU kernels take on a fresh machine. The kernels under FSDP2 are the
+GPU's Triton ones, which the first-light script's fsdp step (8xh100_fsdp.yaml) runs on a GPU.
 Each engine's checkpoints are read back on one process by evals, generate and training.export.
 """
 
@@ -43,9 +46,10 @@ COMMON = [
 SHARDED = ("cpu_fsdp2.yaml", "cpu_zero2.yaml", "cpu_zero3.yaml")
 # Different engines on the same batches: summation order differs (all-reduce vs reduce-scatter, flat buffers).
 ENGINE_TOL = dict(rtol=1e-4, atol=1e-4)
-# FSDP2 (compiled per block) vs DDP (eager) in fp32: the same arithmetic up to summation order and inductor's
-# fusions, so the losses agree to a few fp32 ulps (4e-6 apart at 10 here; bf16 would be 4e-2).
+# FSDP2 (compiled per block) vs DDP (eager) in fp32: the same arithmetic up to summation order, so the losses agree
+# to a few fp32 ulps (4e-6 apart at 10 here under inductor's fusions; bf16 would be 4e-2).
 FSDP2_TOL = dict(rtol=2e-6, atol=0.0)
+FSDP2_COMPILE = ["--dynamo_backend", "aot_eager"]  # the YAML's per-block compile, not inductor's C++ kernels
 # A resumed run replays the same arithmetic as the run it was saved from.
 RESUME_TOL = dict(rtol=0.0, atol=1e-6)
 
@@ -53,8 +57,11 @@ RESUME_TOL = dict(rtol=0.0, atol=1e-6)
 def launch_cmd(
     accelerate_config: str, run_dir: Path, data_dir: Path, *args: str, launch_args: Sequence[str] = ()
 ) -> list[str]:
-    """The sharded engines train the default optimizer with AdamW; DDP launches, their reference, ask for it."""
+    """The sharded engines train the default optimizer with AdamW; DDP launches, their reference, ask for it. FSDP2
+    launches (cpu_fsdp2.yaml, or a YAML fsdp_yaml wrote) compile with FSDP2_COMPILE."""
     adamw = [] if accelerate_config in SHARDED else ["--optimizer", "adamw"]
+    if "fsdp" in Path(accelerate_config).name:
+        launch_args = [*FSDP2_COMPILE, *launch_args]
     return train_cmd(accelerate_config, run_dir, data_dir, *COMMON, *adamw, *args, launch_args=launch_args)
 
 
@@ -105,7 +112,7 @@ def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]
     assert out.count(note) == 1 and "Muon lr" not in out
     # the model's tensors, as built (ZeRO replaces each group's with its flat partitions in place)
     assert "| AdamW lr 0.003: 10 tensors decay (wd 0.1), 18 tensors no_decay (wd 0) |" in out
-    assert ("dynamo INDUCTOR per block |" in out) == (config == "cpu_fsdp2.yaml")  # the YAML compiles each Block
+    assert ("dynamo AOT_EAGER per block |" in out) == (config == "cpu_fsdp2.yaml")  # the YAML compiles each Block
     half = checkpoint_dir(straight, HALF)
     result = run(launch_cmd(config, resumed, prepared_books, "--resume", str(half), "--export-hf", "true"))
     # the export's gather (ZeRO: DeepSpeed's zero_to_fp32, which prints its progress) ends in the run's own line
