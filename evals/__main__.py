@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         tasks = parse_tasks(args.tasks)
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
         accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
+        # Every process has joined the process group before any stops on bad input, as training's first collective
+        # ensures: a rank that left while another was still connecting over gloo made that one log a C++ connection
+        # error ("Connection closed by peer") after the error line.
+        accelerator.wait_for_everyone()
         if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":  # before the model is read
             raise EvalError(  # and the table would say fp16 above fp32's scores
                 "fp16 (--mixed-precision or the launch config) does not apply on a CPU: accelerate autocasts to fp16 "
