@@ -25,7 +25,7 @@ from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
-from modeling.runtime import dtype_name, exit_process, finish, report_error, set_up_compute
+from modeling.runtime import dtype_name, exit_process, finish, joined, report_error, set_up_compute
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,11 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         check_json_path(args.json)  # before the eval, not after it
         tasks = parse_tasks(args.tasks)
         quiet_deepspeed()  # accelerate imports it under a DeepSpeed or FSDP launch, where installed
-        accelerator = Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision)
-        # Every process has joined the process group before any stops on bad input, as training's first collective
-        # ensures: a rank that left while another was still connecting over gloo made that one log a C++ connection
-        # error ("Connection closed by peer") after the error line.
-        accelerator.wait_for_everyone()
+        accelerator = joined(Accelerator(cpu=accelerator_needs_cpu(), mixed_precision=args.mixed_precision))
         if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":  # before the model is read
             raise EvalError(  # and the table would say fp16 above fp32's scores
                 "fp16 (--mixed-precision or the launch config) does not apply on a CPU: accelerate autocasts to fp16 "

@@ -1,5 +1,6 @@
-"""What every process that runs the model shares, training and evals alike: its set-up on a CPU, precision names
-and the end of a (possibly multi-process) run: its exit, and its error line, printed once."""
+"""What every process that runs the model shares, training and evals alike: its set-up on a CPU, its joining of the
+process group, precision names and the end of a (possibly multi-process) run: its exit, and its error line, printed
+once."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def set_up_compute(device: torch.device) -> None:
     No-op elsewhere."""
     warm_up_vector_math(device)
     keep_freed_memory(device)
+
+
+def joined(accelerator: Accelerator) -> Accelerator:
+    """`accelerator` once every process has joined its process group (a barrier; nothing with one process), so that
+    none stops on bad input while another is still connecting to it: over gloo that one logged a C++ connection error
+    ("Connection closed by peer") below the error line."""
+    accelerator.wait_for_everyone()
+    return accelerator
 
 
 def dtype_name(mixed_precision: str) -> str:

@@ -29,7 +29,7 @@ from data_prep import DataPrepError
 from data_prep.loader import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
-from modeling.runtime import set_up_compute
+from modeling.runtime import joined, set_up_compute
 from training.compile_cache import check_build_tools, set_up_compile_cache
 from training.config import ConfigError
 
@@ -210,7 +210,7 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         # in-place op on it would skip its backward all-gather. GPT reads block outputs out of place only; FSDP2's
         # per-step losses equal DDP's (tests/e2e/test_sharded.py), which a skipped all-gather would break.
         warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor", UserWarning)
-    accelerator = Accelerator(**kwargs)
+    accelerator = joined(Accelerator(**kwargs))  # before the checks below stop any process
     if accelerator.device.type == "mps" and accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         accelerator.print("note: torch.compile is off on the Apple GPU (inductor's MPS backend is a prototype)")
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
