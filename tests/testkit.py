@@ -334,9 +334,9 @@ def hub_endpoint(status: int = 200, answer: dict | None = None) -> Iterator[tupl
 
 
 # The in-process compiled model tests (tests/modeling: compiled == eager, a recompile served from the cache,
-# activation checkpointing compiled) compile this model on this batch: one graph, so on an empty compile cache the
-# second inductor test is served the first one's C++ kernels (~23 builds, 17-40 s) instead of building its own.
-# 80 x 16 = 1,280 rows: two loss chunks (CHUNK_ROWS 1,024 + a ragged 256); a small head keeps the eager twin cheap.
+# activation checkpointing compiled) compile this model on this batch: the first two one inductor graph, so on an
+# empty compile cache the second is served the first one's C++ kernels (~23 builds, 17-40 s) instead of building its
+# own. 80 x 16 = 1,280 rows: two loss chunks (CHUNK_ROWS 1,024 + a ragged 256); a small head keeps the eager twin cheap.
 COMPILED_TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512)
 
 

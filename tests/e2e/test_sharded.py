@@ -5,9 +5,9 @@ global batches of 1,024 tokens (2 processes × micro-batch 4 × accumulation 2),
 match the DDP run's (cpu_ddp2.yaml). Sharding is checked in the checkpoints, where a silent fallback to DDP would
 show: accelerate writes DDP weights whole.
 FSDP2 runs compiled per block, as its YAML and the GPU's say, so its save/resume is that of a compiled model: with
-dynamo's aot_eager backend (FSDP2_COMPILE), whose graphs and AOTAutograd backward are inductor's up to the kernels,
-without the minute of C++ builds inductor's CPU kernels take on a fresh machine. The kernels under FSDP2 are the
-GPU's Triton ones, which the first-light script's fsdp step (8xh100_fsdp.yaml) runs on a GPU.
+dynamo's aot_eager backend (FSDP2_COMPILE), dynamo's graphs around FSDP2's hooks and AOTAutograd's backward as
+under inductor, over eager kernels, without the minute of C++ builds inductor's CPU kernels take on a fresh machine.
+The kernels under FSDP2 are the GPU's Triton ones, which the first-light script's fsdp step (8xh100_fsdp.yaml) runs.
 Each engine's checkpoints are read back on one process by evals, generate and training.export.
 """
 
