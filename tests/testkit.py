@@ -33,6 +33,7 @@ import yaml
 from safetensors.torch import save_model
 
 from modeling.config import GPTConfig, get_preset
+from training.compile_cache import PREFIX
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -418,3 +419,15 @@ def fill_disk(disk: Path, leave: int = 0) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def copy_isa_probes(base: Path, to: Path) -> None:
+    """Copy inductor's ISA probe programs from the compile cache folder `base` into `to`. Inductor builds them in the
+    folder it compiles in, once per folder (~10 C++ builds, 10-20 s on 2 cores): a process compiling in `to` then
+    builds none. `base`'s ISA subfolders (the kernels), precompiled headers and locks are left out."""
+
+    def others(folder: str, names: list[str]) -> list[str]:
+        skipped = ("precompiled_headers", "locks")
+        return [n for n in names if folder == str(base) and (n.startswith(PREFIX) or n in skipped)]
+
+    shutil.copytree(base, to, ignore=others, dirs_exist_ok=True)

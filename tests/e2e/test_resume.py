@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from testkit import (
     REPO,
+    copy_isa_probes,
     fill_disk,
     hub_endpoint,
     make_train_recipe,
@@ -33,7 +34,6 @@ from testkit import (
     train_cmd,
 )
 from training.checkpoint import checkpoint_damage, list_checkpoints
-from training.compile_cache import PREFIX
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -471,11 +471,7 @@ def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepare
     # the probes built (here: copied from the suite's cache, whose ISA subfolders hold the kernels), the kernels fail
     filler.unlink()
     shutil.rmtree(cache)
-    suite_cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
-    top = str(suite_cache)
-    shutil.copytree(suite_cache, cache, ignore=lambda folder, names: [
-        n for n in names if folder == top and (n.startswith(PREFIX) or n == "precompiled_headers")
-    ])  # fmt: skip
+    copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, cache)
     fill_disk(disk)
     kernels = run(cmd, expect_rc=1, env=env)
     folder = cache / Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this ISA's

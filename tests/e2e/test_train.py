@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import testkit
 from modeling.config import REAL_VOCAB_SIZE
-from testkit import launch, train_cmd
+from testkit import copy_isa_probes, launch, train_cmd
 from training.metrics import read_metrics
 from training.optim import lr_multiplier
 
@@ -47,11 +47,12 @@ def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
         "--sample-prompt", "<|endoftext|>ROMEO:",  # a special token's text in a prompt is text, as in a book
     )  # fmt: skip
     # The run's compile cache: a user's folder holding only this process's ISA subfolder (set by conftest), linked
-    # to the warm one, so its graphs hit (~35 s of C++ builds otherwise) and whatever else it writes stays beside.
+    # to the warm one, so its graphs hit (~35 s of C++ builds otherwise) and whatever else it writes stays beside,
+    # and the ISA probe programs conftest's set-up built beside that subfolder (~10 s of builds otherwise).
     users = run.parent / "inductor"
     isa_folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     isa_folder.mkdir(parents=True, exist_ok=True)  # on a new machine nothing may have compiled yet
-    users.mkdir()
+    copy_isa_probes(isa_folder.parent, users)
     (users / isa_folder.name).symlink_to(isa_folder, target_is_directory=True)
     result = testkit.run(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(users)})
     return run, result.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testkit import run
+from testkit import copy_isa_probes, run
 from training.compile_cache import (
     PREFIX,
     c_compiler,
@@ -161,10 +160,6 @@ def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
     assert compile_probe(scalar, isolate=True)["fxgraph_cache_hit"] == 1
     assert sorted(scalar.rglob("*")) == scalar_files
 
-    # Without the set-up, inductor builds its ISA probe programs in the folder it compiles in (~15 s of C++ builds):
-    # copies of the base folder's, the ISA subfolders and locks left out, spare it that.
-    top = str(tmp_path)
-    not_probes = lambda folder, names: [n for n in names if folder == top and (n.startswith(PREFIX) or n == "locks")]
-    shutil.copytree(tmp_path, scalar, ignore=not_probes, dirs_exist_ok=True)
+    copy_isa_probes(tmp_path, scalar)  # without the set-up, inductor would build its probes in the scalar folder
     served = compile_probe(scalar, isolate=False).get("fxgraph_cache_hit", 0)
     assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
