@@ -18,13 +18,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from accelerate.state import AcceleratorState
+from warm_launch import set_up_by_the_process
 
 from data_prep.prepare import prepare
 from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
-from testkit import NO_DATASETS, TINY_MODEL, new_run, set_up_by_the_process, write_checkpoint
+from testkit import NO_DATASETS, TINY_MODEL, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import set_up_compile_cache
 

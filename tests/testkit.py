@@ -41,6 +41,7 @@ TRAIN_ACCEL = REPO / "train_accel.py"
 # `accelerate launch` run as its module: the same launch_command as the `accelerate` CLI, which first imports every
 # other subcommand (transformers among them: 1.4 s a launch, ~40 launches in the suite). `make train` keeps the CLI.
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+TRAINING_LAUNCH = [sys.executable, "-m", "training.launch"]  # accelerate's launch without its tracebacks
 # Why a test that reads books is skipped where `datasets` is missing: the GPU images the first-light script runs the
 # unit tests on (scripts/gpu_first_light.sh, step cpu) have none; the project's install always has it
 NO_DATASETS = "the books are read through the datasets pipeline, and this environment has no datasets package"
@@ -67,7 +68,7 @@ def through_training_launch(cmd: list[str]) -> list[str]:
     """An `accelerate launch` command (train_cmd's) run by `python -m training.launch`, which takes the same
     arguments: accelerate's launch without its tracebacks, as the README's cluster commands launch."""
     assert cmd[: len(ACCELERATE_LAUNCH)] == ACCELERATE_LAUNCH, cmd
-    return [sys.executable, "-m", "training.launch", *cmd[len(ACCELERATE_LAUNCH) :]]
+    return [*TRAINING_LAUNCH, *cmd[len(ACCELERATE_LAUNCH) :]]
 
 
 def fsdp_yaml(folder: Path, **answers: object) -> Path:
@@ -88,9 +89,11 @@ def run(
     cmd: list[str], expect_rc: int = 0, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
-    `python train_accel.py ...` in this process's environment runs in a warm copy (WarmLaunches)."""
+    `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do the ranks of an `accelerate launch`."""
     result = WARM.run(cmd, env or os.environ, timeout) if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] else None
     if result is None:
+        if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
+            env = WARM.for_ranks(env or os.environ)
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -99,85 +102,86 @@ def run(
 class WarmLaunches:
     """train_accel.py's launches to completion, each in a fork of a server that has done its imports (warm_launch.py):
     the same code, arguments, environment and working folder as `python train_accel.py ...`, its own process, exit
-    status and output, without the ~7 s a fresh interpreter spends importing torch, accelerate and dynamo (~40
-    launches in the suite). The launches that signal or kill a run, set its environment or go through a launcher
-    start fresh interpreters, and so do all launches of the other entry points."""
+    status and output, without the ~3-7 s a fresh interpreter spends importing torch, accelerate and dynamo. The
+    ranks of an `accelerate launch` run to completion likewise: torchrun starts warm_exec.py (PYTHON_EXEC) for each,
+    which asks the server. Launches that signal or kill a run start fresh interpreters, and so do the other entry
+    points and whatever the server finds its imports could tell apart (another environment)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-        self.forked = 0  # launches run by the server
+        self.folder: Path | None = None
 
     def start(self) -> None:
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(os.environ)
-        # the server's own output, shown if it ends; the folder goes when the test process exits
-        self.log_dir = tempfile.TemporaryDirectory(prefix="warm_launch-")
-        self.log = Path(self.log_dir.name) / "warm_launch.log"
-        server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(TRAIN_ACCEL), str(theirs.fileno())]
-        with self.log.open("w") as log:
-            subprocess.Popen(server, cwd=REPO, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                             stderr=log)  # fmt: skip
-        theirs.close()
+        with self.lock:
+            if self.folder is not None:
+                return
+            # the server's own output (one line per request), shown if it ends; the folder goes when the test
+            # process exits
+            self.folder_handle = tempfile.TemporaryDirectory(prefix="warm_launch-")
+            folder = Path(self.folder_handle.name)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(str(folder / "socket"))
+            listener.listen(16)
+            self.control, theirs = socket.socketpair()
+            self.python = folder / "python"  # PYTHON_EXEC for the ranks
+            client = REPO / "tests" / "warm_exec.py"
+            self.python.write_text(f"#!/bin/sh\nexec '{sys.executable}' -S '{client}' \"$@\"\n")
+            self.python.chmod(0o755)
+            self.log = folder / "warm_launch.log"
+            fds = [listener.fileno(), theirs.fileno()]
+            server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(TRAIN_ACCEL), *map(str, fds)]
+            # os.environ, not the C library's environment, which GNU readline's start in pytest gave COLUMNS and LINES
+            env = dict(os.environ)
+            with self.log.open("a") as log:
+                subprocess.Popen(server, cwd=REPO, env=env, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=log)  # fmt: skip
+            listener.close()  # the server's alone: a connection to a server that has ended is refused
+            theirs.close()
+            self.folder = folder
+
+    def forked(self) -> int:
+        """Copies the server has made."""
+        self.start()
+        return sum(line.startswith("forked ") for line in self.log.read_text().splitlines())
+
+    def for_ranks(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of an `accelerate launch` whose ranks are to run warm."""
+        self.start()
+        return {**env, "PYTHON_EXEC": str(self.python), "WARM_LAUNCH_SOCKET": str(self.folder / "socket")}
 
     def run(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-        """The finished launch, or None where it must start fresh: another thread's launch is running, or the
-        server's imports saw another environment."""
-        if not self.lock.acquire(blocking=False):
-            return None
-        try:
-            if self.sock is None:
-                self.start()
-            return self.fork(cmd, env, timeout) if settled(env) == settled(self.env) else None
-        finally:
-            self.lock.release()
-
-    def fork(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
-        request = json.dumps({"args": cmd[2:], "cwd": str(REPO), "env": dict(env)}).encode()
-        with open(os.devnull) as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        """The finished launch, or None where it must start fresh (the server's imports saw another environment)."""
+        self.start()
+        request = json.dumps({"args": cmd[1:], "cwd": str(REPO), "env": dict(env)}).encode()
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock,
+            open(os.devnull) as stdin,
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+        ):
             try:
-                socket.send_fds(self.sock, [request], [stdin.fileno(), out.fileno(), err.fileno()])
+                sock.connect(str(self.folder / "socket"))
+                socket.send_fds(sock, [request], [stdin.fileno(), out.fileno(), err.fileno()])
+                answer = sock.recv(64)
             except OSError:
                 raise self.ended() from None
-            pid = self.answer()
-            self.forked += 1
-            self.sock.settimeout(timeout)
+            if not answer:
+                raise self.ended()
+            if answer == b"fresh":
+                return None
+            pid = int(answer)
+            sock.settimeout(timeout)
             try:
-                returncode = self.answer()
+                status = sock.recv(64)
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
-                self.sock.settimeout(None)
-                self.answer()  # the killed copy's status, so that the next launch reads its own
                 raise subprocess.TimeoutExpired(cmd, timeout) from None
-            self.sock.settimeout(None)
-            return subprocess.CompletedProcess(cmd, returncode, as_text(out), as_text(err))
-
-    def answer(self) -> int:
-        message = self.sock.recv(64)
-        if not message:
-            raise self.ended()
-        return int(message)
+            if not status:
+                raise self.ended()
+            return subprocess.CompletedProcess(cmd, int(status), as_text(out), as_text(err))
 
     def ended(self) -> RuntimeError:
         return RuntimeError(f"the warm launch server ended:\n{self.log.read_text()[-5000:]}")
-
-
-# Variables a process sets for itself once, not a test: pytest's own (the phase it is in, the test running),
-# DS_ACCELERATOR (set by modeling.device.quiet_deepspeed before DeepSpeed loads) and PYTORCH_NVML_BASED_CUDA_CHECK
-# (DeepSpeed's import sets it); so are a library's private ones (inductor's _TORCHINDUCTOR_*, for its compile workers,
-# set by the first compile). conftest's environment_kept lets them change; a warm launch's server need not have seen
-# them, since its imports read none of them and each copy takes its request's whole environment.
-PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
-
-
-def set_up_by_the_process(name: str) -> bool:
-    return name in PROCESS_SET_UP or name.startswith("_")
-
-
-def settled(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment but the variables set_up_by_the_process: a worker's first in-process compile (or DeepSpeed
-    import) after the server started sent every later launch of that worker to a fresh interpreter."""
-    return {k: v for k, v in env.items() if not set_up_by_the_process(k)}
 
 
 def as_text(output: IO[bytes]) -> str:

@@ -1,11 +1,16 @@
-"""`python warm_launch.py SCRIPT FD`: import what SCRIPT imports, then fork a copy of this process to run SCRIPT as
-`python SCRIPT ARGS` would, once per request; testkit.run's launches of train_accel.py without its ~7 s of imports.
+"""`python warm_launch.py SCRIPT LISTENER_FD CONTROL_FD`: import what SCRIPT imports, then fork a copy of this process
+to run SCRIPT as `python [-u] SCRIPT ARGS` would, once per request: testkit.run's launches of train_accel.py, and the
+ranks `accelerate launch` starts (torchrun runs its PYTHON_EXEC, warm_exec.py, which asks here), without the ~3-7 s a
+fresh interpreter spends importing torch, accelerate and dynamo.
 
 Each copy starts from the same state, the imports done and nothing run, so a launch sees what a fresh process sees
-by the time its script's first line after the imports runs. Requests come over the socket FD (a SOCK_SEQPACKET
-pair with the test process): a JSON {"args", "cwd", "env"} with the copy's stdin, stdout and stderr as
-passed fds; each is answered with the copy's pid, then its exit status as subprocess gives it (-N: killed by
-signal N). The server ends when the test process closes its end.
+by the time its script's first line after the imports runs. A request is a connection to the listening socket
+(AF_UNIX, SOCK_SEQPACKET): a JSON {"args", "cwd", "env"} (args: the interpreter's, flags first) with the copy's
+stdin, stdout and stderr as passed fds. One the imports could tell apart (another script, a flag other than -u, an
+environment that differs in a variable a launcher does not set) is answered "fresh": its client starts a fresh
+interpreter. Otherwise a keeper process forks the copy, answers its pid, passes on each signal number the client
+sends, kills the copy when the client goes away (killed, as torchrun's own death would leave it), and answers the
+copy's exit status as subprocess gives it (-N: killed by signal N). The server ends when testkit closes CONTROL_FD.
 """
 
 from __future__ import annotations
@@ -13,16 +18,46 @@ from __future__ import annotations
 import ast
 import gc
 import importlib
+import io
 import json
 import os
 import runpy
+import select
+import signal
 import socket
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 # Imported by the script on its way rather than at its top: the optimizer's first parameter group imports dynamo
 # (2.7 s), the end of a run plots loss.png.
 LATER_IMPORTS = ("torch._dynamo", "matplotlib.pyplot")
+# Variables a process sets for itself once, not a test: pytest's own (the phase it is in, the test running),
+# DS_ACCELERATOR (set by modeling.device.quiet_deepspeed before DeepSpeed loads) and PYTORCH_NVML_BASED_CUDA_CHECK
+# (DeepSpeed's import sets it); so are a library's private ones (inductor's _TORCHINDUCTOR_*, for its compile workers,
+# set by the first compile). conftest's environment_kept lets them change; the server need not have seen them, since
+# its imports read none of them and each copy takes its request's whole environment.
+PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+# What `accelerate launch` and torchrun give each rank, read when the run sets up, not by the imports; and the two
+# that route ranks here.
+LAUNCHER_SET = {
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK",
+    "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC",
+    "WARM_LAUNCH_SOCKET",
+}  # fmt: skip
+# torchrun's OMP_NUM_THREADS=1 for 2+ ranks where it is unset (a pytest run without workers): read when OpenMP loads,
+# with the imports, but a copy sets it as it would have been (torch.set_num_threads: OpenMP's and MKL's)
+THREADS = "OMP_NUM_THREADS"
+BEFORE_THE_IMPORTS = dict(os.environ)  # what the server's imports saw
+LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
+
+
+def set_up_by_the_process(name: str) -> bool:
+    return name in PROCESS_SET_UP or name.startswith("_")
+
+
+def unread_by_the_imports(name: str) -> bool:
+    return set_up_by_the_process(name) or name in LAUNCHER_SET or name.startswith(LAUNCHER_PREFIXES)
 
 
 def import_what_it_imports(script: Path) -> None:
@@ -36,37 +71,103 @@ def import_what_it_imports(script: Path) -> None:
         importlib.import_module(name)
 
 
-def serve(sock: socket.socket) -> dict:
-    """Answer requests until the socket closes (then exit); returns a request in the copy made for it, its stdio
+def why_fresh(script: Path, request: dict) -> str:
+    """What a fresh interpreter would see differently from a copy of this one ('' if nothing)."""
+    args = request["args"]
+    first = 1 if args[:1] == ["-u"] else 0  # the script's place
+    if len(args) == first or args[first].startswith("-"):
+        return f"interpreter arguments {args[:3]}"
+    if (Path(request["cwd"]) / args[first]).resolve() != script:
+        return f"another script, {args[first]}"
+    env, before = request["env"], BEFORE_THE_IMPORTS
+    changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
+    changed = [k for k in changed if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit())]
+    return ", ".join(f"{k}: {before.get(k)!r} -> {env.get(k)!r}" for k in changed)
+
+
+def serve(script: Path, listener: socket.socket, control: socket.socket) -> dict:
+    """Answer requests until CONTROL closes (then exit); returns a request in the copy made for it, its stdio
     already on the request's files."""
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
-        if not message:
+        ready, _, _ = select.select([listener, control], [], [])
+        with suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # keepers that are done
+                pass
+        if control in ready:
             sys.exit(0)
+        conn, _ = listener.accept()
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            for target, fd in enumerate(fds):
-                os.dup2(fd, target)
-                os.close(fd)
-            return json.loads(message)
-        for fd in fds:
+        if os.fork() == 0:
+            listener.close()
+            control.close()
+            return keep(script, conn)
+        conn.close()
+
+
+def keep(script: Path, conn: socket.socket) -> dict:
+    """The keeper of one request: returns it in the copy; itself exits when the copy has."""
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    request = json.loads(message)
+    reason = why_fresh(script, request)
+    if reason:
+        print(f"fresh: {reason}", flush=True)
+        conn.send(b"fresh")
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
             os.close(fd)
-        sock.send(str(pid).encode())
-        _, status = os.waitpid(pid, 0)
-        sock.send(str(os.waitstatus_to_exitcode(status)).encode())
+        return request
+    for fd in fds:
+        os.close(fd)
+    print(f"forked {pid}: {' '.join(request['args'])[:200]}", flush=True)
+    conn.send(str(pid).encode())
+    copy = os.pidfd_open(pid)
+    while True:
+        ready, _, _ = select.select([conn, copy], [], [])
+        if copy in ready:
+            _, status = os.waitpid(pid, 0)
+            with suppress(OSError):  # the client may have gone first
+                conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+            os._exit(0)
+        message = conn.recv(64)
+        os.kill(pid, int(message) if message else signal.SIGKILL)
+        if not message:
+            select.select([copy], [], [])
+
+
+def as_python_u() -> None:
+    """stdout and stderr as `python -u` makes them: write-through text over unbuffered files."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        new = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
+                               write_through=True)  # fmt: skip
+        setattr(sys, name, new)
+        setattr(sys, f"__{name}__", new)
 
 
 if __name__ == "__main__":
     script = Path(sys.argv[1]).resolve()
     sys.path[0] = str(script.parent)  # as `python SCRIPT` has it, not this file's folder
     import_what_it_imports(script)
+    # what the imports set (dynamo's import sets TORCHINDUCTOR_CACHE_DIR where it is unset), as a fresh process's would
+    set_by_the_imports = {k: v for k, v in os.environ.items() if k not in BEFORE_THE_IMPORTS}
     gc.freeze()  # the imports' objects are never collected: a copy's collections (its exit's too) skip them, 1.5 s
-    request = serve(socket.socket(fileno=int(sys.argv[2])))
+    listener = socket.socket(fileno=int(sys.argv[2]))
+    request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])))
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = [str(script), *request["args"]]
+    os.environ.update({**set_by_the_imports, **request["env"]})
+    if THREADS in os.environ and os.environ[THREADS] != BEFORE_THE_IMPORTS.get(THREADS):
+        import torch
+
+        torch.set_num_threads(int(os.environ[THREADS]))
+    args = request["args"]
+    if args[0] == "-u":
+        as_python_u()
+        args = args[1:]
+    sys.argv = args
     runpy.run_path(str(script), run_name="__main__")

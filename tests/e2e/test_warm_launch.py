@@ -1,5 +1,6 @@
-"""testkit.run's warm launches of train_accel.py (tests/warm_launch.py) stand in for fresh interpreters in ~40 tests:
-the same command gives the same run, bit for bit, the same output and the same exit status either way."""
+"""testkit.run's warm launches of train_accel.py (tests/warm_launch.py) stand in for fresh interpreters in ~40 tests,
+and for the ranks of ~25 `accelerate launch`es (tests/warm_exec.py, torchrun's PYTHON_EXEC): the same command gives
+the same run, bit for bit, the same output and the same exit status either way."""
 
 import subprocess
 
@@ -19,9 +20,9 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
     args = ["--max-steps", "3", "--micro-batch-size", "4", "--total-batch-tokens", "512", "--log-interval", "1",
             "--eval-interval", "3", "--eval-windows", "4", "--checkpoint-interval", "3"]  # fmt: skip
     cold = fresh(train_cmd(None, tmp_path / "fresh", prepared_books, *args))
-    forked = WARM.forked
+    forked = WARM.forked()
     warm = run(train_cmd(None, tmp_path / "warm", prepared_books, *args))
-    assert WARM.forked == forked + 1  # it went through the server
+    assert WARM.forked() == forked + 1, WARM.log.read_text()  # it went through the server
     assert cold.returncode == 0, cold.stderr[-3000:]
     runs = [read_metrics(tmp_path / name / "metrics.jsonl") for name in ("fresh", "warm")]
     losses = [[(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows if "step" in r] for rows in runs]
@@ -38,5 +39,29 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
     bad = ["--block-size", "128"]
     cold = fresh(train_cmd(None, tmp_path / "bad-fresh", prepared_books, *bad))
     warm = run(train_cmd(None, tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
-    assert WARM.forked == forked + 2
+    assert WARM.forked() == forked + 2
     assert (cold.returncode, cold.stdout, cold.stderr) == (1, warm.stdout, warm.stderr), (cold.stderr, warm.stderr)
+
+
+def test_the_ranks_of_a_two_process_launch_run_warm_as_fresh_ones(prepared_books, tmp_path):
+    args = ["--max-steps", "2", "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--log-interval", "1",
+            "--eval-interval", "2", "--eval-windows", "4", "--checkpoint-interval", "2"]  # fmt: skip
+    cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "fresh", prepared_books, *args))
+    forked = WARM.forked()
+    warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "warm", prepared_books, *args))
+    assert WARM.forked() == forked + 2, WARM.log.read_text()  # both ranks went through the server
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    runs = [read_metrics(tmp_path / name / "metrics.jsonl") for name in ("fresh", "warm")]
+    losses = [[(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows if "step" in r] for rows in runs]
+    assert losses[0] == losses[1] and len(losses[0]) >= 3, losses
+    out = [p.stdout.replace(str(tmp_path / name), "RUN") for p, name in ((cold, "fresh"), (warm, "warm"))]
+    assert out[0].splitlines()[-1] == out[1].splitlines()[-1] == "run folder: RUN (checkpoints: 1, loss.png)", out
+
+    # ranks that stop with an error: the same lines (each rank's, in torchrun's summary too) and exit status
+    bad = ["--block-size", "128"]
+    cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-fresh", prepared_books, *bad))
+    warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
+    assert WARM.forked() == forked + 4
+    assert cold.returncode == 1, cold.stderr[-3000:]
+    ours = [[line for line in p.stderr.splitlines() if "error: " in line] for p in (cold, warm)]  # torchrun's too
+    assert ours[0] == ours[1] and len(ours[0]) == 3, ours
