@@ -90,10 +90,11 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
     `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do the ranks of an `accelerate launch`."""
-    result = WARM.run(cmd, env or os.environ, timeout) if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] else None
+    if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
+        env = WARM.for_ranks(env or os.environ)
+    warm = cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] or cmd[:3] == ACCELERATE_LAUNCH
+    result = WARM.run(cmd, env or os.environ, timeout) if warm else None
     if result is None:
-        if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
-            env = WARM.for_ranks(env or os.environ)
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -102,10 +103,11 @@ def run(
 class WarmLaunches:
     """train_accel.py's launches to completion, each in a fork of a server that has done its imports (warm_launch.py):
     the same code, arguments, environment and working folder as `python train_accel.py ...`, its own process, exit
-    status and output, without the ~3-7 s a fresh interpreter spends importing torch, accelerate and dynamo. The
-    ranks of an `accelerate launch` run to completion likewise: torchrun starts warm_exec.py (PYTHON_EXEC) for each,
-    which asks the server. Launches that signal or kill a run start fresh interpreters, and so do the other entry
-    points and whatever the server finds its imports could tell apart (another environment)."""
+    status and output, without the ~3-7 s a fresh interpreter spends importing torch, accelerate and dynamo. An
+    `accelerate launch` run to completion likewise, and the runs it starts: torchrun's ranks and its one-process
+    launcher's run start warm_exec.py (PYTHON_EXEC), which asks the server. Launches that signal or kill a run start
+    fresh interpreters, and so do the other entry points (python -m training.launch's ranks run warm) and whatever
+    the server finds its imports could tell apart (another environment)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -1,14 +1,15 @@
 """`python warm_launch.py SCRIPT LISTENER_FD CONTROL_FD`: import what SCRIPT imports, then fork a copy of this process
-to run SCRIPT as `python [-u] SCRIPT ARGS` would, once per request: testkit.run's launches of train_accel.py, and the
-ranks `accelerate launch` starts (torchrun runs its PYTHON_EXEC, warm_exec.py, which asks here), without the ~3-7 s a
-fresh interpreter spends importing torch, accelerate and dynamo.
+to run SCRIPT as `python [-u] SCRIPT ARGS` would, once per request: testkit.run's launches of train_accel.py and of
+`accelerate launch` (as `python -m accelerate.commands.launch`), and the runs that launcher starts (torchrun's ranks
+and its one-process launcher's run start warm_exec.py, which asks here), without the ~2-7 s a fresh interpreter spends
+importing torch, accelerate and dynamo.
 
 Each copy starts from the same state, the imports done and nothing run, so a launch sees what a fresh process sees
 by the time its script's first line after the imports runs. A request is a connection to the listening socket
 (AF_UNIX, SOCK_SEQPACKET): a JSON {"args", "cwd", "env"} (args: the interpreter's, flags first) with the copy's
-stdin, stdout and stderr as passed fds. One the imports could tell apart (another script, a flag other than -u, an
-environment that differs in a variable a launcher does not set) is answered "fresh": its client starts a fresh
-interpreter. Otherwise a keeper process forks the copy, answers its pid, passes on each signal number the client
+stdin, stdout and stderr as passed fds. One the imports could tell apart (another script or module, a flag other
+than -u, an environment that differs in a variable a launcher does not set) is answered "fresh": its client starts
+a fresh interpreter. Otherwise a keeper process forks the copy, answers its pid, passes on each signal number the client
 sends, kills the copy when the client goes away (killed, as torchrun's own death would leave it), and answers the
 copy's exit status as subprocess gives it (-N: killed by signal N). The server ends when testkit closes CONTROL_FD.
 """
@@ -49,6 +50,9 @@ LAUNCHER_SET = {
 # with the imports, but a copy sets it as it would have been (torch.set_num_threads: OpenMP's and MKL's)
 THREADS = "OMP_NUM_THREADS"
 BEFORE_THE_IMPORTS = dict(os.environ)  # what the server's imports saw
+# The launcher testkit.run starts, run as `python -m MODULE` (not training.launch: it quiets libtorch's C++ logs before
+# torch loads, which a copy cannot)
+MODULES = ("accelerate.commands.launch",)
 LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
 
 
@@ -57,7 +61,15 @@ def set_up_by_the_process(name: str) -> bool:
 
 
 def unread_by_the_imports(name: str) -> bool:
-    return set_up_by_the_process(name) or name in LAUNCHER_SET or name.startswith(LAUNCHER_PREFIXES)
+    return set_up_by_the_process(name) or name in LAUNCHER_SET or name.startswith(LAUNCHER_PREFIXES) or intel_omp(name)
+
+
+def intel_omp(name: str) -> bool:
+    """accelerate's one-process CPU launcher sets Intel OpenMP's KMP_AFFINITY and KMP_BLOCKTIME, which a torch on GNU
+    OpenMP (the pip wheels': libgomp, MKL linked to it) never reads."""
+    import torch
+
+    return name.startswith("KMP_") and not any((Path(torch.__file__).parent / "lib").glob("libiomp*"))
 
 
 def import_what_it_imports(script: Path) -> None:
@@ -74,11 +86,14 @@ def import_what_it_imports(script: Path) -> None:
 def why_fresh(script: Path, request: dict) -> str:
     """What a fresh interpreter would see differently from a copy of this one ('' if nothing)."""
     args = request["args"]
-    first = 1 if args[:1] == ["-u"] else 0  # the script's place
-    if len(args) == first or args[first].startswith("-"):
+    run = args[1:] if args[:1] == ["-u"] else args  # the script or module, its arguments
+    if run[:1] == ["-m"]:
+        if len(run) < 2 or run[1] not in MODULES:
+            return f"another module, {run[1:2]}"
+    elif not run or run[0].startswith("-"):
         return f"interpreter arguments {args[:3]}"
-    if (Path(request["cwd"]) / args[first]).resolve() != script:
-        return f"another script, {args[first]}"
+    elif (Path(request["cwd"]) / run[0]).resolve() != script:
+        return f"another script, {run[0]}"
     env, before = request["env"], BEFORE_THE_IMPORTS
     changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
     changed = [k for k in changed if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit())]
@@ -169,5 +184,11 @@ if __name__ == "__main__":
     if args[0] == "-u":
         as_python_u()
         args = args[1:]
-    sys.argv = args
-    runpy.run_path(str(script), run_name="__main__")
+    if args[0] == "-m":
+        # accelerate's one-process launcher starts its run as `sys.executable SCRIPT`: through warm_exec.py too
+        sys.executable = os.environ.get("PYTHON_EXEC", sys.executable)
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(str(script), run_name="__main__")

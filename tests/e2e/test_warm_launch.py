@@ -3,6 +3,7 @@ and for the ranks of ~25 `accelerate launch`es (tests/warm_exec.py, torchrun's P
 the same run, bit for bit, the same output and the same exit status either way."""
 
 import subprocess
+import sys
 
 import pytest
 
@@ -43,13 +44,13 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
     assert (cold.returncode, cold.stdout, cold.stderr) == (1, warm.stdout, warm.stderr), (cold.stderr, warm.stderr)
 
 
-def test_the_ranks_of_a_two_process_launch_run_warm_as_fresh_ones(prepared_books, tmp_path):
+def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prepared_books, tmp_path):
     args = ["--max-steps", "2", "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--log-interval", "1",
             "--eval-interval", "2", "--eval-windows", "4", "--checkpoint-interval", "2"]  # fmt: skip
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "fresh", prepared_books, *args))
     forked = WARM.forked()
     warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "warm", prepared_books, *args))
-    assert WARM.forked() == forked + 2, WARM.log.read_text()  # both ranks went through the server
+    assert WARM.forked() == forked + 3, WARM.log.read_text()  # the launcher and both ranks went through the server
     assert cold.returncode == 0, cold.stderr[-3000:]
     runs = [read_metrics(tmp_path / name / "metrics.jsonl") for name in ("fresh", "warm")]
     losses = [[(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows if "step" in r] for rows in runs]
@@ -61,7 +62,20 @@ def test_the_ranks_of_a_two_process_launch_run_warm_as_fresh_ones(prepared_books
     bad = ["--block-size", "128"]
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-fresh", prepared_books, *bad))
     warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
-    assert WARM.forked() == forked + 4
+    assert WARM.forked() == forked + 6
     assert cold.returncode == 1, cold.stderr[-3000:]
-    ours = [[line for line in p.stderr.splitlines() if "error: " in line] for p in (cold, warm)]  # torchrun's too
+    ours = [[line for line in p.stderr.splitlines() if "error: " in line] for p in (cold, warm)]
     assert ours[0] == ours[1] and len(ours[0]) == 3, ours
+
+    # accelerate's one-process launcher: its run too
+    cold = fresh(train_cmd("cpu_eager.yaml", tmp_path / "one-fresh", prepared_books, *bad))
+    warm = run(train_cmd("cpu_eager.yaml", tmp_path / "one-warm", prepared_books, *bad), expect_rc=1)
+    assert WARM.forked() == forked + 8, WARM.log.read_text()
+    assert cold.returncode == 1, cold.stderr[-3000:]
+    # the launcher's traceback's frames (indented lines) start in warm_launch.py; its CalledProcessError names the
+    # command it ran, the warm client here
+    said = [
+        [line for line in (p.stdout + p.stderr).replace(str(tmp_path / name), "RUN").splitlines() if line[:1] != " "]
+        for p, name in ((cold, "one-fresh"), (warm, "one-warm"))
+    ]
+    assert said[0] == [line.replace(str(WARM.python), sys.executable) for line in said[1]], said
