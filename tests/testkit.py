@@ -89,7 +89,7 @@ def run(
     cmd: list[str], expect_rc: int = 0, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
-    `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do the ranks of an `accelerate launch`."""
+    `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do an `accelerate launch` and its ranks."""
     if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
         env = WARM.for_ranks(env or os.environ)
     warm = cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] or cmd[:3] == ACCELERATE_LAUNCH
