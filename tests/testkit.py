@@ -33,7 +33,6 @@ import yaml
 from safetensors.torch import save_model
 
 from modeling.config import GPTConfig, get_preset
-from training.compile_cache import PREFIX
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -427,13 +426,17 @@ def fill_disk(disk: Path, leave: int = 0) -> Path:
     return filler
 
 
+# in the name of each of inductor's ISA probe functions (torch._inductor.cpu_vec_isa: "__avx512_chk_kernel", ...)
+PROBE_MARK = "_chk_kernel"
+
+
 def copy_isa_probes(base: Path, to: Path) -> None:
     """Copy inductor's ISA probe programs from the compile cache folder `base` into `to`. Inductor builds them in the
     folder it compiles in, once per folder (~10 C++ builds, 10-20 s on 2 cores): a process compiling in `to` then
-    builds none. `base`'s ISA subfolders (the kernels), precompiled headers and locks are left out."""
-
-    def others(folder: str, names: list[str]) -> list[str]:
-        skipped = ("precompiled_headers", "locks")
-        return [n for n in names if folder == str(base) and (n.startswith(PREFIX) or n in skipped)]
-
-    shutil.copytree(base, to, ignore=others, dirs_exist_ok=True)
+    builds none. Only they are copied (each `*_chk_kernel` source and the library built from it): `base` is the
+    user's torch.compile cache, which may hold anything else they compiled, besides this project's ISA subfolders."""
+    for source in base.glob("*/*.cpp"):
+        if PROBE_MARK in source.read_text(errors="replace"):
+            (to / source.parent.name).mkdir(parents=True, exist_ok=True)
+            for built in source.parent.glob(f"{source.stem}.*"):
+                shutil.copy2(built, to / source.parent.name / built.name)
