@@ -435,6 +435,7 @@ def copy_isa_probes(base: Path, to: Path) -> None:
     folder it compiles in, once per folder (~10 C++ builds, 10-20 s on 2 cores): a process compiling in `to` then
     builds none. Only they are copied (each `*_chk_kernel` source and the library built from it): `base` is the
     user's torch.compile cache, which may hold anything else they compiled, besides this project's ISA subfolders."""
+    to.mkdir(parents=True, exist_ok=True)  # made even where `base` has no probes (one that never compiled)
     for source in base.glob("*/*.cpp"):
         if PROBE_MARK in source.read_text(errors="replace"):
             (to / source.parent.name).mkdir(parents=True, exist_ok=True)
