@@ -31,6 +31,7 @@ from typing import IO
 import torch
 import yaml
 from safetensors.torch import save_model
+from warm_exec import ask
 
 from modeling.config import GPTConfig, get_preset
 from training.config import TrainConfig, config_to_yaml
@@ -153,19 +154,14 @@ class WarmLaunches:
     def run(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess | None:
         """The finished launch, or None where it must start fresh (the server's imports saw another environment)."""
         self.start()
-        request = json.dumps({"args": cmd[1:], "cwd": str(REPO), "env": dict(env)}).encode()
         with (
             socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock,
             open(os.devnull) as stdin,
             tempfile.TemporaryFile() as out,
             tempfile.TemporaryFile() as err,
         ):
-            try:
-                sock.connect(str(self.folder / "socket"))
-                socket.send_fds(sock, [request], [stdin.fileno(), out.fileno(), err.fileno()])
-                answer = sock.recv(64)
-            except OSError:
-                raise self.ended() from None
+            stdio = [stdin.fileno(), out.fileno(), err.fileno()]
+            answer = ask(sock, str(self.folder / "socket"), cmd[1:], str(REPO), env, stdio)
             if not answer:
                 raise self.ended()
             if answer == b"fresh":

@@ -12,9 +12,22 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ask(sock: socket.socket, path: str, args: list[str], cwd: str, env: Mapping[str, str], stdio: list[int]) -> bytes:
+    """Send one request to the server listening at `path` over `sock` (AF_UNIX, SOCK_SEQPACKET): the interpreter's
+    `args`, `cwd` and `env`, and the copy's stdin, stdout and stderr. Its first answer: b"fresh", the copy's pid, or
+    b"" where the server is gone. Its next (the copy's exit status) comes over `sock` too."""
+    try:
+        sock.connect(path)
+        socket.send_fds(sock, [json.dumps({"args": args, "cwd": cwd, "env": dict(env)}).encode()], stdio)
+        return sock.recv(64)
+    except OSError:
+        return b""
 
 
 def main() -> None:
@@ -24,13 +37,7 @@ def main() -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, lambda signum, frame: pending.append(signum))
-    try:
-        sock.connect(os.environ["WARM_LAUNCH_SOCKET"])
-        request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
-        socket.send_fds(sock, [request], [0, 1, 2])
-        answer = sock.recv(64)
-    except OSError:
-        answer = b""
+    answer = ask(sock, os.environ["WARM_LAUNCH_SOCKET"], args, os.getcwd(), os.environ, [0, 1, 2])
     if answer in (b"", b"fresh"):
         for signum in FORWARDED:
             signal.signal(signum, signal.SIG_DFL)
