@@ -1,6 +1,6 @@
-"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed) and a machine they cannot compile on:
-one `error:` line (in the benchmark's own flags), before anything is built, prepared or timed; a disk that fills up
-by the report: one line below the results."""
+"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed, bench.attention_speed) and a machine
+they cannot compile on: one `error:` line (in the benchmark's own flags), before anything is built, prepared or timed;
+a disk that fills up by the report: one line below the results."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from bench.attention_speed import main as attention_speed_main
 from bench.ladder import main as ladder_main
 from bench.loss_speed import main as loss_speed_main
 from bench.profile import main as profile_main
 from testkit import REPO, fill_disk
 
-CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}
+CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}  # those with data
+ALL_CLIS = {**CLIS, "loss_speed": loss_speed_main, "attention_speed": attention_speed_main}
 
 
-@pytest.mark.parametrize("cli", [*CLIS, "loss_speed"])
+@pytest.mark.parametrize("cli", ALL_CLIS)
 def test_a_preset_typo_is_one_error_with_the_closest_preset(cli: str):
     with pytest.raises(SystemExit) as exc:
-        {**CLIS, "loss_speed": loss_speed_main}[cli](["--preset", "smal-cpu"])
+        ALL_CLIS[cli](["--preset", "smal-cpu"])
     assert str(exc.value.code).startswith("error: Unknown model preset 'smal-cpu'. Did you mean 'small-cpu'? Valid")
 
 
@@ -90,7 +92,7 @@ def test_a_ladder_launch_yaml_it_cannot_run_is_one_error_before_anything_is_made
     assert list(tmp_path.iterdir()) == []  # no corpus prepared, no report folder
 
 
-@pytest.mark.parametrize("cli", ["profile", "loss_speed"])
+@pytest.mark.parametrize("cli", ["profile", "loss_speed", "attention_speed"])
 def test_without_a_cpp_compiler_a_compiling_benchmark_is_one_error_before_the_measuring(
     prepared_books: Path, tmp_path: Path, monkeypatch, cli: str
 ):
@@ -100,23 +102,22 @@ def test_without_a_cpp_compiler_a_compiling_benchmark_is_one_error_before_the_me
     args = ["--preset", "tiny-cpu"]
     args += ["--data-dir", str(prepared_books)] if cli == "profile" else ["--out", str(tmp_path / "report")]
     with pytest.raises(SystemExit) as exc:
-        {"profile": profile_main, "loss_speed": loss_speed_main}[cli](args)
+        ALL_CLIS[cli](args)
     assert str(exc.value.code).startswith(
         "error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ compiler "
         "(/nowhere/g++): install one"
     ) and str(exc.value.code).endswith("; this benchmark compiles with it")
 
 
-@pytest.mark.parametrize("cli", ["ladder", "loss_speed"])
+@pytest.mark.parametrize("cli", ["ladder", "loss_speed", "attention_speed"])
 def test_an_out_that_cannot_be_written_is_one_error_before_the_measuring(prepared_books: Path, tmpfs, cli: str):
-    """bench.ladder and bench.loss_speed write their report at the end: a read-only --out stops them at the start."""
+    """The benchmarks write their report at the end: a read-only --out stops them at the start."""
     disk = tmpfs("1m")
     (disk / "report").mkdir()
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    main = {"ladder": ladder_main, "loss_speed": loss_speed_main}[cli]
     data = ["--data-dir", str(prepared_books)] if cli == "ladder" else []
     with pytest.raises(SystemExit) as exc:
-        main(["--preset", "tiny-cpu", *data, "--out", str(disk / "report")])
+        ALL_CLIS[cli](["--preset", "tiny-cpu", *data, "--out", str(disk / "report")])
     assert exc.value.code == f"error: --out {disk / 'report'}: not writable by this user; give a folder for the report"
 
 
