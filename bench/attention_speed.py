@@ -3,14 +3,21 @@ modeling.cpu_attention's whole batched matmuls, one layer's forward + backward a
 
     python -m bench.attention_speed [--preset small-cpu] [--micro-batch-size 8] [--precision bf16]
         [--seq-lens 256 512 1024] [--threads N] [--rounds 3] [--steps 15] [--out DIR]
+        [--step-rounds 3 [--step-steps 10] [--optimizer muon] [--dynamo-backend eager] [--data-dir data/default]]
 
 q, k and v are laid out as the model makes them (heads split from one (B, T, 3C) projection, in the run's dtype) and
 the output goes back to (B, T, C), as in modeling.gpt. Each round times every form in turn (the same process, so a
 noisy machine slows them alike): the median of --steps calls after a warm-up; a row's figures are the medians over the
 rounds, its ratio to flash the range over the rounds. The errors are relative (Frobenius) against flash in fp64 on the
 same rounded inputs, for the output and for the projection's gradient. "model takes" says which form modeling.gpt
-picks at that length in training (modeling.cpu_attention.takes). Writes attention_speed.json, .md and .png (the
-forward and backward times as bars) to --out; the Markdown table is printed last.
+picks at that length in training (modeling.cpu_attention.takes).
+
+A layer alone is not the step: with --step-rounds, rung 11's whole training step (bench.profile.build_step: the
+model, optimizer and precision of cpu_bf16.yaml or cpu.yaml, at the preset's block_size, on real batches) is timed
+with each form, each in a process of its own in turn (flash forced by modeling.cpu_attention.MAX_T = 0, a constant
+torch.compile guards on), the median of --step-steps steps after --warmup, with each form's first loss (the same
+model and batch: they agree to the precision's rounding). Writes attention_speed.json, .md and .png (the layer's
+forward and backward times as bars) to --out; the Markdown tables are printed last.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,12 +38,15 @@ from torch import Tensor
 
 from bench.loss_numerics import relative_errors
 from bench.measure import check_can_compile, checked_inputs
+from bench.profile import YAML, build_step
 from bench.report import report_folder, save_report
+from bench.rungs import REPO, TRAIN, dynamo_backend, launch_config
 from evals.plot import png_bytes
 from modeling import cpu_attention
 from modeling.device import cpu_model
 from modeling.runtime import set_up_compute
 from training.compile_cache import set_up_compile_cache
+from training.config import OPTIMIZERS
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 FORMS: dict[str, Attention] = {
@@ -119,6 +131,60 @@ def measure_length(T: int, args: argparse.Namespace, n_head: int, n_embd: int) -
     return rows
 
 
+def step_of(form: str, args: argparse.Namespace) -> dict:
+    """Rung 11's step with the model's attention in `form`, in this process: the median ms of --step-steps steps
+    after --warmup, and the first step's loss."""
+    if form == "flash":
+        cpu_attention.MAX_T = 0  # before the model is compiled: takes() then leaves every length to flash
+    torch.manual_seed(TRAIN.seed)  # the same initial weights in both forms' processes
+    step, _ = build_step(
+        args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer, args.dynamo_backend
+    )
+    first_loss = step().item()
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.step_steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"form": form, "step_ms": statistics.median(times) * 1e3, "first_loss": first_loss}
+
+
+def measure_steps(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """--step-rounds rounds of the step with each form, each in a child process (this command with --step-of)."""
+    rounds = []
+    for _ in range(args.step_rounds):
+        steps = {}
+        for form in FORMS:
+            child = subprocess.run(
+                [sys.executable, "-m", "bench.attention_speed", *argv, "--step-of", form],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            if child.returncode != 0:
+                sys.exit(f"error: the step with {form} attention failed (exit status {child.returncode}); its output "
+                         "is above")  # fmt: skip
+            steps[form] = json.loads(child.stdout.splitlines()[-1])
+        whole, flash = steps["whole matmuls"], steps["flash"]
+        rounds.append({"whole_ms": whole["step_ms"], "flash_ms": flash["step_ms"],
+                       "ratio": whole["step_ms"] / flash["step_ms"], "whole_first_loss": whole["first_loss"],
+                       "flash_first_loss": flash["first_loss"]})  # fmt: skip
+        print(f"step: whole matmuls {whole['step_ms']:.1f} ms, flash {flash['step_ms']:.1f} ms (first loss "
+              f"{whole['first_loss']:.5f} / {flash['first_loss']:.5f})", flush=True)  # fmt: skip
+    return rounds
+
+
+def step_markdown(rounds: list[dict]) -> str:
+    lines = ["| step round | whole matmuls ms | flash ms | whole / flash | first loss, whole / flash |",
+             "|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += [
+        f"| {i} | {r['whole_ms']:.1f} | {r['flash_ms']:.1f} | {r['ratio']:.3f} | "
+        f"{r['whole_first_loss']:.5f} / {r['flash_first_loss']:.5f} |"
+        for i, r in enumerate(rounds, 1)
+    ]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| T | form | mode | forward ms | backward ms | total ms | × flash | out error | dqkv error | model takes |",
@@ -169,20 +235,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of a form before each round's timed ones")
     p.add_argument("--steps", type=int, default=15, help="timed calls of a form per round; the median is kept")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
+    p.add_argument("--step-rounds", type=int, default=0, help="rounds of rung 11's step with each form (0: none)")
+    p.add_argument("--step-steps", type=int, default=10, help="timed steps per form and round; the median is kept")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="the step's (muon: train_accel.py's)")
+    p.add_argument("--dynamo-backend", default=None, help="the step's compile backend (default: the YAML's)")
+    p.add_argument("--data-dir", type=Path, default=Path("data/default"), help="the step's corpus")
+    p.add_argument("--step-of", choices=tuple(FORMS), help=argparse.SUPPRESS)  # a child of --step-rounds
     args = p.parse_args(argv)
-    config = checked_inputs(args.preset)
+    config = checked_inputs(args.preset, args.data_dir if args.step_rounds or args.step_of else None)
     if any(T < 1 for T in args.seq_lens or []) or min(args.micro_batch_size, args.rounds, args.steps) < 1:
         p.error("--seq-lens, --micro-batch-size, --rounds and --steps must be at least 1")
-    report_folder(args.out)
+    if args.step_rounds < 0 or args.step_steps < 1:
+        p.error("--step-rounds must be at least 0 and --step-steps at least 1")
+    if args.step_of is None:
+        report_folder(args.out)
     device = torch.device("cpu")
-    check_can_compile(device, "inductor")
+    launch = launch_config(REPO / "accelerate_configs" / YAML[args.precision])
+    check_can_compile(device, dynamo_backend(launch, args.dynamo_backend) if args.step_of else "inductor")
     if args.threads:
         torch.set_num_threads(args.threads)
     set_up_compile_cache(device)
+    if args.step_of:
+        print(json.dumps(step_of(args.step_of, args)))
+        return
     set_up_compute(device)  # as training sets its process up
     rows = []
     for T in args.seq_lens or [config.block_size]:
         rows += measure_length(T, args, config.n_head, config.n_embd)
+    steps = measure_steps(args, sys.argv[1:] if argv is None else argv) if args.step_rounds else []
     what = (
         f"{args.preset}'s attention (B={args.micro_batch_size}, {config.n_head} heads of "
         f"{config.n_embd // config.n_head}), {args.precision}, on CPU: {cpu_model()}, {torch.get_num_threads()} "
@@ -190,9 +270,17 @@ def main(argv: list[str] | None = None) -> None:
         f"round(s), compiled rows: inductor; errors against fp64"
     )
     table = "\n".join([markdown(rows), "", what, ""])
+    if steps:
+        table += "\n".join([
+            "", step_markdown(steps), "",
+            f"rung 11's step ({YAML[args.precision]}, {args.optimizer}, {args.preset} B={args.micro_batch_size}, "
+            f"T={config.block_size}): the median of {args.step_steps} steps after {args.warmup}, each form in a "
+            "process of its own, in turn", "",
+        ])  # fmt: skip
     print(table, end="")
     save_report({
-        args.out / "attention_speed.json": json.dumps({"setting": what, "rows": rows}, indent=2) + "\n",
+        args.out / "attention_speed.json": json.dumps({"setting": what, "rows": rows, "steps": steps}, indent=2)
+        + "\n",
         args.out / "attention_speed.md": table,
         args.out / "attention_speed.png": plot(rows, f"{args.preset} attention, {args.precision}, {cpu_model()}"),
     })  # fmt: skip

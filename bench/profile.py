@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
+from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.measure import check_can_compile, checked_inputs, flops_per_token
@@ -74,18 +75,19 @@ def kind_of(name: str) -> str:
 
 def build_step(
     precision: str, preset: str, micro_batch_size: int, data_dir: Path, optimizer: str, backend: str | None = None
-) -> tuple[Callable[[], None], float]:
-    """Rung 11's step on the next real batch (the loader's read recorded as "data"), and its model GFLOP."""
+) -> tuple[Callable[[], Tensor], float]:
+    """Rung 11's step on the next real batch (the loader's read recorded as "data"; it returns the detached loss),
+    and its model GFLOP."""
     config = get_preset(preset)
     launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
     trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, backend, optimizer)
     loader = TokenLoader(data_dir, "train", config.block_size, micro_batch_size, seed=TRAIN.seed)
     batches = iter(loader)
 
-    def step() -> None:
+    def step() -> Tensor:
         with record_function("data"):
             x, y = next(batches)
-        trainer.step(x, y)
+        return trainer.step(x, y)
 
     return step, flops_per_token(trainer.model, config) * micro_batch_size * config.block_size / 1e9
 
