@@ -22,8 +22,8 @@ from torch import Tensor
 
 # The longest sequence this path takes. One layer's fwd + bwd against flash on a Zen 5, bf16: 0.50-0.58x the time
 # at T 256, 0.60x at 512, 1.0-1.06x at 1,024; the saved probabilities cost B x H x T^2 x 4 bytes a layer. On an AMX
-# Xeon, whose flash is faster, 0.85x at 256 and 1.13x at 512, but alike in the step at 256 in every precision and mode
-# (`python -m bench.attention_speed`; BENCHMARKS.md, "CPU attention: flash against whole matmuls").
+# Xeon, whose flash is faster, 0.85x at 256 and 1.13x at 512, and the step within 2% at 256 in every precision and
+# mode (`python -m bench.attention_speed`; BENCHMARKS.md, "CPU attention: flash against whole matmuls").
 MAX_T = 512
 
 
