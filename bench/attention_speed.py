@@ -13,8 +13,8 @@ same rounded inputs, for the output and for the projection's gradient. "model ta
 picks at that length in training (modeling.cpu_attention.takes).
 
 A layer alone is not the step: with --step-rounds, rung 11's whole training step (bench.profile.build_step: the
-model, optimizer and precision of cpu_bf16.yaml or cpu.yaml, at the preset's block_size, on real batches) is timed
-with each form, each in a process of its own in turn (flash forced by modeling.cpu_attention.MAX_T = 0, a constant
+model, optimizer and precision of cpu_bf16.yaml or cpu.yaml, on real batches, at each of --seq-lens) is timed with
+each form, each in a process of its own in turn (flash forced by modeling.cpu_attention.MAX_T = 0, a constant
 torch.compile guards on), the median of --step-steps steps after --warmup, with each form's first loss (the same
 model and batch: they agree to the precision's rounding). Writes attention_speed.json, .md and .png (the layer's
 forward and backward times as bars) to --out; the Markdown tables are printed last.
@@ -131,14 +131,14 @@ def measure_length(T: int, args: argparse.Namespace, n_head: int, n_embd: int) -
     return rows
 
 
-def step_of(form: str, args: argparse.Namespace) -> dict:
-    """Rung 11's step with the model's attention in `form`, in this process: the median ms of --step-steps steps
-    after --warmup, and the first step's loss."""
+def step_of(form: str, args: argparse.Namespace, T: int) -> dict:
+    """Rung 11's step at context T with the model's attention in `form`, in this process: the median ms of
+    --step-steps steps after --warmup, and the first step's loss."""
     if form == "flash":
         cpu_attention.MAX_T = 0  # before the model is compiled: takes() then leaves every length to flash
     torch.manual_seed(TRAIN.seed)  # the same initial weights in both forms' processes
     step, _ = build_step(
-        args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer, args.dynamo_backend
+        args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer, args.dynamo_backend, T
     )
     first_loss = step().item()
     for _ in range(args.warmup):
@@ -151,14 +151,15 @@ def step_of(form: str, args: argparse.Namespace) -> dict:
     return {"form": form, "step_ms": statistics.median(times) * 1e3, "first_loss": first_loss}
 
 
-def measure_steps(args: argparse.Namespace, argv: list[str]) -> list[dict]:
-    """--step-rounds rounds of the step with each form, each in a child process (this command with --step-of)."""
+def measure_steps(args: argparse.Namespace, argv: list[str], T: int) -> list[dict]:
+    """--step-rounds rounds of the step at context T with each form, each in a child process (this command with
+    --step-of, its --seq-lens T)."""
     rounds = []
-    for _ in range(args.step_rounds):
+    for round_ in range(1, args.step_rounds + 1):
         steps = {}
         for form in FORMS:
             child = subprocess.run(
-                [sys.executable, "-m", "bench.attention_speed", *argv, "--step-of", form],
+                [sys.executable, "-m", "bench.attention_speed", *argv, "--step-of", form, "--seq-lens", str(T)],
                 stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             if child.returncode != 0:
@@ -166,21 +167,21 @@ def measure_steps(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                          "is above")  # fmt: skip
             steps[form] = json.loads(child.stdout.splitlines()[-1])
         whole, flash = steps["whole matmuls"], steps["flash"]
-        rounds.append({"whole_ms": whole["step_ms"], "flash_ms": flash["step_ms"],
+        rounds.append({"seq_len": T, "round": round_, "whole_ms": whole["step_ms"], "flash_ms": flash["step_ms"],
                        "ratio": whole["step_ms"] / flash["step_ms"], "whole_first_loss": whole["first_loss"],
                        "flash_first_loss": flash["first_loss"]})  # fmt: skip
-        print(f"step: whole matmuls {whole['step_ms']:.1f} ms, flash {flash['step_ms']:.1f} ms (first loss "
+        print(f"T {T} step: whole matmuls {whole['step_ms']:.1f} ms, flash {flash['step_ms']:.1f} ms (first loss "
               f"{whole['first_loss']:.5f} / {flash['first_loss']:.5f})", flush=True)  # fmt: skip
     return rounds
 
 
 def step_markdown(rounds: list[dict]) -> str:
-    lines = ["| step round | whole matmuls ms | flash ms | whole / flash | first loss, whole / flash |",
-             "|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = ["| T | step round | whole matmuls ms | flash ms | whole / flash | first loss, whole / flash |",
+             "|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     lines += [
-        f"| {i} | {r['whole_ms']:.1f} | {r['flash_ms']:.1f} | {r['ratio']:.3f} | "
+        f"| {r['seq_len']} | {r['round']} | {r['whole_ms']:.1f} | {r['flash_ms']:.1f} | {r['ratio']:.3f} | "
         f"{r['whole_first_loss']:.5f} / {r['flash_first_loss']:.5f} |"
-        for i, r in enumerate(rounds, 1)
+        for r in rounds
     ]
     return "\n".join(lines)
 
@@ -255,14 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     set_up_compile_cache(device)
+    lengths = args.seq_lens or [config.block_size]
     if args.step_of:
-        print(json.dumps(step_of(args.step_of, args)))
+        print(json.dumps(step_of(args.step_of, args, lengths[0])))
         return
     set_up_compute(device)  # as training sets its process up
     rows = []
-    for T in args.seq_lens or [config.block_size]:
+    for T in lengths:
         rows += measure_length(T, args, config.n_head, config.n_embd)
-    steps = measure_steps(args, sys.argv[1:] if argv is None else argv) if args.step_rounds else []
+    steps = []
+    for T in lengths if args.step_rounds else []:
+        steps += measure_steps(args, sys.argv[1:] if argv is None else argv, T)
     what = (
         f"{args.preset}'s attention (B={args.micro_batch_size}, {config.n_head} heads of "
         f"{config.n_embd // config.n_head}), {args.precision}, on CPU: {cpu_model()}, {torch.get_num_threads()} "
@@ -273,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     if steps:
         table += "\n".join([
             "", step_markdown(steps), "",
-            f"rung 11's step ({YAML[args.precision]}, {args.optimizer}, {args.preset} B={args.micro_batch_size}, "
-            f"T={config.block_size}): the median of {args.step_steps} steps after {args.warmup}, each form in a "
+            f"rung 11's step ({YAML[args.precision]}, {args.optimizer}, {args.preset} B={args.micro_batch_size}): "
+            f"the median of {args.step_steps} steps after {args.warmup}, each form in a "
             "process of its own, in turn", "",
         ])  # fmt: skip
     print(table, end="")

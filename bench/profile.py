@@ -74,11 +74,18 @@ def kind_of(name: str) -> str:
 
 
 def build_step(
-    precision: str, preset: str, micro_batch_size: int, data_dir: Path, optimizer: str, backend: str | None = None
+    precision: str,
+    preset: str,
+    micro_batch_size: int,
+    data_dir: Path,
+    optimizer: str,
+    backend: str | None = None,
+    block_size: int | None = None,
 ) -> tuple[Callable[[], Tensor], float]:
     """Rung 11's step on the next real batch (the loader's read recorded as "data"; it returns the detached loss),
-    and its model GFLOP."""
+    and its model GFLOP; block_size: another context than the preset's."""
     config = get_preset(preset)
+    config.block_size = block_size or config.block_size
     launch = launch_config(REPO / "accelerate_configs" / YAML[precision])
     trainer = full_recipe_trainer(config, torch.device("cpu"), micro_batch_size, launch, backend, optimizer)
     loader = TokenLoader(data_dir, "train", config.block_size, micro_batch_size, seed=TRAIN.seed)

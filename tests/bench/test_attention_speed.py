@@ -32,10 +32,10 @@ def test_every_form_is_timed_alone_and_in_the_step(prepared_books: Path, tmp_pat
         assert 0 < r["out_error"] <= 1.1 * flash["out_error"] and 0 < r["grad_error"] <= 1.1 * flash["grad_error"]
         assert r["out_error"] < 1e-2  # bf16 inputs: a few ulps of bf16, not a wrong function
     (step,) = report["steps"]
-    assert step["ratio"] == step["whole_ms"] / step["flash_ms"]
+    assert step["seq_len"] == 64 and step["ratio"] == step["whole_ms"] / step["flash_ms"]
     assert step["whole_first_loss"] == pytest.approx(step["flash_first_loss"], abs=2e-3)  # unseeded inits: ~0.03 apart
     assert step["whole_first_loss"] == pytest.approx(math.log(50_257), abs=0.5)  # an untrained model's loss
     table = (tmp_path / "attention_speed.md").read_text()
-    assert "| step round | whole matmuls ms | flash ms |" in table
+    assert "| T | step round | whole matmuls ms | flash ms |" in table
     assert capsys.readouterr().out.endswith(table)
     assert (tmp_path / "attention_speed.png").read_bytes().startswith(b"\x89PNG")
