@@ -14,10 +14,10 @@ picks at that length in training (modeling.cpu_attention.takes).
 
 A layer alone is not the step: with --step-rounds, rung 11's whole training step (bench.profile.build_step: the
 model, optimizer and precision of cpu_bf16.yaml or cpu.yaml, on real batches, at each of --seq-lens) is timed with
-each form, each in a process of its own in turn (flash forced by modeling.cpu_attention.MAX_T = 0, a constant
-torch.compile guards on), the median of --step-steps steps after --warmup, with each form's first loss (the same
-model and batch: they agree to the precision's rounding). Writes attention_speed.json, .md and .png (the layer's
-forward and backward times as bars) to --out; the Markdown tables are printed last.
+each form, each in a process of its own in turn (the form forced by modeling.cpu_attention.MAX_T, 0 or T, a
+constant torch.compile guards on), the median of --step-steps steps after --warmup, with each form's first loss
+(the same model and batch: they agree to the precision's rounding). Writes attention_speed.json, .md and .png
+(the layer's forward and backward times as bars) to --out; the Markdown tables are printed last.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def measure_length(T: int, args: argparse.Namespace, n_head: int, n_embd: int) -
 def step_of(form: str, args: argparse.Namespace, T: int) -> dict:
     """Rung 11's step at context T with the model's attention in `form`, in this process: the median ms of
     --step-steps steps after --warmup, and the first step's loss."""
-    if form == "flash":
-        cpu_attention.MAX_T = 0  # before the model is compiled: takes() then leaves every length to flash
+    # before the model is compiled: takes() then leaves every length to flash, or T to the whole matmuls
+    cpu_attention.MAX_T = 0 if form == "flash" else T
     torch.manual_seed(TRAIN.seed)  # the same initial weights in both forms' processes
     step, _ = build_step(
         args.precision, args.preset, args.micro_batch_size, args.data_dir, args.optimizer, args.dynamo_backend, T

@@ -20,11 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The longest sequence this path takes. One layer's fwd + bwd against flash on a Zen 5, bf16: 0.50-0.58x the time
-# at T 256, 0.60x at 512, 1.0-1.06x at 1,024; the saved probabilities cost B x H x T^2 x 4 bytes a layer. On an AMX
-# Xeon, whose flash is faster, 0.85x at 256 and 1.13x at 512, and the step within 2% at 256 in every precision and
-# mode (`python -m bench.attention_speed`; BENCHMARKS.md, "CPU attention: flash against whole matmuls").
-MAX_T = 512
+
+def _flash_on_amx() -> bool:
+    """Whether torch's CPU flash kernel runs its bf16 blocks on AMX tiles here: an AMX CPU whose ATen kernels are
+    AVX-512's (under ATEN_CPU_CAPABILITY=avx2, an AVX2-only CPU emulated, flash's bf16 backward is emulated: 10x)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and torch.cpu._is_amx_tile_supported()
+
+
+# The longest sequence this path takes (read once: torch.compile guards on it as a constant). One layer's fwd + bwd
+# against flash on a Zen 5, bf16: 0.50-0.58x the time at T 256, 0.60x at 512, 1.0-1.06x at 1,024; the saved
+# probabilities cost B x H x T^2 x 4 bytes a layer. On an AMX Xeon, whose flash is fast, the whole step is within 2%
+# either way at T 256 and 1.04-1.07x flash's at 512 (`python -m bench.attention_speed`; BENCHMARKS.md, "CPU
+# attention: flash against whole matmuls").
+MAX_T = 256 if _flash_on_amx() else 512
 
 
 def _dense(t: Tensor) -> Tensor:

@@ -1,6 +1,9 @@
 """modeling.cpu_attention: causal attention as whole matmuls on a CPU, held to flash's accuracy against fp64."""
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch.nn.functional as F
 from bench.loss_numerics import relative_errors
 from modeling import cpu_attention
 from modeling.cpu_attention import MAX_T, bf16_products, causal_attention
+from testkit import REPO
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -107,6 +111,21 @@ def test_leaves_the_global_matmul_precision_as_it_found_it():
     out = causal_attention(q, k, v)
     out.sum().backward()
     assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_max_t_is_shorter_where_flash_runs_on_amx():
+    """An AMX CPU's flash kernel is fast: the whole matmuls stop at T 256 there (the step at 512 was 1.04-1.07x
+    flash's on an AMX Xeon), at 512 elsewhere, including an AMX CPU whose ATen kernels are held to AVX2, where flash's
+    bf16 backward is emulated."""
+
+    def max_t(**env: str) -> int:
+        code = "from modeling import cpu_attention; print(cpu_attention.MAX_T)"
+        run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=REPO, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        return int(run.stdout)
+
+    assert MAX_T in (256, 512)
+    assert max_t(ATEN_CPU_CAPABILITY="avx2") == 512
 
 
 def test_takes_cpu_training_in_bf16_and_fp32_up_to_max_t_without_dropout():
