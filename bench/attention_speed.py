@@ -40,7 +40,7 @@ from bench.loss_numerics import relative_errors
 from bench.measure import check_can_compile, checked_inputs
 from bench.profile import YAML, build_step
 from bench.report import report_folder, save_report
-from bench.rungs import REPO, TRAIN, dynamo_backend, launch_config
+from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, launch_config
 from evals.plot import png_bytes
 from modeling import cpu_attention
 from modeling.device import cpu_model
@@ -226,7 +226,7 @@ def plot(rows: list[dict], title: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.attention_speed", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per call")
     p.add_argument("--precision", default="bf16", choices=tuple(DTYPES), help="bf16: cpu_bf16.yaml, fp32: cpu.yaml")
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-rounds", type=int, default=0, help="rounds of rung 11's step with each form (0: none)")
     p.add_argument("--step-steps", type=int, default=10, help="timed steps per form and round; the median is kept")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="the step's (muon: train_accel.py's)")
-    p.add_argument("--dynamo-backend", default=None, help="the step's compile backend (default: the YAML's)")
+    p.add_argument("--dynamo-backend", choices=STEP_BACKENDS, help="the step's compile backend (default: the YAML's)")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"), help="the step's corpus")
     p.add_argument("--step-of", choices=tuple(FORMS), help=argparse.SUPPRESS)  # a child of --step-rounds
     args = p.parse_args(argv)

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.measure import check_can_compile, checked_inputs, flops_per_token
-from bench.rungs import REPO, TRAIN, dynamo_backend, full_recipe_trainer, launch_config
+from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, full_recipe_trainer, launch_config
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as train_accel.py trains by default")
-    p.add_argument("--dynamo-backend", default=None, help="override the YAML's compile backend (eager: no compile)")
+    p.add_argument(
+        "--dynamo-backend", choices=STEP_BACKENDS, help="override the YAML's compile backend (eager: no compile)"
+    )
     args = p.parse_args(argv)
     checked_inputs(args.preset, args.data_dir)  # before the threads and inductor are set up; build_step builds it
     launch = launch_config(REPO / "accelerate_configs" / YAML[args.precision])

@@ -295,6 +295,11 @@ def checked_launch(path: Path, device: torch.device, backend_override: str | Non
     return launch
 
 
+# The compile backends rung 11's step may be given in place of its YAML's (a benchmark's --dynamo-backend): those
+# train_accel.py trains with
+STEP_BACKENDS = tuple(backend.lower() for backend in TRAINED_BACKENDS)
+
+
 def dynamo_backend(launch: dict[str, Any], override: str | None) -> str:
     return override or str((launch.get("dynamo_config") or {}).get("dynamo_backend", "no")).lower()
 

@@ -15,9 +15,9 @@ from bench.attention_speed import FORMS, MODES, main
 def test_every_form_is_timed_alone_and_in_the_step(prepared_books: Path, tmp_path: Path, capsys):
     """One round at tiny-cpu's shape in bf16 (cpu_bf16.yaml's precision): a row per form and mode, flash the unit of
     the ratios, the whole matmuls within flash's error against fp64 (the CPU attention's contract,
-    tests/modeling/test_cpu_attention.py); then rung 11's step with each form in a process of its own (flash forced
-    there; eager to keep it short), which build the same model and batch: their first losses agree to bf16's rounding.
-    The tables printed are the ones saved."""
+    tests/modeling/test_cpu_attention.py); then rung 11's step with each form in a process of its own (the form
+    forced there; eager to keep it short), which build the same model and batch: their first losses agree to bf16's
+    rounding. The tables printed are the ones saved."""
     main(["--preset", "tiny-cpu", "--micro-batch-size", "2", "--rounds", "1", "--warmup", "1", "--steps", "2",
           "--step-rounds", "1", "--step-steps", "1", "--dynamo-backend", "eager", "--data-dir", str(prepared_books),
           "--out", str(tmp_path)])  # fmt: skip
