@@ -50,6 +50,7 @@ from bench.report import (
 from bench.rungs import (
     REPO,
     RUNGS,
+    STEP_BACKENDS,
     Recipe,
     Role,
     Trainer,
@@ -179,7 +180,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--accelerate-config", type=Path, default=None, help="rung 11's launch YAML (default: cpu.yaml / 1xgpu.yaml)"
     )
-    p.add_argument("--dynamo-backend", default=None, help="override the compile backend of every compiled row")
+    p.add_argument(
+        "--dynamo-backend", choices=STEP_BACKENDS, help="every compiled row's compile backend, the peer's too"
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU peak; default: datasheet or measured")
     p.add_argument("--profile-steps", type=int, default=0, help="profile rung 11 and the compiled peer over N steps")
     return p

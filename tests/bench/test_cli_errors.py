@@ -93,10 +93,11 @@ def test_a_ladder_launch_yaml_it_cannot_run_is_one_error_before_anything_is_made
     assert list(tmp_path.iterdir()) == []  # no corpus prepared, no report folder
 
 
-@pytest.mark.parametrize("cli", ["profile", "attention_speed"])
+@pytest.mark.parametrize("cli", ["ladder", "profile", "attention_speed"])
 def test_a_step_backend_train_accel_does_not_train_with_is_refused_by_the_flags(tmp_path: Path, capsys, cli: str):
     """rung 11's step under another compile backend than train_accel.py's (training.distributed.TRAINED_BACKENDS)
-    was accelerate's ValueError traceback at the step, after bench.attention_speed had timed its layers."""
+    was accelerate's ValueError traceback at the step, after bench.attention_speed had timed its layers; the
+    ladder's refusal blamed its --accelerate-config YAML."""
     out = ["--out", str(tmp_path / "report")] if cli == "attention_speed" else []
     with pytest.raises(SystemExit) as exc:
         ALL_CLIS[cli](["--preset", "tiny-cpu", "--dynamo-backend", "cudagraphs", *out])
