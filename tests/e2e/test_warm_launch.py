@@ -58,8 +58,8 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
     out = [p.stdout.replace(str(tmp_path / name), "RUN") for p, name in ((cold, "fresh"), (warm, "warm"))]
     assert out[0].splitlines()[-1] == out[1].splitlines()[-1] == "run folder: RUN (checkpoints: 1, loss.png)", out
 
-    # ranks that stop with an error: the same line, quoted in torchrun's summary too, and exit status. The summary
-    # quotes each rank that had failed when torchrun looked, one or both (it stops the other): either way, each time
+    # ranks that stop with an error: our line, then torchrun's summary quoting it once for each rank that had failed
+    # when torchrun looked (one or both: it stops the other), and the exit status
     bad = ["--block-size", "128"]
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-fresh", prepared_books, *bad))
     warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
