@@ -68,10 +68,12 @@ def layer(attention: Attention, n_head: int) -> Callable[[Tensor], Tensor]:
     return run
 
 
-def time_calls(run: Callable[[Tensor], Tensor], qkv: Tensor, grad: Tensor, steps: int) -> tuple[float, float]:
-    """Median ms of the forward and of the backward over `steps` calls."""
+def time_calls(
+    run: Callable[[Tensor], Tensor], qkv: Tensor, grad: Tensor, warmup: int, steps: int
+) -> tuple[float, float]:
+    """Median ms of the forward and of the backward over `steps` calls after `warmup` untimed ones."""
     forward, backward = [], []
-    for _ in range(steps):
+    for _ in range(warmup + steps):
         qkv.grad = None
         start = time.perf_counter()
         out = run(qkv)
@@ -79,7 +81,7 @@ def time_calls(run: Callable[[Tensor], Tensor], qkv: Tensor, grad: Tensor, steps
         out.backward(grad)
         forward.append(middle - start)
         backward.append(time.perf_counter() - middle)
-    return statistics.median(forward) * 1e3, statistics.median(backward) * 1e3
+    return statistics.median(forward[warmup:]) * 1e3, statistics.median(backward[warmup:]) * 1e3
 
 
 def output_and_grad(run: Callable[[Tensor], Tensor], qkv: Tensor, grad: Tensor) -> list[Tensor]:
@@ -109,8 +111,7 @@ def measure_length(T: int, args: argparse.Namespace, n_head: int, n_embd: int) -
         rounds: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in runs}
         for _ in range(args.rounds):
             for key, run in runs.items():
-                time_calls(run, qkv, grad, args.warmup)
-                rounds[key].append(time_calls(run, qkv, grad, args.steps))
+                rounds[key].append(time_calls(run, qkv, grad, args.warmup, args.steps))
     rows = []
     for (name, mode), timings in rounds.items():
         flash = rounds[("flash", mode)]
@@ -246,8 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     config = checked_inputs(args.preset, args.data_dir if args.step_rounds or args.step_of else None)
     if any(T < 1 for T in args.seq_lens or []) or min(args.micro_batch_size, args.rounds, args.steps) < 1:
         p.error("--seq-lens, --micro-batch-size, --rounds and --steps must be at least 1")
-    if args.step_rounds < 0 or args.step_steps < 1:
-        p.error("--step-rounds must be at least 0 and --step-steps at least 1")
+    if min(args.warmup, args.step_rounds) < 0 or args.step_steps < 1:
+        p.error("--warmup and --step-rounds must be at least 0, --step-steps at least 1")
     if args.step_of is None:
         report_folder(args.out)
     device = torch.device("cpu")

@@ -107,6 +107,23 @@ def test_a_step_backend_train_accel_does_not_train_with_is_refused_by_the_flags(
     assert list(tmp_path.iterdir()) == []  # no report folder
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--warmup", "-1"], "--warmup and --step-rounds must be at least 0, --step-steps at least 1"),
+        (["--seq-lens", "0"], "--seq-lens, --micro-batch-size, --rounds and --steps must be at least 1"),
+    ],
+)
+def test_attention_speed_counts_out_of_range_are_one_error(tmp_path: Path, capsys, flags: list[str], message: str):
+    """--warmup 0 or below made the layer warm-up take the median of no calls (statistics' traceback); 0 now means
+    none, below 0 is this error."""
+    with pytest.raises(SystemExit) as exc:
+        attention_speed_main(["--preset", "tiny-cpu", *flags, "--out", str(tmp_path / "report")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m bench.attention_speed: error: {message}"
+    assert list(tmp_path.iterdir()) == []  # no report folder
+
+
 @pytest.mark.parametrize("cli", ["profile", "loss_speed", "attention_speed"])
 def test_without_a_cpp_compiler_a_compiling_benchmark_is_one_error_before_the_measuring(
     prepared_books: Path, tmp_path: Path, monkeypatch, cli: str
