@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bench.loss_numerics import relative_errors
-from bench.measure import check_can_compile, checked_inputs
+from bench.measure import at_least, check_can_compile, checked_inputs
 from bench.profile import YAML, build_step
 from bench.report import report_folder, save_report
 from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, launch_config
@@ -229,26 +229,30 @@ def plot(rows: list[dict], title: str) -> bytes:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.attention_speed", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per call")
+    p.add_argument("--micro-batch-size", type=at_least(1), default=8, help="sequences per call")
     p.add_argument("--precision", default="bf16", choices=tuple(DTYPES), help="bf16: cpu_bf16.yaml, fp32: cpu.yaml")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="sequence lengths (default: block_size)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every form in turn")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls of a form before each round's timed ones")
-    p.add_argument("--steps", type=int, default=15, help="timed calls of a form per round; the median is kept")
+    p.add_argument(
+        "--seq-lens", type=at_least(1), nargs="+", default=None, help="sequence lengths (default: block_size)"
+    )
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--rounds", type=at_least(1), default=3, help="rounds of every form in turn")
+    p.add_argument(
+        "--warmup", type=at_least(0), default=3, help="untimed calls of a form before each round's timed ones"
+    )
+    p.add_argument("--steps", type=at_least(1), default=15, help="timed calls of a form per round; the median is kept")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
-    p.add_argument("--step-rounds", type=int, default=0, help="rounds of rung 11's step with each form (0: none)")
-    p.add_argument("--step-steps", type=int, default=10, help="timed steps per form and round; the median is kept")
+    p.add_argument(
+        "--step-rounds", type=at_least(0), default=0, help="rounds of rung 11's step with each form (0: none)"
+    )
+    p.add_argument(
+        "--step-steps", type=at_least(1), default=10, help="timed steps per form and round; the median is kept"
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="the step's (muon: train_accel.py's)")
     p.add_argument("--dynamo-backend", choices=STEP_BACKENDS, help="the step's compile backend (default: the YAML's)")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"), help="the step's corpus")
     p.add_argument("--step-of", choices=tuple(FORMS), help=argparse.SUPPRESS)  # a child of --step-rounds
     args = p.parse_args(argv)
     config = checked_inputs(args.preset, args.data_dir if args.step_rounds or args.step_of else None)
-    if any(T < 1 for T in args.seq_lens or []) or min(args.micro_batch_size, args.rounds, args.steps) < 1:
-        p.error("--seq-lens, --micro-batch-size, --rounds and --steps must be at least 1")
-    if min(args.warmup, args.step_rounds) < 0 or args.step_steps < 1:
-        p.error("--warmup and --step-rounds must be at least 0, --step-steps at least 1")
     if args.step_of is None:
         report_folder(args.out)
     device = torch.device("cpu")

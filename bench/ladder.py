@@ -31,6 +31,7 @@ from bench import peer
 from bench.measure import (
     Bench,
     Result,
+    at_least,
     cannot_compile,
     checked_inputs,
     largest_micro_batch,
@@ -169,13 +170,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per step (rung 10 searches above it)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per row (the first one compiles)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per row; the median is reported")
+    p.add_argument(
+        "--micro-batch-size", type=at_least(1), default=8, help="sequences per step (rung 10 searches above it)"
+    )
+    p.add_argument("--warmup", type=at_least(1), default=3, help="untimed steps per row (the first one compiles)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="timed steps per row; the median is reported")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"), help="prepared corpus (made if missing)")
     p.add_argument("--rungs", type=parse_rungs, default="all", help="all, none (the peer only) or e.g. 0,11")
-    p.add_argument("--max-batch-factor", type=int, default=4, help="rung 10's cap, a power of two x micro-batch")
+    p.add_argument(
+        "--max-batch-factor", type=at_least(1), default=4, help="rung 10's cap, a power of two x micro-batch"
+    )
     p.add_argument("--peer-dir", type=Path, default=None, help="a build-nanogpt checkout to time beside rung 11")
     p.add_argument(
         "--accelerate-config", type=Path, default=None, help="rung 11's launch YAML (default: cpu.yaml / 1xgpu.yaml)"
@@ -184,7 +189,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--dynamo-backend", choices=STEP_BACKENDS, help="every compiled row's compile backend, the peer's too"
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU peak; default: datasheet or measured")
-    p.add_argument("--profile-steps", type=int, default=0, help="profile rung 11 and the compiled peer over N steps")
+    p.add_argument(
+        "--profile-steps", type=at_least(0), default=0, help="profile rung 11 and the compiled peer over N steps"
+    )
     return p
 
 
@@ -193,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(raw)
     cap = args.max_batch_factor
-    if cap < 1 or cap & (cap - 1) or args.warmup < 1 or args.steps < 1:
-        raise SystemExit("error: --max-batch-factor must be a power of two >= 1, --warmup and --steps >= 1")
+    if cap & (cap - 1):
+        raise SystemExit(f"error: --max-batch-factor must be a power of two (1, 2, 4, ...), got {cap}")
     device = torch.device(args.device)
     launch_path = args.accelerate_config or REPO / "accelerate_configs" / (
         "cpu.yaml" if device.type == "cpu" else "1xgpu.yaml"

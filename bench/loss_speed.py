@@ -27,7 +27,14 @@ import torch
 from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
-from bench.measure import check_can_compile, checked_inputs, peak_memory_gib, reset_peak_memory, synchronize
+from bench.measure import (
+    at_least,
+    check_can_compile,
+    checked_inputs,
+    peak_memory_gib,
+    reset_peak_memory,
+    synchronize,
+)
 from bench.report import report_folder, save_report
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
@@ -74,12 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpt2-124m", help="model shape (modeling.config presets)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--micro-batch-size", type=int, default=16, help="sequences of block_size tokens")
+    p.add_argument("--micro-batch-size", type=at_least(1), default=16, help="sequences of block_size tokens")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"), help="autocast dtype (fp32: none)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls (the first one compiles)")
-    p.add_argument("--steps", type=int, default=10, help="timed calls; the median is reported")
+    p.add_argument("--warmup", type=at_least(0), default=3, help="untimed calls (the first one compiles)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="timed calls; the median is reported")
     p.add_argument("--dynamo-backend", default="inductor", help="torch.compile backend of the compiled rows")
-    p.add_argument("--chunk-rows", type=int, nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes")
+    p.add_argument(
+        "--chunk-rows", type=at_least(1), nargs="+", default=[CHUNK_ROWS], help="the fused loss's chunk sizes"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results folder")
     args = p.parse_args(argv)
     config = checked_inputs(args.preset)

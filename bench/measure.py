@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import statistics
@@ -132,6 +133,22 @@ def checked_inputs(preset: str, data_dir: Path | None = None, log: Callable[[str
     except (ValueError, DataPrepError) as err:
         sys.exit(f"error: {err}")
     return config
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for the benchmarks' counts: a whole number of at least `minimum`, else argparse's one line
+    naming the flag before anything is made (a count of 0 timed steps was statistics' traceback after the work)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def cannot_compile(device: torch.device, backend: str) -> str | None:

@@ -32,7 +32,7 @@ import torch._inductor.config as inductor_config
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.measure import check_can_compile, checked_inputs, flops_per_token
+from bench.measure import at_least, check_can_compile, checked_inputs, flops_per_token
 from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, full_recipe_trainer, launch_config
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n")[0])
     p.add_argument("--precision", choices=tuple(YAML), default="bf16", help="bf16: cpu_bf16.yaml, fp32: cpu.yaml")
     p.add_argument("--preset", default="small-cpu")
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
-    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--micro-batch-size", type=at_least(1), default=8)
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--warmup", type=at_least(1), default=3, help="untimed steps (the first compiles)")
+    p.add_argument("--steps", type=at_least(1), default=3, help="profiled steps")
     p.add_argument("--data-dir", type=Path, default=Path("data/default"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="muon: as train_accel.py trains by default")
     p.add_argument(

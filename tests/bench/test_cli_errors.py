@@ -107,21 +107,37 @@ def test_a_step_backend_train_accel_does_not_train_with_is_refused_by_the_flags(
     assert list(tmp_path.iterdir()) == []  # no report folder
 
 
+@pytest.mark.parametrize("cli", ALL_CLIS)
 @pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--warmup", "-1"], "--warmup and --step-rounds must be at least 0, --step-steps at least 1"),
-        (["--seq-lens", "0"], "--seq-lens, --micro-batch-size, --rounds and --steps must be at least 1"),
-    ],
+    ("flag", "value", "minimum"),
+    [("--steps", "0", 1), ("--micro-batch-size", "0", 1), ("--warmup", "-1", None), ("--steps", "ten", None)],
 )
-def test_attention_speed_counts_out_of_range_are_one_error(tmp_path: Path, capsys, flags: list[str], message: str):
-    """--warmup 0 or below made the layer warm-up take the median of no calls (statistics' traceback); 0 now means
-    none, below 0 is this error."""
+def test_a_count_out_of_range_is_argparses_line_naming_the_flag(
+    tmp_path: Path, capsys, cli: str, flag: str, value: str, minimum: int | None
+):
+    """--steps 0 was statistics' traceback after the work (bench.profile, bench.loss_speed), --warmup -1 a median
+    over the wrong calls, --micro-batch-size 0 the loader's ValueError or a report of nan losses: each count is now
+    argparse's one line naming its flag, before anything is prepared, made or timed. --warmup's least value is the
+    benchmark's: 1 where the first step compiles inside the timed rows' process (ladder, profile), else 0."""
+    argv = ["--preset", "tiny-cpu", flag, value]
+    argv += ["--data-dir", str(tmp_path / "data")] if cli in CLIS else ["--out", str(tmp_path / "report")]
     with pytest.raises(SystemExit) as exc:
-        attention_speed_main(["--preset", "tiny-cpu", *flags, "--out", str(tmp_path / "report")])
+        ALL_CLIS[cli](argv)
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m bench.attention_speed: error: {message}"
-    assert list(tmp_path.iterdir()) == []  # no report folder
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    if value == "ten":
+        assert last.endswith(f"error: argument {flag}: expected a whole number, got 'ten'")
+    else:
+        least = minimum if minimum is not None else (1 if cli in CLIS else 0)
+        assert last.endswith(f"error: argument {flag}: must be at least {least}, got {value}")
+    assert list(tmp_path.iterdir()) == []  # no corpus, no report folder
+
+
+def test_a_ladder_batch_factor_that_is_no_power_of_two_is_one_error_before_anything_is_made(tmp_path: Path):
+    with pytest.raises(SystemExit) as exc:
+        ladder_main(["--preset", "tiny-cpu", "--max-batch-factor", "3", "--data-dir", str(tmp_path / "data")])
+    assert exc.value.code == "error: --max-batch-factor must be a power of two (1, 2, 4, ...), got 3"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("cli", ["profile", "loss_speed", "attention_speed"])
