@@ -10,6 +10,7 @@ An empty prompt starts from <|endoftext|>, i.e. the start of a new document; --t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -22,14 +23,16 @@ from modeling.device import default_device
 from modeling.runtime import set_up_compute
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, seed: int = 0) -> None:
     """EvalError for settings generate_text cannot sample with (the CLI checks them before loading a model)."""
     if max_new_tokens <= 0:
         raise EvalError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
-        raise EvalError(f"--temperature must be >= 0 (0 is greedy decoding), got {temperature}")
+    if not 0 <= temperature < math.inf:  # nan and inf too
+        raise EvalError(f"--temperature must be a number >= 0 (0 is greedy decoding), got {temperature}")
     if top_k is not None and top_k <= 0:
         raise EvalError(f"--top-k must be positive (0 on the command line: no cut-off), got {top_k}")
+    if not -(2**63) <= seed < 2**64:  # the range torch.Generator.manual_seed takes
+        raise EvalError(f"--seed must be a whole number from -2**63 to 2**64 - 1, got {seed}")
 
 
 def generate_text(
@@ -43,7 +46,7 @@ def generate_text(
     """The prompt followed by `max_new_tokens` sampled tokens, decoded; the same seed gives the same text.
 
     temperature 0 is greedy decoding; top_k None samples from the whole vocabulary."""
-    check_sampling(max_new_tokens, temperature, top_k)
+    check_sampling(max_new_tokens, temperature, top_k, seed)
     device = next(model.parameters()).device
     tokens = prompt_tokens(prompt)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k or None)  # before the model loads
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k or None, args.seed)  # before the model loads
         model, source = load_model_from_args(args)
         print(f"model: {source}", file=sys.stderr)  # stdout is the text alone
         device = default_device()

@@ -220,8 +220,8 @@ class GPT(nn.Module):
         a new token's step runs on that token alone: gpt2-124m on 2 CPU threads writes 40 tokens after 900 in 4 s
         instead of 62 (BENCHMARKS.md, "Evaluation speed"), its logits those of the whole context to rounding
         (tests/modeling/test_gpt.py)."""
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 <= temperature < math.inf:  # nan and inf too
+            raise ValueError(f"temperature must be a number >= 0, got {temperature}")
         if top_k is not None and top_k <= 0:  # topk(0) would leave no id to sample
             raise ValueError(f"top_k must be positive (None: no cut-off), got {top_k}")
         block_size, cache = self.config.block_size, None
@@ -238,7 +238,8 @@ class GPT(nn.Module):
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # shifted first: a tiny temperature then sends the others to -inf, not the likeliest to inf (nan)
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits[logits < kth] = float("-inf")

@@ -202,13 +202,21 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
 
 def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
     """A GPT (vocab padded to 50,304) from a transformers GPT-2 folder or Hub id, such as export_hf writes.
-    config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows."""
+    config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows. A ValueError
+    says what is wrong with the folder (another model, weights that do not load)."""
     saved = load_hf_config(folder)
     config = config or saved
     # Only the weights are read, so the layers stay plain torch: transformers 5.25 made from_pretrained swap layers
     # for Hub kernels by default (use_kernels), refusing to load without the kernels package at its pinned version.
     with _no_progress_bars():
-        hf = GPT2LMHeadModel.from_pretrained(folder, use_kernels=False)
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(folder, use_kernels=False)
+        except Exception as err:  # safetensors' SafetensorError (a truncated file), OSError (none, or no download)
+            said = " ".join(str(err).split())[:300]
+            raise ValueError(
+                f"its weights do not load ({type(err).__name__}: {said}); export the run again (python -m "
+                "training.export RUN) or give another folder"
+            ) from None
         state_dict = from_hf_state_dict(hf.state_dict(), saved)
     state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)

@@ -166,10 +166,15 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     Keys keep what the saving wrapper added (see load_checkpoint)."""
     checkpoint = Path(checkpoint)
     engine = checkpoint_engine(checkpoint)
-    if engine == "DDP":
-        return load_file(str(checkpoint / "model.safetensors")), "model.safetensors"
-    if engine == "FSDP":
-        return merge_shards(checkpoint / _FSDP_SHARDS)["model"], "FSDP shards merged with torch's dcp_to_torch_save"
+    try:
+        if engine == "DDP":
+            return load_file(str(checkpoint / "model.safetensors")), "model.safetensors"
+        if engine == "FSDP":
+            merged = merge_shards(checkpoint / _FSDP_SHARDS)["model"]
+            return merged, "FSDP shards merged with torch's dcp_to_torch_save"
+    except Exception as err:  # safetensors' SafetensorError, torch's CheckpointException, OSError: a damaged file
+        said = " ".join(str(err).split())[:300]
+        raise RunError(f"{checkpoint} does not load ({type(err).__name__}: {said}): a file of it is damaged") from None
     if engine == "DeepSpeed":
         quiet_deepspeed()
         try:
@@ -204,7 +209,12 @@ def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, s
         found = [p.name for p in list_checkpoints(run_dir)]
         raise RunError(f"checkpoint {checkpoint} does not exist; {run_dir} has {', '.join(found) or 'none'}")
     model = GPT(run_model_config(run_dir))
-    weights, how = checkpoint_weights(checkpoint)
+    try:
+        weights, how = checkpoint_weights(checkpoint)
+    except RunError as err:
+        others = [p.name for p in list_checkpoints(run_dir) if p.resolve() != checkpoint.resolve()]
+        advice = f"give another of its checkpoints: {', '.join(others)}" if others else "it is the run's only one"
+        raise RunError(f"{err}; {advice}") from None
     state = plain_state_dict(weights)
     mismatch = f"{checkpoint} does not fit the model that {run_dir / CONFIG_FILE} describes"
     try:

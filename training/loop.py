@@ -199,7 +199,10 @@ def initial_model(cfg: TrainConfig, model_config: GPTConfig) -> GPT:
         return GPT(model_config)
     from modeling.hf_export import load_hf  # imports transformers (~3 s): only runs that need it pay for it
 
-    return load_hf(cfg.init_from, model_config)
+    try:
+        return load_hf(cfg.init_from, model_config)
+    except ValueError as err:  # weights that do not load (the shape was read when the config was)
+        raise ConfigError(f"init_from {cfg.init_from}: {err}") from None
 
 
 def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:

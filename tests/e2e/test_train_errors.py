@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from testkit import REPO, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
+from data_prep.tokenizer import gpt2_vocab_and_merges
+from modeling.gpt import GPT
+from modeling.hf_export import export_hf
+from testkit import REPO, TINY_MODEL, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
 from training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -66,6 +69,12 @@ def other_tokenizer_manifest(data: Path) -> None:
     (data / "manifest.json").write_text(json.dumps(manifest))
 
 
+def export_cut_short(data: Path) -> None:
+    """An export beside the data whose weights file stops part-way (a copy that was cut off)."""
+    weights = export_hf(GPT(TINY_MODEL), data.parent / "cut_export", gpt2_vocab_and_merges()) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+
+
 # Each case is a launch of its own. What the config itself rejects (a key, a value out of range: parse_config raises
 # before anything is read or written) is one path, walked here by the malformed YAML; tests/training/test_config.py
 # checks each such message.
@@ -79,6 +88,11 @@ CASES = {
     "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
     "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
+    "init_from_cut_short": (
+        export_cut_short,
+        ["--init-from", "{tmp}/cut_export"],
+        r"init_from .*/cut_export: its weights do not load \(SafetensorError: .*\); export the run again",
+    ),
     "only_damaged_checkpoints": (
         None,
         ["--resume", "auto"],

@@ -61,11 +61,25 @@ def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
 def test_generate_cli_prints_the_continuation(tiny_run, capsys):
     generate_main(["--run", str(tiny_run), "--prompt", "Hello", "--max-new-tokens", "5", "--top-k", "0"])
     assert capsys.readouterr().out.startswith("Hello")
-    with pytest.raises(SystemExit, match="--temperature must be >= 0"):
-        generate_main(["--run", str(tiny_run), "--prompt", "Hello", "--temperature", "-1"])
-    # checked before the model loads (which would fail here first)
+    # checked before the model loads (which would fail here first): nan and inf were torch.multinomial's traceback, a
+    # seed past 64 bits torch.Generator's
+    nowhere = ["--run", str(tiny_run / "nowhere")]
+    for value in ("-1", "nan", "inf"):
+        message = rf"--temperature must be a number >= 0 \(0 is greedy decoding\), got {float(value)}$"
+        with pytest.raises(SystemExit, match=message):
+            generate_main([*nowhere, "--temperature", value])
+    with pytest.raises(SystemExit, match=r"--seed must be a whole number from -2\*\*63 to 2\*\*64 - 1, got 2{23}"):
+        generate_main([*nowhere, "--seed", "2" * 23])
     with pytest.raises(SystemExit, match="--max-new-tokens must be positive, got 0"):
-        generate_main(["--run", str(tiny_run / "nowhere"), "--max-new-tokens", "0"])
+        generate_main([*nowhere, "--max-new-tokens", "0"])
+
+
+def test_a_tiny_temperature_samples_the_greedy_text(tiny_run):
+    """logits / 1e-40 overflowed to inf and softmax's nan stopped the sampling; the shifted logits go to -inf
+    instead, all but the likeliest id."""
+    model = load_model(tiny_run)[0]
+    greedy = generate_text(model, "Once upon a time", 8, temperature=0.0)
+    assert generate_text(model, "Once upon a time", 8, temperature=1e-40, seed=5) == greedy
 
 
 @pytest.mark.parametrize("prompt_tokens", [0, 30, 70])  # a new document; within block_size (64); past it
@@ -194,6 +208,32 @@ def test_run_folder_problems_are_one_clear_error(tmp_path, capsys):
     write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(other, 1))
     with pytest.raises(EvalError, match=r"step-00000001 does not fit the model that .*config.yaml describes"):
         load_model(other)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "emptied"])
+def test_a_damaged_checkpoint_or_export_is_one_line_naming_the_others(tmp_path, capsys, damage: str):
+    """A weights file cut short (a copy that stopped, a full disk elsewhere) was safetensors' traceback in evals,
+    evals.generate and training.export (and in train_accel.py's --init-from); now one line naming the checkpoint or
+    export, what the loader said, and another checkpoint of the run to give."""
+    run = new_run(tmp_path / "run")
+    for step in (1, 2):
+        write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(run, step))
+    export = export_hf(GPT(TINY_MODEL), run / "export", gpt2_vocab_and_merges())
+    for weights in (checkpoint_dir(run, 2) / "model.safetensors", export / "model.safetensors"):
+        weights.write_bytes(weights.read_bytes()[: 5000 if damage == "cut short" else 0])
+    line = evals_error(["--run", str(run), "--tasks", "lambada", "--limit", "1"], capsys)
+    assert re.fullmatch(
+        rf"error: {re.escape(str(checkpoint_dir(run, 2)))} does not load \(SafetensorError: .+\): a file of it is "
+        r"damaged; give another of its checkpoints: step-00000001",
+        line,
+    ), line
+    line = evals_error(["--model", str(export), "--tasks", "lambada", "--limit", "1"], capsys)
+    assert re.fullmatch(
+        rf"error: cannot load the export {re.escape(str(export))}: its weights do not load \(\w+: .+\); export the "
+        r"run again \(python -m training.export RUN\) or give another folder",
+        line,
+    ), line
+    assert load_model(run, "step-00000001")[1].endswith("step-00000001 (model.safetensors)")  # the intact one
 
 
 def test_plot_evals_writes_png(tmp_path):
