@@ -109,6 +109,12 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
                     f"(hf download {init_from} --local-dir DIR) and give --init-from DIR"
                 )
             raise ValueError(f"init_from {init_from}: {said}") from None
+        except Exception as err:  # a config.json field transformers' config class refuses (a str for an int)
+            said = " ".join(str(err).split())[:300]
+            raise ValueError(
+                f"init_from {init_from}: its config.json does not load ({type(err).__name__}: {said}); give a "
+                "transformers GPT-2 folder such as a run's export/"
+            ) from None
     else:
         config, source = get_preset(preset), f"the {preset} preset's"
     if block_size is None:

@@ -319,6 +319,11 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
         raise ConfigError(f"{name} may not be empty (null)")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string, not as the float it is
+        try:
+            return float(value)
+        except ValueError:
+            pass
     what = "a whole number or auto" if kind == INT_OR_AUTO else kind.__name__
     if kind is bool and not isinstance(value, bool) or kind is not bool and isinstance(value, bool):
         raise ConfigError(f"{name} must be {what}, got {value!r}")
@@ -340,13 +345,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"run config {path} does not exist; see configs/ for examples")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"run config {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"run config {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"run config {path} must be a mapping of key: value, got {type(values).__name__}")
+    for key in values:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"run config {path}: the key {key!r} is not a name (YAML reads an unquoted number, yes/no, on/off or "
+                "null as a value); use the TrainConfig keys that `python train_accel.py --help` lists"
+            )
     values = {_current_name(key, str(path)): value for key, value in values.items()}
     types_ = _field_types()
     for key in values:

@@ -88,6 +88,11 @@ CASES = {
     "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
     "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
+    "init_from_bad_config": (
+        None,
+        ["--init-from", "{tmp}/gpt2_typo"],
+        r"init_from .*/gpt2_typo: its config.json does not load \(\w+: .*'n_layer'.*\); give a transformers GPT-2",
+    ),
     "init_from_cut_short": (
         export_cut_short,
         ["--init-from", "{tmp}/cut_export"],
@@ -108,6 +113,8 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
     (tmp_path / "bad.yaml").write_text("preset: tiny-cpu\nlr: [1e-3, \n")
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (tmp_path / "gpt2_typo").mkdir()
+    (tmp_path / "gpt2_typo" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "x"}')
     damage, args, message = CASES[case]
     if damage:
         damage(data)

@@ -2,6 +2,7 @@
 per bad input."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -102,6 +103,33 @@ def test_wrong_type_in_yaml(tmp_path):
     run_config = tmp_path / "run.yaml"
     run_config.write_text("max_steps: four\n")
     with pytest.raises(ConfigError, match="max_steps must be int"):
+        load_yaml(run_config)
+
+
+def test_a_float_yaml_reads_as_a_string_is_the_float_written(tmp_path):
+    """YAML 1.1 reads 3e-4 (no dot) as a string; it was `lr must be float, got '3e-4' (str)`."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("lr: 3e-4\nmuon_lr: 2E-2\ndecay_fraction: .3\n")
+    assert load_yaml(run_config) == {"lr": 3e-4, "muon_lr": 0.02, "decay_fraction": 0.3}
+    run_config.write_text("lr: 3e-x\n")
+    with pytest.raises(ConfigError, match=r"^lr must be float, got '3e-x' \(str\)$"):
+        load_yaml(run_config)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (b"1: 2\n", r"the key 1 is not a name \(YAML reads an unquoted number, yes/no, on/off or null as a value\)"),
+        (b"yes: 3\n", r"the key True is not a name"),
+        (b"null: 3\n", r"the key None is not a name"),
+        (b"# caf\xe9 run\nmax_steps: 2\n", r"is not UTF-8 text \(byte 5\); save it as UTF-8$"),
+    ],
+)
+def test_a_yaml_key_that_is_no_name_or_a_file_that_is_no_text_is_one_error(tmp_path, text: bytes, problem: str):
+    """Each was a traceback (difflib on an int key; the decoder's UnicodeDecodeError)."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_bytes(text)
+    with pytest.raises(ConfigError, match=rf"^run config {re.escape(str(run_config))}:? .*{problem}"):
         load_yaml(run_config)
 
 
