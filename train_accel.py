@@ -31,7 +31,7 @@ from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.metrics import StartupClock
 from training.runlock import RunFolderInUse
-from training.signals import StopRequest, grace_period_line, stop_with_the_launcher
+from training.signals import StopRequest, Terminated, grace_period_line, stop_at_once_on_sigterm, stop_with_the_launcher
 from training.step import TrainingAborted, is_out_of_memory
 
 
@@ -156,6 +156,7 @@ def main() -> None:
     # launcher was started with the key ignored, which its children inherit (`make train`: its launcher would die of
     # it with a traceback)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_at_once_on_sigterm()  # docker stop, a SLURM preemption or the launcher's death during the start-up: one line
     cfg, print_only = parse_config()
     if print_only:
         print(config_to_yaml(cfg), end="")
@@ -188,9 +189,12 @@ def run_main() -> None:
         exit_process(1)
     except KeyboardInterrupt as err:  # at start-up, or a second Ctrl-C in training (training.signals.StopRequest)
         # a message of its own where the interrupted work says what it kept (data_prep.prepare.PreparationInterrupted)
-        plain = "interrupted: nothing more was saved; the same command continues from the run's last checkpoint, if any"
+        # Terminated: SIGTERM (also where the preparation of the default corpus said what it kept, its own line)
+        terminated = isinstance(err, Terminated) or isinstance(err.__context__, Terminated)
+        said = "SIGTERM received during the start-up" if terminated else "interrupted"
+        plain = f"{said}: nothing more was saved; the same command continues from the run's last checkpoint, if any"
         report_error(str(err) or plain)
-        exit_process(130)
+        exit_process(143 if terminated else 130)  # 128 + the signal's number, as a shell reports it
     except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
         if not is_out_of_memory(err):
             raise

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from evals.data import provision
 from testkit import (
     REPO,
     copy_isa_probes,
@@ -413,6 +414,34 @@ def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_i
         f"interrupted: {tmp_path / 'data' / 'default'} is unchanged; the books prepared so far are kept in {build}, "
         "and the same command resumes from there"
     )
+
+
+@pytest.mark.parametrize("during", ["the default corpus's preparation", "the step-0 eval"])
+def test_sigterm_at_start_up_ends_with_one_line(prepared_books, tmp_path, during: str):
+    """docker stop, a SLURM preemption or the launcher's death (training.signals.stop_with_the_launcher) before the
+    train loop takes the signal over: the run stopped without a word (SIGTERM's default action); now it stops at
+    once as at a Ctrl-C there, with one line (the preparation's own, saying what it kept), exit status 143."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--max-steps", "2",
+           "--out-dir", str(run_dir)]  # fmt: skip
+    if during == "the step-0 eval":  # HellaSwag's whole validation set: minutes for this model on two cores
+        provision()
+        cmd += ["--data-dir", str(prepared_books), "--eval-tasks", "hellaswag"]
+        proc = start_until(cmd, (run_dir / "config.yaml").is_file, cwd=tmp_path)
+    else:  # the default corpus in a fresh folder, once its first batch of books is written
+        proc = start_until(cmd, (tmp_path / "data" / ".default.build" / "progress.json").is_file, cwd=tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    screen, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in screen, screen[-3000:]
+    last = screen.strip().splitlines()[-1]
+    if during == "the step-0 eval":
+        assert last == (
+            "SIGTERM received during the start-up: nothing more was saved; the same command continues from the run's "
+            "last checkpoint, if any"
+        )
+        assert not (run_dir / "checkpoints").exists()
+    else:
+        assert last.startswith(f"interrupted: {tmp_path / 'data' / 'default'} is unchanged; the books prepared so far")
 
 
 @pytest.fixture
