@@ -257,9 +257,14 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     if cfg.resume != "auto":
         path = Path(cfg.resume)
         if not (path.is_dir() and is_checkpoint_dir(path)):
+            # the checkpoints of the run folder (or the checkpoints/ folder) given, else of out_dir
+            given = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
+            lower = cfg.resume.lower()
+            word = f" (the words are lowercase: {lower})" if lower in ("auto", "never") else ""
             raise FileNotFoundError(
-                f"--resume {cfg.resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN); "
-                f"complete ones in {run_dir}: {[str(p) for p in list_checkpoints(run_dir)] or 'none'}"
+                f"--resume {cfg.resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN, or auto or "
+                f"never){word}; complete ones in {given or run_dir}: "
+                f"{[str(p) for p in list_checkpoints(given or run_dir)] or 'none'}"
             )
         damage = checkpoint_damage(path)
         if damage:
