@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from bench import peer
-from bench.measure import untimed_bf16
+from bench.measure import at_least, untimed_bf16
 from bench.report import report_folder, save_report
 from bench.rungs import REPO, checked_launch
 from data_prep import DataPrepError
@@ -181,7 +181,12 @@ def recipe_config(args: argparse.Namespace, name: str, flags: str | None, seed: 
     """The TrainConfig a recipe trains for this seed; ConfigError for flags it does not take."""
     out_dir = args.out / "runs" / f"{name}-seed{seed}"
     base = ["--config", str(args.config)] if args.config else []
-    argv = [*base, *shlex.split(flags or ""), *shlex.split(args.set)]
+    argv = list(base)
+    for what, text in ((f"recipe {name}'s flags", flags or ""), ("--set", args.set)):
+        try:
+            argv += shlex.split(text)
+        except ValueError as err:  # shlex's: an unclosed quote
+            raise ConfigError(f"{what} {text!r}: {str(err).lower()}") from None
     argv += [*shlex.split(QUIET), "--seed", str(seed), "--out-dir", str(out_dir)]
     try:
         return parse_config(argv)[0]
@@ -310,7 +315,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe", type=parse_recipe, action="append", help="today, default, build-nanogpt or NAME=FLAGS (repeat)"
     )
-    p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (0, 1, ...)")
+    p.add_argument("--seeds", type=at_least(1), default=3, help="seeds per recipe (0, 1, ...)")
     p.add_argument(
         "--config", type=Path, default=None, help="the recipes' base (default: cpu_small.yaml; none on CUDA)"
     )
@@ -325,13 +330,18 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--peer-dir", type=Path, default=None, help="a build-nanogpt checkout (its recipe is skipped without)"
     )
-    p.add_argument("--eval-every", type=int, default=5, help="optimizer steps between val losses")
+    p.add_argument("--eval-every", type=at_least(1), default=5, help="optimizer steps between val losses")
     p.add_argument(
-        "--until-tokens", type=int, default=None, help="stop every recipe here (its lr schedule still spans its steps)"
+        "--until-tokens",
+        type=at_least(1),
+        default=None,
+        help="stop every recipe here (its lr schedule still spans its steps)",
     )
     p.add_argument("--baseline", default="today", help="the recipe --target and --budget-tokens default to")
     p.add_argument("--target", type=float, default=None, help="val loss to reach (default: the baseline's final)")
-    p.add_argument("--budget-tokens", type=int, default=None, help="token budget (default: the baseline's tokens)")
+    p.add_argument(
+        "--budget-tokens", type=at_least(1), default=None, help="token budget (default: the baseline's tokens)"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/time_to_loss"), help="results folder")
     return p
 
@@ -351,8 +361,6 @@ def main(argv: list[str] | None = None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(raw)
     recipes = args.recipe or [parse_recipe(r) for r in ("today", "default", PEER)]
-    if args.seeds < 1 or args.eval_every < 1:
-        raise SystemExit("error: --seeds and --eval-every must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     speeds = cpu_matmul_speeds() if device.type == "cpu" else None  # ~1 s: the CPU's precision and the peer's
     script = peer.peer_script(args.peer_dir)

@@ -65,6 +65,26 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
 
 
 @pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--set", "'unclosed"], 'error: recipe today: --set "\'unclosed": no closing quotation'),
+        (["--recipe", "m=--lr '3e-3"], "error: recipe m: recipe m's flags \"--lr '3e-3\": no closing quotation"),
+        (["--until-tokens", "0"], "error: argument --until-tokens: must be at least 1, got 0"),
+        (["--budget-tokens", "-1"], "error: argument --budget-tokens: must be at least 1, got -1"),
+        (["--seeds", "0"], "error: argument --seeds: must be at least 1, got 0"),
+    ],
+)
+def test_bad_flags_are_one_error_before_anything_trains(tmp_path, capsys, flags, line):
+    """An unclosed quote was shlex's traceback; --until-tokens 0 trained every recipe, then divided by zero."""
+    argv = ["--recipe", "today", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(tmp_path / "ttl")]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *flags])
+    said = exc.value.code if isinstance(exc.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(line), said
+    assert not (tmp_path / "ttl").exists()
+
+
+@pytest.mark.parametrize(
     ("yaml", "line"),
     [
         # accelerate's FileNotFoundError traceback, before
