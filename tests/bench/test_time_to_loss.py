@@ -67,8 +67,8 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
 @pytest.mark.parametrize(
     ("flags", "line"),
     [
-        (["--set", "'unclosed"], 'error: recipe today: --set "\'unclosed": no closing quotation'),
-        (["--recipe", "m=--lr '3e-3"], "error: recipe m: recipe m's flags \"--lr '3e-3\": no closing quotation"),
+        (["--set", "'unclosed"], 'error: --set "\'unclosed": no closing quotation'),
+        (["--recipe", "m=--lr '3e-3"], "error: recipe m's flags \"--lr '3e-3\": no closing quotation"),
         (["--until-tokens", "0"], "error: argument --until-tokens: must be at least 1, got 0"),
         (["--budget-tokens", "-1"], "error: argument --budget-tokens: must be at least 1, got -1"),
         (["--seeds", "0"], "error: argument --seeds: must be at least 1, got 0"),
