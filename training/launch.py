@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 # How long torchrun's rendezvous waits for every machine by default, and its --rdzv_conf key, by --rdzv_backend
 RENDEZVOUS_WAIT_S = 600
 RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
@@ -78,8 +80,8 @@ class Machines:
             return None
         try:
             config = load_config_from_file(args.config_file)
-        except (FileNotFoundError, ValueError, TypeError):
-            return None
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return None  # launch_command reports it (main)
         count = args.num_machines or getattr(config, "num_machines", 1)
         if count <= 1:
             return None
@@ -171,6 +173,16 @@ def main() -> None:
         # accelerate's own checks of the YAML and flags before it starts the run (a config file not found, FP8
         # without its library, flags that contradict each other): its message, as one line
         print(f"error: accelerate launch: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (yaml.YAMLError, TypeError, AttributeError) as err:
+        # a launch YAML accelerate's loader cannot take (not YAML, a list, a word where a number goes)
+        print(
+            f"error: accelerate launch: the launch YAML {args.config_file or '(accelerate config default)'} cannot be "
+            f"read ({type(err).__name__}: {' '.join(str(err).split())}); write one with `accelerate config`, or start "
+            "from accelerate_configs/",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
 
 

@@ -178,6 +178,9 @@ def test_a_compiling_launch_on_a_machine_without_a_cpp_compiler_stops_at_start_u
         ("nowhere.yaml", r"error: accelerate launch: The passed configuration file `.*nowhere.yaml` does not exist"),
         # accelerate refuses it where neither Transformer Engine nor torchao is installed, the run where one is
         ("fp8.yaml", r"error: .*(FP8 is not available on this machine|mixed_precision: fp8)"),
+        # tracebacks before: PyYAML's, and accelerate's loader's on a list
+        ("broken.yaml", r"error: accelerate launch: the launch YAML .*broken.yaml cannot be read \(ParserError: "),
+        ("list.yaml", r"error: accelerate launch: the launch YAML .*list.yaml cannot be read \(AttributeError: "),
     ],
 )
 def test_what_accelerate_refuses_before_the_run_is_one_line_from_the_launcher(tmp_path, yaml, message):
@@ -186,6 +189,8 @@ def test_what_accelerate_refuses_before_the_run_is_one_line_from_the_launcher(tm
     (tmp_path / "fp8.yaml").write_text(
         "distributed_type: 'NO'\nmixed_precision: fp8\nuse_cpu: true\nnum_processes: 1\n"
     )
+    (tmp_path / "broken.yaml").write_text("compute_environment: [\n")
+    (tmp_path / "list.yaml").write_text("- distributed_type: 'NO'\n")
     cmd = [sys.executable, "-m", "training.launch", "-q", "--config_file", str(tmp_path / yaml), str(TRAIN_ACCEL)]
     result = run(cmd, expect_rc=1)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
