@@ -142,6 +142,16 @@ def check_model_card(config: dict) -> None:
 WHOAMI_TIMEOUT_S = 30.0
 
 
+def check_repo_id(repo_id: str, flag: str) -> None:
+    """HubError for a repository id the Hub would refuse, before anything is written or asked."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise HubError(f"{flag} {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
+
+
 def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAMI_TIMEOUT_S) -> str | None:
     """Raise now, as one HubError, what would stop push(repo_id) at the end of the run: a malformed repo id, no
     token, or what the Hub says of the token (one whoami call): refused (expired, revoked), read-only, fine-grained
@@ -150,12 +160,8 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
     Returns a note where the Hub answered without saying (a rate limit, a server error): the push is then tried at
     the end."""
     from huggingface_hub import constants
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise HubError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
+    check_repo_id(repo_id, "--push-to-hub")
     token = require_token()
     try:
         answer = _whoami(token, timeout)
@@ -457,6 +463,9 @@ def push(
     from huggingface_hub import HfApi
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise HubError(f"run folder {run_dir} does not exist; give the folder a run trained in (its out_dir)")
+    check_repo_id(repo_id, "--repo-id")  # before the model card is written for it
     token = require_token(token)
     write_model_card(run_dir, repo_id)
     api = HfApi(token=token)

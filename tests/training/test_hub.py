@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 import time
 
@@ -252,6 +253,23 @@ def test_push_without_token_is_a_clear_error(finished_run, tmp_path, monkeypatch
     assert main([str(finished_run), "--repo-id", "someone/tiny-books"]) == 1
     assert "no Hugging Face token found: run `hf auth login` or set HF_TOKEN" in capsys.readouterr().err
     assert tree_hashes(finished_run) == before  # checked before anything is written
+
+
+def test_push_of_a_malformed_repo_id_or_no_run_folder_is_a_clear_error_before_anything_is_written(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    """The repo id was checked by the upload, after the model card was written for it; a missing run folder was
+    "holds no transformers export: train with --export-hf true first"."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    before = tree_hashes(finished_run)
+    assert main([str(finished_run), "--repo-id", "bad id!!"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: --repo-id 'bad id!!' is not a Hub repository id \(.*\); use you/name\n", err), err
+    assert tree_hashes(finished_run) == before
+    assert main([str(tmp_path / "nowhere"), "--repo-id", "someone/tiny-books"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: run folder {tmp_path / 'nowhere'} does not exist; give the folder a run trained in (its out_dir)\n"
+    )
 
 
 def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch):
