@@ -97,6 +97,15 @@ def prepare(
             f"{val_fraction=}, {num_proc=}"
         )
     parse_spec(source)  # reject a malformed spec before touching anything
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_proc > cpus:  # a fork-started pool starts every worker at once: 100,000 of them stalled the machine
+        log.warning(
+            "warning: --num-proc %d is more than the %d CPUs this process may use: tokenizing on %d",
+            num_proc,
+            cpus,
+            cpus,
+        )
+        num_proc = cpus
     out = Path(out_dir).absolute()
     _check_out_dir(out)
     get_encoding()  # fail early (before reading inputs) if the tokenizer can't be provisioned

@@ -3,6 +3,7 @@ bad files, and a preparation stopped by Ctrl-C and by SIGKILL that resumes to by
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -193,6 +194,23 @@ def test_binary_and_unreadable_files_are_one_clear_error(tmp_path):
     with pytest.raises(DataPrepError, match=r"cannot read .*locked.txt \(Permission denied\)"):
         prepare(f"files:{books}", tmp_path / "data")
     assert not (tmp_path / "data").exists() and not (tmp_path / ".data.build").exists()
+
+
+@pytest.mark.slow  # worker processes
+def test_more_processes_than_cpus_tokenize_on_the_cpus_alike(tmp_path, caplog):
+    """A fork-started pool starts all its workers at once: --num-proc 100000 stalled the machine for one book."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"{i}.txt").write_text(f"Book {i}. " * 200, encoding="utf-8")
+    serial = prepare(f"files:{books}", tmp_path / "serial").parent
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        many = prepare(f"files:{books}", tmp_path / "many", num_proc=100_000).parent
+    said = f"warning: --num-proc 100000 is more than the {cpus} CPUs this process may use: tokenizing on {cpus}"
+    assert said in caplog.messages
+    shards = [{p.name: p.read_bytes() for p in out.glob("*.bin")} for out in (many, serial)]
+    assert shards[0] == shards[1] and shards[0]
 
 
 def _library(folder: Path, books: int = 48) -> Path:
