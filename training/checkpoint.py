@@ -202,8 +202,21 @@ def _saved_config(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     now = {f.name for f in dataclasses.fields(TrainConfig)}
+    what = f"{path}, the run config it was saved with,"
+    mend = "restore it from a copy, or start afresh with --resume never"
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{what} does not read as YAML ({' '.join(str(err).split())}); {mend}") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{what} is not a mapping of key: value; {mend}")
     # resume is this launch's choice, not the run's (and older runs wrote '' there)
-    return {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k in now and k != "resume"}
+    saved = {k: v for k, v in values.items() if k in now and k != "resume"}
+    try:
+        TrainConfig(**saved)
+    except (ConfigError, TypeError) as err:
+        raise CheckpointError(f"{what[:-1]}: {err}; {mend}") from None
+    return saved
 
 
 def _shape(cfg: TrainConfig) -> str:

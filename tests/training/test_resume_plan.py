@@ -117,6 +117,32 @@ def test_checkpoints_without_a_manifest_resume_unless_a_file_does_not_load(tmp_p
     assert plan_resume(config(run_dir, resume="never")) == (None, [])
 
 
+@pytest.mark.parametrize(
+    ("where", "text", "said"),
+    [
+        ("checkpoint", "max_steps: [\n", r" does not read as YAML \(while parsing"),
+        ("checkpoint", "max_steps: -1\n", r": max_steps must be >= 1, got -1"),
+        ("run folder", "- preset: tiny-cpu\n", r" is not a mapping of key: value"),
+    ],
+)
+def test_a_saved_run_config_that_does_not_read_is_one_error_naming_it(tmp_path, where, text, said):
+    """A checkpoint saved before manifests (nothing hashes its config.yaml) or a run folder's config.yaml edited by
+    hand: PyYAML's or AttributeError's traceback, or the config's own complaint as if about this launch's flags."""
+    run_dir = tmp_path / "run"
+    checkpoint = fake_checkpoint(run_dir, 2, manifest=False)
+    if where == "run folder":
+        (checkpoint / "config.yaml").unlink()  # an older checkpoint: the run folder's config.yaml says
+    path = (checkpoint if where == "checkpoint" else run_dir) / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(CheckpointError) as err:
+        plan_resume(config(run_dir, max_steps=4))
+    assert re.fullmatch(
+        rf"{re.escape(str(path))},? the run config it was saved with,?{said}.*; restore it from a copy, or start "
+        r"afresh with --resume never",
+        str(err.value),
+    ), err.value
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save on one process, as intended here
 def test_a_sharded_checkpoint_without_a_manifest_is_damaged_when_a_shard_is_short_or_missing(tmp_path):
     """FSDP2's torch.distributed.checkpoint folders, saved before manifests: .metadata says which bytes of which
