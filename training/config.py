@@ -253,6 +253,9 @@ class TrainConfig:
         for name, valid in choices:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
+        for name, example in (("out_dir", "runs/mine"), ("data_dir", "data/mybooks")):
+            if not getattr(self, name).strip():  # '' is the working folder: no run or corpus should be mixed in there
+                raise ConfigError(f"{name} may not be empty: give a folder, e.g. --{name.replace('_', '-')} {example}")
         if not self.resume:  # '' meant 'do not resume' before auto became the default
             raise ConfigError(f"resume must be auto, never or a checkpoint folder, got {self.resume!r}")
         if not 0 <= self.seed < 2**32:

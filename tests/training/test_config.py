@@ -135,6 +135,8 @@ def test_a_yaml_key_that_is_no_name_or_a_file_that_is_no_text_is_one_error(tmp_p
 
 BAD_VALUES = {
     "preset": ("gpt5", r"Unknown model preset 'gpt5'.* Valid presets: gpt2-124m"),
+    "out_dir": ("", r"out_dir may not be empty: give a folder, e.g. --out-dir runs/mine"),
+    "data_dir": (" ", r"data_dir may not be empty: give a folder, e.g. --data-dir data/mybooks"),
     "micro_batch_size": (0, r"micro_batch_size must be >= 1, got 0"),
     "keep_checkpoints": (0, r"keep_checkpoints must be >= 1, got 0: the newest checkpoint is the run's resumable"),
     "warmup_steps": (-1, r"warmup_steps must be >= 0"),
