@@ -54,7 +54,7 @@ from data_prep.sources import (
     source_licenses,
 )
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
-from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
+from modeling.disk import DiskFull, cannot_write, disk_full_reported
 
 log = logging.getLogger(__name__)
 
@@ -532,8 +532,8 @@ def _shortfall(build: Path, state: dict[str, Any]) -> str | None:
 
 def _check_out_dir(out: Path) -> None:
     # Written by replacing it (renames in its parent), and locked there: fail before any work where that cannot be
-    if (folder := unwritable_folder(out)) is not None:
-        raise DataPrepError(f"cannot write {out}: {folder} is not writable by this user; choose another --out")
+    if (why := cannot_write(out)) is not None:
+        raise DataPrepError(f"cannot write {out}: {why}; choose another --out")
     # The output dir is replaced wholesale, so never take over a folder we did not create.
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
         raise DataPrepError(

@@ -24,7 +24,7 @@ from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
-from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
+from modeling.disk import DiskFull, cannot_write, disk_full_reported
 from modeling.runtime import dtype_name, exit_process, finish, joined, report_error, set_up_compute
 
 
@@ -58,8 +58,8 @@ def check_json_path(path: str | None) -> None:
         raise EvalError(f"--json {path} is a folder; pass a file path such as {Path(path) / 'evals.json'}")
     if not Path(path).parent.is_dir():
         raise EvalError(f"--json {path}: the folder {Path(path).parent} does not exist; create it or pass another path")
-    if (folder := unwritable_folder(path)) is not None:
-        raise EvalError(f"--json {path}: {folder} is not writable by this user; pass another path")
+    if (why := cannot_write(path)) is not None:
+        raise EvalError(f"--json {path}: {why}; pass another path")
 
 
 def main(argv: list[str] | None = None) -> None:

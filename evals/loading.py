@@ -42,7 +42,7 @@ def load_model(
         return _from_export(Path(export)).eval(), f"export {export}"
     run = Path(run)
     if not run.is_dir():
-        raise EvalError(f"run folder {run} does not exist")
+        raise EvalError(f"run folder {run} {'is a file' if run.exists() else 'does not exist'}")
     if checkpoint is None:
         found = list_checkpoints(run)
         if not found and (run / "export").is_dir():

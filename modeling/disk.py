@@ -54,6 +54,15 @@ def unwritable_folder(path: str | Path) -> Path | None:
         return folder
 
 
+def cannot_write(path: str | Path) -> str | None:
+    """Why `path` cannot be written (unwritable_folder's folder: "F is a file" where a file stands in the way, else
+    "F is not writable by this user"), or None where it can."""
+    folder = unwritable_folder(path)
+    if folder is None:
+        return None
+    return f"{folder} is a file" if folder.is_file() else f"{folder} is not writable by this user"
+
+
 def is_disk_full(err: BaseException, path: str | Path, need: int = 0) -> bool:
     """Whether `err`, raised while writing `path`, is a full disk: ENOSPC (or a full quota) in it or in what caused
     it, as an OSError or in the text of another library's error, or fewer than `need` bytes now free there."""

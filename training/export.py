@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from data_prep.tokenizer import gpt2_vocab_and_merges
-from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
+from modeling.disk import DiskFull, cannot_write, disk_full_reported
 from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint
 
 
@@ -27,7 +27,7 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     (default RUN/export-<checkpoint name>), written whole or not at all (modeling.hf_export.export_hf)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunError(f"run folder {run_dir} does not exist")
+        raise RunError(f"run folder {run_dir} {'is a file' if run_dir.exists() else 'does not exist'}")
     found = list_checkpoints(run_dir)
     if checkpoint is None and not found:
         raise RunError(f"{run_dir} has no checkpoint (checkpoints/step-NNNNNNNN/) to export")
@@ -35,8 +35,10 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     out = Path(out) if out is not None else run_dir / f"export-{path.name}"
     if out.exists():
         raise RunError(f"{out} already exists; remove it or choose another --out")
-    if (folder := unwritable_folder(out)) is not None:  # before loading the checkpoint, not after
-        raise RunError(f"cannot write {out}: {folder} is not writable by this user; choose another --out")
+    if (run_dir / "checkpoints").resolve() in out.resolve().parents:
+        raise RunError(f"{out} is in the run's checkpoints/, where a resume takes it for one; choose another --out")
+    if (why := cannot_write(out)) is not None:  # before loading the checkpoint, not after
+        raise RunError(f"cannot write {out}: {why}; choose another --out")
     model, source = load_checkpoint(run_dir, path)
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 

@@ -33,15 +33,19 @@ def test_export_of_an_older_checkpoint_has_its_weights(tiny_run):
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("argv", "message"),
     [
-        (["--checkpoint", "step-00000009"], r"checkpoint .*step-00000009 does not exist; .* has step-00000001, step-"),
-        (["--out", "{run}/checkpoints"], r".*checkpoints already exists; remove it or choose another --out"),
+        (["{run}", "--checkpoint", "step-00000009"], r"checkpoint .*step-00000009 does not exist; .* has step-0000000"),
+        (["{run}", "--out", "{run}/checkpoints"], r".*checkpoints already exists; remove it or choose another --out"),
+        # a folder evals and a resume would then take for the run's newest checkpoint
+        (["{run}", "--out", "{run}/checkpoints/step-00000009"], r".*step-00000009 is in the run's checkpoints/, where"),
+        (["{run}", "--out", "{run}/config.yaml/x"], r"cannot write .*/x: .*config.yaml is a file; choose another"),
+        (["{run}/config.yaml"], r"run folder .*config.yaml is a file$"),
     ],
 )
-def test_bad_arguments_are_one_clear_error(tiny_run, args, message):
+def test_bad_arguments_are_one_clear_error(tiny_run, argv, message):
     with pytest.raises(SystemExit, match=f"^error: {message}"):
-        export_main([str(tiny_run), *(a.format(run=tiny_run) for a in args)])
+        export_main([a.format(run=tiny_run) for a in argv])
 
 
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_checkpoint_loads(tiny_run, tmpfs, monkeypatch):
