@@ -122,7 +122,11 @@ def markdown_table(presets: list[str], gpus: int, micro_batch_size: int, optimiz
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m training.memory_table",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (the total over machines)")
     parser.add_argument(
         "--micro-batch-size", type=int, default=TrainConfig.micro_batch_size, help="sequences per GPU per forward"
@@ -134,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.micro_batch_size < 1:
         parser.error("--gpus and --micro-batch-size must be >= 1")
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    presets = list(dict.fromkeys(p.strip() for p in args.presets.split(",") if p.strip()))  # each once, in order
+    if not presets:
+        parser.error(f"--presets names no preset; give a comma list of: {', '.join(PRESETS)}")
     for preset in presets:
         try:
             get_preset(preset)

@@ -10,6 +10,7 @@ YAML stays the one place precision is set.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from training.compile_cache import EAGER_YAML, cpp_compiler, no_cpp_compiler
@@ -34,7 +35,13 @@ def pick(tflops: dict[str, float]) -> tuple[str, str]:
     return CPU_YAML[mixed_precision], f"precision: {dtype_name(mixed_precision)} ({CPU_YAML[mixed_precision]}): {why}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # no options: --help says what it does, and anything else is argparse's one line (it was timed and ignored)
+    argparse.ArgumentParser(
+        prog="python -m training.pick_cpu_config",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     if cpp_compiler() is None:
         yaml, line = EAGER_YAML, f"precision: fp32, no compile ({EAGER_YAML}): {no_cpp_compiler()} for faster steps"
     else:

@@ -84,7 +84,7 @@ def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_
     # dynamo's eager and aot_eager backends build nothing: the ISA is not picked, the cache folder stays the user's
     assert set_up_compile_cache(CPU) is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     # make train launches the YAML that does not compile, and says why
-    pick_cpu_config()
+    pick_cpu_config([])
     out, err = capsys.readouterr()
     assert out == "accelerate_configs/cpu_eager.yaml\n"
     assert err.startswith("precision: fp32, no compile (accelerate_configs/cpu_eager.yaml): torch.compile builds C++")

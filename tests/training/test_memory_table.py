@@ -95,3 +95,19 @@ def test_cli_rejects_unknown_presets(capsys):
     with pytest.raises(SystemExit):
         main(["--presets", "gpt2-125m"])
     assert "Did you mean 'gpt2-124m'?" in capsys.readouterr().err
+
+
+def test_cli_takes_each_preset_once_and_refuses_none(capsys):
+    """--presets '' printed a table of no rows; a preset named twice, its rows twice."""
+    main(["--presets", "tiny-cpu, tiny-cpu,"])
+    assert capsys.readouterr().out.count("| tiny-cpu |") == 4  # one row per engine
+    with pytest.raises(SystemExit):
+        main(["--presets", ","])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "python -m training.memory_table: error: --presets names no preset; give a comma list of: gpt2-124m, "
+        )
+    )

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from testkit import REPO, run
+from training import pick_cpu_config
 from training.metrics import CPU_YAML
 from training.pick_cpu_config import choose, main
 
@@ -31,7 +32,7 @@ def test_bf16_only_where_its_matmuls_are_clearly_faster():
 
 
 def test_prints_the_yaml_it_picks_here_and_one_line_why(capsys):
-    main()
+    main([])
     out, err = capsys.readouterr()
     path = out.strip()
     assert out == path + "\n" and path in CPU_YAML.values() and (REPO / path).is_file()
@@ -47,3 +48,13 @@ def test_a_cpu_without_native_bf16_gets_fp32():
     result = run([sys.executable, "-m", "training.pick_cpu_config"], env=env)
     assert result.stdout == "accelerate_configs/cpu.yaml\n"
     assert result.stderr.startswith("precision: fp32 (accelerate_configs/cpu.yaml): this CPU has no native bf16")
+
+
+def test_an_argument_is_argparses_error_before_the_timing(capsys, monkeypatch):
+    """It took no options and ignored any (`--help` timed the matmuls and printed a YAML path)."""
+    monkeypatch.setattr(pick_cpu_config, "cpu_matmul_speeds", None)  # never reached
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "python -m training.pick_cpu_config: error: unrecognized arguments: --bogus"
