@@ -124,6 +124,8 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
             raise DataPrepError(f"unknown source kind {kind!r} in source {spec!r}; use one of: {SPEC_HELP}")
         if kind not in OPTIONAL_ARGUMENT and not arg:
             raise DataPrepError(f"source {part.strip()!r} needs an argument; use one of: {SPEC_HELP}")
+        if kind == "hf" and arg.count(":") > 2:  # found only once the dataset was downloaded, as a missing column
+            raise DataPrepError(f"source {part.strip()!r} has more parts than hf:DATASET:SPLIT:COLUMN; drop the rest")
         if kind == "hf" and arg.partition(":")[0].strip("/").lower() in PG19_NAMES:
             # datasets would download every split and keep an Arrow copy of train (~11.5 GB beside the ~7 GB of
             # parquet), and PG-19's validation and test books would be trained on or dropped

@@ -93,11 +93,16 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
         ("default+pdf:x.pdf", "unknown source kind 'pdf'"),
         ("files:", "source 'files:' needs an argument"),
         ("gutenberg:12a", r"\['12a'\] are not Project Gutenberg book numbers"),
+        # the column 'text:body' was found missing only after the dataset was downloaded
+        ("hf:shelf/books:train:text:body", r"'hf:shelf/books:train:text:body' has more parts than hf:DATASET:SPLIT:"),
     ],
 )
 def test_bad_specs(spec, message):
     with pytest.raises(DataPrepError, match=message):
         list(iter_documents(spec))
+    if not spec.startswith("gutenberg:"):  # the ids are checked as the books are listed
+        with pytest.raises(DataPrepError, match=message):  # before anything is listed, downloaded or made
+            parse_spec(spec)
 
 
 def test_files_errors(tmp_path):
