@@ -97,9 +97,8 @@ def ensure_writable(run_dir: str | Path) -> None:
         with tempfile.TemporaryFile(dir=run_dir):  # a unique name: every rank probes the same folder at once
             pass
     except OSError as err:
-        raise NotADirectoryError(
-            f"out_dir {run_dir} is not writable ({err.strerror}); choose another --out-dir"
-        ) from None
+        said = "is a file" if run_dir.is_file() else f"is not writable ({err.strerror})"
+        raise NotADirectoryError(f"out_dir {run_dir} {said}; choose another --out-dir") from None
 
 
 MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}

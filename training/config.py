@@ -346,7 +346,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a run-config YAML into a dict of TrainConfig fields, with one clear error per problem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"run config {path} does not exist; see configs/ for examples")
+        said = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"run config {path} {said}; give a YAML file (configs/ holds examples)")
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:

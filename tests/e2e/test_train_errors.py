@@ -86,6 +86,7 @@ CASES = {
     "other_tokenizer": (other_tokenizer_manifest, [], r"tokenized with 'cl100k_base'"),
     "block_size_over_preset": (None, ["--block-size", "128"], r"block_size=128 exceeds the tiny-cpu preset's 64"),
     "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
+    "out_dir_a_file": (None, ["--out-dir", "{tmp}/bad.yaml"], r"out_dir .*bad.yaml is a file; choose another"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
     "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
     "init_from_bad_config": (

@@ -92,6 +92,13 @@ def test_unknown_flag_names_it_and_suggests():
         parse_config(["--warmup-step", "3"])
 
 
+def test_a_run_config_that_is_no_file_says_which(tmp_path):
+    with pytest.raises(ConfigError, match=r"^run config .* is a folder; give a YAML file \(configs/ holds examples\)$"):
+        load_yaml(tmp_path)
+    with pytest.raises(ConfigError, match=r"^run config .*nowhere.yaml does not exist; give a YAML file"):
+        load_yaml(tmp_path / "nowhere.yaml")
+
+
 def test_malformed_yaml_says_where(tmp_path):
     run_config = tmp_path / "run.yaml"
     run_config.write_text("lr: [1, 2\nseed: 3\n")
