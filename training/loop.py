@@ -127,6 +127,18 @@ def memorization_warning(cfg: TrainConfig, train_tokens: int) -> str | None:
     )
 
 
+def warmup_warning(cfg: TrainConfig) -> str | None:
+    """One warning line when the lr warmup is as long as the run (at most its steps, for a time budget): its lr
+    never reaches the peak the run config names, and a schedule's decay never starts. None otherwise."""
+    steps = cfg.total_steps()
+    if cfg.warmup_steps < steps:
+        return None
+    return (
+        f"warning: warmup_steps {cfg.warmup_steps} is not below the run's {steps} steps: the lr never reaches its "
+        f"peak ({cfg.lr:g}) nor decays; give --warmup-steps below {steps}, or more steps"
+    )
+
+
 def due(interval: int, step: int, last: bool) -> bool:
     """The one cadence test: every `interval` optimizer steps and at the last one; interval 0 turns it off."""
     return bool(interval) and (step % interval == 0 or last)
@@ -265,9 +277,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
-    warning = memorization_warning(cfg, manifest.num_tokens("train"))
-    if warning:
-        accelerator.print(warning)
+    for warning in (memorization_warning(cfg, manifest.num_tokens("train")), warmup_warning(cfg)):
+        if warning:
+            accelerator.print(warning)
     startup.lap("data")
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.

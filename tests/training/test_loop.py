@@ -23,6 +23,7 @@ from training.loop import (
     optimizer_for_engine,
     setup,
     trainer_for,
+    warmup_warning,
     window_loss_sum,
 )
 from training.metrics import read_metrics
@@ -72,14 +73,24 @@ def test_a_run_past_four_epochs_of_its_train_split_is_warned_once_with_the_comma
     )
 
 
-def test_setup_prints_the_memorization_warning_once(prepared_books, tmp_path, capsys):
+def test_a_warmup_as_long_as_the_run_is_warned():
+    """--warmup-steps 1000 in a 2-step run trained at a sliver of its lr with no word."""
+    assert warmup_warning(TrainConfig(max_steps=20, warmup_steps=19)) is None
+    assert warmup_warning(TrainConfig(max_steps=20, warmup_steps=20, lr=3e-3)) == (
+        "warning: warmup_steps 20 is not below the run's 20 steps: the lr never reaches its peak (0.003) nor decays; "
+        "give --warmup-steps below 20, or more steps"
+    )
+    assert "not below the run's 2 steps" in warmup_warning(TrainConfig(max_tokens=2, total_batch_tokens=1))
+
+
+def test_setup_prints_each_warning_once(prepared_books, tmp_path, capsys):
     cfg = TrainConfig(
         preset="tiny-cpu", data_dir=str(prepared_books), out_dir=str(tmp_path / "run"), micro_batch_size=2,
-        total_batch_tokens=256, max_steps=5000, peak_tflops=1.0, export_hf=False,
+        total_batch_tokens=256, max_steps=5000, warmup_steps=5000, peak_tflops=1.0, export_hf=False,
     )  # fmt: skip
     setup(cfg)  # 1.28M tokens over ~117k train tokens
-    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: this run plans")]
-    assert line == memorization_warning(cfg, load_manifest(prepared_books).num_tokens("train"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert lines == [memorization_warning(cfg, load_manifest(prepared_books).num_tokens("train")), warmup_warning(cfg)]
 
 
 def test_val_loss_is_the_mean_over_the_set_on_one_or_two_ranks(prepared_books, tiny_gpt):
