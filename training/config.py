@@ -342,6 +342,24 @@ def _unknown_key(key: str, source: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}' in {source}{hint}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (lines {seen[key]} and {key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a run-config YAML into a dict of TrainConfig fields, with one clear error per problem."""
     path = Path(path)
@@ -349,7 +367,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         said = "is a folder" if path.is_dir() else "does not exist"
         raise ConfigError(f"run config {path} {said}; give a YAML file (configs/ holds examples)")
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}  # a SafeLoader
     except UnicodeDecodeError as err:
         raise ConfigError(f"run config {path} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     except yaml.YAMLError as err:

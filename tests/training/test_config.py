@@ -106,6 +106,14 @@ def test_malformed_yaml_says_where(tmp_path):
         load_yaml(run_config)
 
 
+def test_a_key_given_twice_is_one_error_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two `lr:` lines without a word: an edit that seemed to change the lr did not."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("lr: 1e-3\nseed: 2\nlr: 2e-3\n")
+    with pytest.raises(ConfigError, match=r"at line 3, column 1: key 'lr' is given twice \(lines 1 and 3\); keep one$"):
+        load_yaml(run_config)
+
+
 def test_wrong_type_in_yaml(tmp_path):
     run_config = tmp_path / "run.yaml"
     run_config.write_text("max_steps: four\n")
