@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.config import get_preset
+from modeling.config import PRESETS, get_preset
 from modeling.gpt import GPT
-from training.memory_table import GIB, activation_bytes, main, param_counts, state_bytes
+from testkit import REPO
+from training.memory_table import GIB, activation_bytes, main, markdown_table, param_counts, state_bytes
 from training.optim import build_optimizer
 
 # 124,475,904 = wte 50,304×768 + wpe 1,024×768 + 12 blocks × (12·768² + 13·768) + ln_f 2×768 (head tied to wte)
@@ -111,3 +112,9 @@ def test_cli_takes_each_preset_once_and_refuses_none(capsys):
             "python -m training.memory_table: error: --presets names no preset; give a comma list of: gpt2-124m, "
         )
     )
+
+
+def test_the_readmes_table_is_the_command_it_names():
+    """The README shows `python -m training.memory_table --optimizer adamw` (its text says so): the same rows."""
+    table = markdown_table(list(PRESETS), gpus=8, micro_batch_size=16, optimizer="adamw").strip()
+    assert table in (REPO / "README.md").read_text()
