@@ -31,7 +31,14 @@ from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
 from training.metrics import StartupClock
 from training.runlock import RunFolderInUse
-from training.signals import StopRequest, Terminated, grace_period_line, stop_at_once_on_sigterm, stop_with_the_launcher
+from training.signals import (
+    StopRequest,
+    Terminated,
+    grace_period_line,
+    ignore_further_stops,
+    stop_at_once_on_sigterm,
+    stop_with_the_launcher,
+)
 from training.step import TrainingAborted, is_out_of_memory
 
 
@@ -177,7 +184,10 @@ USER_ERRORS = (
 @record  # an unexpected exception's traceback goes to torchelastic's error file, which the launcher's summary shows
 def run_main() -> None:
     try:
-        main()
+        try:
+            main()
+        finally:
+            ignore_further_stops()  # what follows is the exit: its one line, then the interpreter's teardown
     except IsADirectoryError as err:  # a folder where a run's file goes (samples.txt, loss.png: renamed onto)
         report_error(
             f"error: {err.filename2 or err.filename} is a folder where this run writes a file: move it aside, then run "

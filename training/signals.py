@@ -42,6 +42,14 @@ def stop_at_once_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
+def ignore_further_stops() -> None:
+    """The process is ending (its last line printed or about to be): a signal now, such as the SIGTERM accelerate
+    1.16's launcher sends after passing on a Ctrl-C, would raise inside the exit (a traceback after that line, or
+    instead of it) where it should change nothing."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class StopRequest:
     """Set by SIGTERM or the first Ctrl-C; a second Ctrl-C interrupts at once."""
 
