@@ -65,6 +65,8 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if self and signum == signal.SIGTERM:  # already stopping (accelerate 1.16 passes a Ctrl-C on as SIGTERM)
+            return
         self.signal_name = signal.Signals(signum).name
         if os.environ.get("RANK", "0") == "0":  # every rank gets it; one says so (above a terminal's progress bar)
             print(f"{self.signal_name} received: {self.then}", flush=True)

@@ -1,16 +1,17 @@
 """The grace-period line a run's first checkpoint save prints: what the orchestrator must wait, and which launcher
-kills the run sooner than that."""
+kills the run sooner than that. The stop a signal requests, said once."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 from accelerate.utils import compare_versions
 
 from training import signals
-from training.signals import ACCELERATE_KILL_S, grace_period_line, torchrun_reads_shutdown_timeout
+from training.signals import ACCELERATE_KILL_S, StopRequest, grace_period_line, torchrun_reads_shutdown_timeout
 
 ACCELERATE_116 = compare_versions("accelerate", ">=", "1.16.0")
 
@@ -61,3 +62,24 @@ def test_under_accelerates_one_process_launcher_its_kill_is_named_when_the_save_
     slow = grace_period_line(save_s=3.2, step_s=1.1)
     assert slow.endswith(f"kills the run {ACCELERATE_KILL_S} s after passing the signal on: signal this process "
                          f"(pid {os.getpid()}) instead")  # fmt: skip
+
+
+@pytest.fixture
+def restored_handlers():
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+def test_a_sigterm_behind_a_ctrl_c_is_the_same_stop_said_once(restored_handlers, capsys, monkeypatch):
+    """accelerate 1.16's launcher passes a Ctrl-C on as SIGTERM, so the run met both: two "received" lines for one
+    key. A second Ctrl-C still interrupts at once."""
+    monkeypatch.delenv("RANK", raising=False)
+    stop = StopRequest()
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signal_name == "SIGINT"
+    assert capsys.readouterr().out == "SIGINT received: finishing this step, then saving a checkpoint\n"
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
