@@ -42,13 +42,14 @@ def _retry_hint(run_dir: Path, repo_id: str) -> str:
     )
 
 
-def require_token(token: str | None = None) -> str:
-    """The Hub token to use, or a HubError saying how to provide one (checked before training starts)."""
+def require_token(token: str | None = None, then: str = "push again") -> str:
+    """The Hub token to use, or a HubError saying how to provide one and `then` what to do (checked before training
+    starts)."""
     from huggingface_hub import get_token
 
     token = token or get_token()
     if not token:
-        raise HubError("no Hugging Face token found: run `hf auth login` or set HF_TOKEN, then push again")
+        raise HubError(f"no Hugging Face token found: run `hf auth login` or set HF_TOKEN, then {then}")
     return token
 
 
@@ -162,7 +163,7 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
     from huggingface_hub import constants
 
     check_repo_id(repo_id, "--push-to-hub")
-    token = require_token()
+    token = require_token(then="launch the run again (nothing was trained)")
     try:
         answer = _whoami(token, timeout)
     except ConnectionError as err:
