@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from data_prep.assets import atomic_write_bytes
-from data_prep.sources import LICENSES
+from data_prep.sources import LICENSES, SOURCE_START
 from modeling.runs import is_hub_id, list_checkpoints, read_metrics
 from training.metrics import precision_name
 
@@ -74,12 +74,31 @@ def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
 
 
 def data_sources(manifest: dict | None) -> list[dict]:
-    """The data's parts with the license and Hub dataset id that prepare recorded for each."""
+    """The data's parts with the license and Hub dataset id that prepare recorded for each, each source as the card
+    shows it (shown_source)."""
     if manifest is None:
         return []
-    return manifest.get("sources") or [
+    sources = manifest.get("sources") or [
         {"source": manifest["source"], "license": "unknown (prepared before licenses were recorded)", "dataset": None}
     ]
+    return [{**s, "source": shown_source(s["source"], s["dataset"])} for s in sources]
+
+
+def shown_source(source: str, dataset: str | None) -> str:
+    """A source spec as a model card shows it: a local folder or file by its name (files:library, hf:books.parquet),
+    not by where it lay on the machine that trained, which is that machine's business and means nothing to the card's
+    readers; Hub datasets, Gutenberg ids and the default corpus as given."""
+    parts = []
+    for part in SOURCE_START.split(source):
+        kind, sep, arg = part.strip().partition(":")
+        if dataset or kind not in ("files", "hf", "pg19") or not arg:
+            parts.append(part.strip())
+            continue
+        path, colon, rest = arg.partition(":") if kind == "hf" else (arg, "", "")
+        local = Path(path)
+        name = f"{local.parent.name}/{local.name}" if any(c in local.name for c in "*?[") else local.name
+        parts.append(f"{kind}{sep}{name or path}{colon}{rest}")
+    return "+".join(parts)
 
 
 def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[str, float]) -> ModelCardData:
@@ -91,7 +110,7 @@ def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[st
     hub_datasets = sorted({s["dataset"] for s in sources if s["dataset"]})
     results = []
     if "val_loss" in evals:
-        data = hub_datasets[0] if len(sources) == 1 and hub_datasets else (manifest or {}).get("source", "books")
+        data = hub_datasets[0] if len(sources) == 1 and hub_datasets else "+".join(s["source"] for s in sources)
         results.append(
             EvalResult(
                 task_type="text-generation",
@@ -123,7 +142,8 @@ def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[st
         model_name=run_name,
         library_name="transformers",
         pipeline_tag="text-generation",
-        license="mit",  # bookgpt's, under which its code writes these weights; the data's is in the card's text
+        # bookgpt's, under which its code writes these weights, unless the data's is unknown (the text says so)
+        license="unknown" if not sources or any(s["license"].startswith("unknown") for s in sources) else "mit",
         tags=["gpt2", "text-generation", "bookgpt", "pretraining"],
         datasets=hub_datasets or None,
         base_model=init_from if init_from and is_hub_id(init_from) else None,

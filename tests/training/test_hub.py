@@ -20,7 +20,16 @@ from modeling.hf_export import export_hf
 from modeling.runs import checkpoint_dir
 from testkit import TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
-from training.hub import HubError, check_model_card, check_push, main, push, render_model_card, write_model_card
+from training.hub import (
+    HubError,
+    check_model_card,
+    check_push,
+    main,
+    push,
+    render_model_card,
+    shown_source,
+    write_model_card,
+)
 
 # metrics.jsonl's row of a launch from step 0 (training.metrics.LAUNCH_KEYS)
 CPU_LAUNCH = {"world_size": 1, "device": "CPU: Xeon", "mixed_precision": "bf16", "dynamo_backend": "NO"}
@@ -121,10 +130,27 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
     assert "| [emozilla/pg19](https://huggingface.co/datasets/emozilla/pg19) | apache-2.0 |" in cards["pg19"].text
     assert "5 train documents" in cards["pg19"].text and "3 val documents" in cards["pg19"].text
     assert "public domain" not in cards["pg19"].text and "public domain" not in cards["files"].text
-    assert f"| `files:{books}` |  | unknown |" in cards["files"].text
+    # a local folder by its name: where it lay on the machine that trained is no business of the card's readers
+    assert "| `files:books` |  | unknown |" in cards["files"].text and str(tmp_path) not in str(cards["files"])
     assert "The license of some of this data is unknown" in cards["files"].text
-    for card in cards.values():
-        assert card.data.license == "mit"  # bookgpt's, under which the weights are written
+    assert [card.data.license for card in cards.values()] == ["mit", "mit", "unknown"]  # bookgpt's, unless the data's
+    # is unknown: the metadata said mit above the text's "unknown"
+
+
+@pytest.mark.parametrize(
+    ("source", "dataset", "shown"),
+    [
+        ("files:/home/me/library", None, "files:library"),
+        ("files:~/books/*.txt", None, "files:books/*.txt"),
+        ("hf:/data/shelf/books.parquet:train:body", None, "hf:books.parquet:train:body"),
+        ("pg19:/mnt/pg19", "emozilla/pg19", "pg19:/mnt/pg19"),  # named by its Hub dataset in the card anyway
+        ("hf:someone/books:train", "someone/books", "hf:someone/books:train"),
+        ("default+files:/srv/extra/", None, "default+files:extra"),
+        ("gutenberg:145,2701", None, "gutenberg:145,2701"),
+    ],
+)
+def test_a_card_names_a_local_source_by_its_folder_not_its_path(source, dataset, shown):
+    assert shown_source(source, dataset) == shown
 
 
 def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_books):
