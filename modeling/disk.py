@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -52,6 +52,30 @@ def unwritable_folder(path: str | Path) -> Path | None:
             return None
     except OSError:
         return folder
+
+
+def umask_modes(folder: str | Path) -> None:
+    """Give each .safetensors file under `folder` the mode a new file gets from this process's umask (0644 under
+    umask 022). safetensors 0.8 writes through a temporary file, created 0600, and renames it into place, so the
+    weights of a checkpoint or export were their writer's alone: unreadable to the group of a shared run folder, or
+    to the account a server or a container reads them as (safetensors issue #782). POSIX only."""
+    if os.name != "posix":
+        return
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).rglob("*.safetensors"):
+        path.chmod(mode)
+
+
+def _umask() -> int:
+    """This process's umask: Linux's /proc says it; elsewhere it is set and put back (a file another thread makes in
+    between would get 0666)."""
+    with suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def cannot_write(path: str | Path) -> str | None:

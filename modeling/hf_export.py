@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
 from modeling.device import quiet_deepspeed
-from modeling.disk import swap_in
+from modeling.disk import swap_in, umask_modes
 from modeling.gpt import GPT
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -131,6 +131,7 @@ def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges)
         with _no_progress_bars():
             hf_model.save_pretrained(tmp_dir)  # safetensors
         export_tokenizer(vocab_and_merges, tmp_dir, model.config.block_size)
+        umask_modes(tmp_dir)  # model.safetensors: readable as the other files are
         swap_in(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ from accelerate.utils import DistributedType
 from safetensors import safe_open
 
 from data_prep.assets import atomic_write_bytes
-from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in
+from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in, umask_modes
 from modeling.runs import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -413,6 +413,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         if accelerator.is_main_process:
             (tmp / "meta.json").write_text(json.dumps(meta))
             shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+            umask_modes(tmp)  # model.safetensors: readable as the other files are
             write_manifest(tmp)  # last: it covers every rank's files and ours
     except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError
         shutil.rmtree(tmp, ignore_errors=True)

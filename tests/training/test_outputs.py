@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.disk import swap_in
 from modeling.hf_export import load_hf
-from training.checkpoint import list_checkpoints, save_checkpoint
+from training.checkpoint import checkpoint_dir, list_checkpoints, save_checkpoint
 from training.config import ConfigError, TrainConfig
 from training.export import ExportError
 from training.export import main as export_main
@@ -147,6 +148,14 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
     text = "The end of a run:  ünïcödé\n\n<|endoftext|>"
     assert tokenizer(text)["input_ids"] == get_encoding().encode(text, allowed_special="all")
     assert "| optimizer steps | 2 |" in (run.run_dir / "export" / "README.md").read_text()
+    # safetensors 0.8 creates its files 0600: the weights were their writer's alone, the files beside them not
+    for folder, beside in (
+        (checkpoint_dir(run.run_dir, 2), "meta.json"),
+        (run.run_dir / "export-step-00000002", "config.json"),
+        (run.run_dir / "export", "config.json"),
+    ):
+        modes = [stat.S_IMODE((folder / name).stat().st_mode) for name in ("model.safetensors", beside)]
+        assert modes[0] == modes[1] and modes[0] & stat.S_IRGRP, (folder, [oct(m) for m in modes])
 
 
 def test_a_swap_killed_while_removing_the_old_copy_does_not_block_the_next(tmp_path):
