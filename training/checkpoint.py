@@ -331,6 +331,13 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None) -> str | None
     else:
         moved = []
     lines = []
+    metrics = run_dir / METRICS_FILE
+    rows = metrics.read_bytes().decode("utf-8", "replace").splitlines(keepends=True) if metrics.is_file() else []
+    steps = [_row_step(row) for row in rows]
+    # rows that are not JSON (a cut last row, a kill's, is simply dropped): the file as it was goes aside, kept
+    garbled = step and any(s is None and row.endswith("\n") for row, s in zip(rows, steps))
+    if garbled:
+        moved.append(metrics)
     if moved:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         previous, n = run_dir / f"{PREVIOUS}{stamp}", 1
@@ -343,15 +350,28 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None) -> str | None
             path.rename(target)
         what = ", ".join(sorted(str(p.relative_to(run_dir)) for p in moved))
         why = f"saved after step {step}, where this run continues" if step else "the run this one replaces"
+        if garbled:
+            why += f"; {METRICS_FILE} holds rows that are not JSON, so its readable rows go on in a new one"
         lines.append(f"moved {what} into {previous} ({why})")
-    metrics = run_dir / METRICS_FILE
-    if step and metrics.is_file():
-        rows = metrics.read_text().splitlines(keepends=True)
-        kept = [r for r in rows if r.endswith("}\n") and (json.loads(r).get("step") or 0) <= step]  # a cut row too
+    if step and rows:
+        kept = [row for row, s in zip(rows, steps) if s is not None and s <= step]
         if len(kept) < len(rows):
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now)")
     return "; ".join(lines) or None
+
+
+def _row_step(row: str) -> int | None:
+    """A metrics.jsonl row's step (0 where it has none: a launch's rows), None where the row is not a whole JSON object
+    (cut short by a kill, or garbled)."""
+    if not row.endswith("}\n"):
+        return None
+    try:
+        parsed = json.loads(row)
+    except ValueError:
+        return None
+    step = (parsed.get("step") or 0) if isinstance(parsed, dict) else None
+    return step if isinstance(step, int) else None
 
 
 class CheckpointError(RuntimeError):

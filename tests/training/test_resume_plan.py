@@ -243,6 +243,27 @@ def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_
     assert checkpoint_damage(previous / "checkpoints" / "step-00000006") is None  # moved whole
 
 
+@pytest.mark.parametrize("garble", ["a row that is not JSON", "bytes that are not text"])
+def test_a_garbled_metrics_file_is_kept_aside_and_its_readable_rows_go_on(tmp_path, garble):
+    """A metrics.jsonl edited or damaged by hand stopped every launch with json's or the decoder's traceback: now the
+    file as it was is kept in previous-<time>/, and the new one holds its readable rows up to the step resumed."""
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 4)
+    rows = [json.dumps({"step": s, "train_loss": 10.0 - s}) + "\n" for s in range(1, 7)]
+    bad = "not json at all}\n" if garble == "a row that is not JSON" else "\udcd6\udcff}\n"
+    text = "".join(rows[:2]) + bad + "".join(rows[2:])
+    (run_dir / "metrics.jsonl").write_bytes(text.encode("utf-8", "surrogateescape"))
+    line = set_aside(run_dir, 4, run_dir / "checkpoints" / "step-00000004")
+    [previous] = run_dir.glob("previous-*")
+    assert line == (
+        f"moved metrics.jsonl into {previous} (saved after step 4, where this run continues; metrics.jsonl holds rows "
+        f"that are not JSON, so its readable rows go on in a new one); dropped the 3 rows of "
+        f"{run_dir / 'metrics.jsonl'} after step 4 (logged again now)"
+    )
+    assert (previous / "metrics.jsonl").read_bytes() == text.encode("utf-8", "surrogateescape")  # as it was
+    assert (run_dir / "metrics.jsonl").read_text() == "".join(rows[:4])
+
+
 def test_a_resume_from_another_folders_checkpoint_sets_this_folders_run_aside_whole(tmp_path):
     """--resume PATH of another run, --out-dir a folder holding a run: none of the folder's run (config, metrics
     rows, checkpoints up to the step) is left to mix with the continued one."""
