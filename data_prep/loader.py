@@ -163,9 +163,9 @@ class WindowDataset(Dataset):
     tokens holds (n - 1) // block_size windows.
     """
 
-    def __init__(self, paths: list[Path], num_tokens: list[int], block_size: int) -> None:
+    def __init__(self, paths: list[Path], num_tokens: list[int], block_size: int, vocab_size: int) -> None:
         self.paths = [str(p) for p in paths]
-        self.block_size = block_size
+        self.block_size, self.vocab_size = block_size, vocab_size
         counts = [max(0, (n - 1) // block_size) for n in num_tokens]
         self.starts = np.cumsum([0, *counts])  # first window index of each shard
         self._maps: list[np.memmap] | None = None
@@ -179,15 +179,26 @@ class WindowDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole micro-batch in one go (DataLoader prefers this to one __getitem__ per window)."""
-        batch = torch.from_numpy(np.stack([self._window(i) for i in indices]).astype(np.int64))
+        windows = np.stack([self._window(i) for i in indices])
+        if windows.max(initial=0) >= self.vocab_size:  # a shard altered in place (its size checks out): no token id
+            row = int(np.argmax(windows.max(axis=1) >= self.vocab_size))
+            path = self.paths[self._shard(indices[row])]
+            raise DataPrepError(
+                f"shard {path} holds token id {int(windows[row].max())}, past the tokenizer's {self.vocab_size} ids "
+                f"(altered or damaged); prepare {Path(path).parent} again (python -m data_prep.prepare)"
+            )
+        batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def _shard(self, index: int) -> int:
+        return int(np.searchsorted(self.starts, index, side="right")) - 1
 
     def _window(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(index)
         if self._maps is None:  # opened lazily so each DataLoader worker maps the files itself
             self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
-        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        shard = self._shard(index)
         offset = (index - int(self.starts[shard])) * self.block_size
         return self._maps[shard][offset : offset + self.block_size + 1]
 
@@ -252,7 +263,10 @@ class EvalWindows:
         manifest = load_manifest(data_dir, verify=verify)
         shards = manifest.shards_of(split)
         self.dataset = WindowDataset(
-            [manifest.data_dir / s.file for s in shards], [s.num_tokens for s in shards], block_size
+            [manifest.data_dir / s.file for s in shards],
+            [s.num_tokens for s in shards],
+            block_size,
+            manifest.vocab_size,
         )
         if len(self.dataset) == 0:
             raise DataPrepError(
@@ -380,7 +394,10 @@ class TokenLoader:
         self.shuffle, self.infinite = shuffle, infinite
         shards = self.manifest.shards_of(split)
         self.dataset = WindowDataset(
-            [self.manifest.data_dir / s.file for s in shards], [s.num_tokens for s in shards], block_size
+            [self.manifest.data_dir / s.file for s in shards],
+            [s.num_tokens for s in shards],
+            block_size,
+            self.manifest.vocab_size,
         )
         per_step = world_size * micro_batch_size
         if len(self.dataset) < per_step:

@@ -311,7 +311,7 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     return None, []
 
 
-def set_aside(run_dir: Path, step: int, resumed_from: Path | None) -> str | None:
+def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Path | None = None) -> str | None:
     """Keep the run folder to one run before this launch writes to it, continuing after optimizer step `step` from
     checkpoint `resumed_from` (None: afresh); the main process calls it once the launch can no longer fail on its
     input. One line saying what it did (None: nothing to do).
@@ -320,14 +320,20 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None) -> str | None
     metrics, samples, checkpoints, export) moves into previous-<time>/. Resuming from its own checkpoint:
     checkpoints after `step` (a run resumed from an older checkpoint, damaged ones) move there, so neither
     auto-resume nor pruning ever prefers them; metrics rows logged after `step` (by a launch that stopped before
-    saving again) are dropped, as the resumed run logs those steps anew."""
+    saving again) are dropped, as the resumed run logs those steps anew. The run's data_dir, where it lies inside the
+    folder, stays: it is this launch's input, not the replaced run's output."""
     run_dir = Path(run_dir)
     if resumed_from is None or Path(resumed_from).resolve().parent.parent != run_dir.resolve():
         step = 0  # this folder's run, if any, is not the one continued
     if step:
         moved = [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
     elif (run_dir / CONFIG_FILE).exists() or (run_dir / METRICS_FILE).exists() or (run_dir / "checkpoints").exists():
-        moved = [p for p in run_dir.iterdir() if p.name not in _LOCKS and not p.name.startswith(PREVIOUS)]
+        inputs = {*Path(data_dir).resolve().parents, Path(data_dir).resolve()} if data_dir else set()
+        moved = [
+            p
+            for p in run_dir.iterdir()
+            if p.name not in _LOCKS and not p.name.startswith(PREVIOUS) and p.resolve() not in inputs
+        ]
     else:
         moved = []
     lines = []

@@ -338,7 +338,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("outputs_check")
     if accelerator.is_main_process:
         # the first write of this launch: one run per folder from here
-        moved = set_aside(run_dir, progress.step, resume_from)
+        moved = set_aside(run_dir, progress.step, resume_from, Path(cfg.data_dir))
         if moved:
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs

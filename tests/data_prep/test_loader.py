@@ -33,7 +33,8 @@ def _same(a, b) -> bool:
 def test_windows_are_shifted_pairs_inside_one_shard(prepared_books):
     manifest = load_manifest(prepared_books)
     shards = manifest.shards_of("train")
-    ds = WindowDataset([prepared_books / s.file for s in shards], [s.num_tokens for s in shards], BLOCK)
+    paths, counts = [prepared_books / s.file for s in shards], [s.num_tokens for s in shards]
+    ds = WindowDataset(paths, counts, BLOCK, manifest.vocab_size)
     assert len(ds) == sum((s.num_tokens - 1) // BLOCK for s in shards)
     first_of_shard2 = sum((s.num_tokens - 1) // BLOCK for s in shards[:2])
     shard2 = np.fromfile(prepared_books / shards[2].file, dtype=np.uint16).astype(np.int64)
@@ -368,3 +369,23 @@ def test_format_1_dataset_still_loads_and_prepare_migrates_it(prepared_books, tm
     prepare(manifest["source"], data, **manifest["params"])  # not "up to date": rebuilt in format 2
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
     assert all((data / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())
+
+
+def test_a_shard_altered_in_place_is_one_error_naming_it(prepared_books, tmp_path):
+    """Of the right size, so the start-up's size check passes, but holding ids no tokenizer wrote: the embedding's
+    IndexError traceback at the first step, before; now the batch that reads it stops with one line."""
+    data = tmp_path / "data"
+    shutil.copytree(prepared_books, data)
+    shard = sorted(data.glob("train_*.bin"))[1]
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    manifest = load_manifest(data)
+    shards = manifest.shards_of("train")
+    ds = WindowDataset([data / s.file for s in shards], [s.num_tokens for s in shards], BLOCK, manifest.vocab_size)
+    first_of_shard1 = (shards[0].num_tokens - 1) // BLOCK
+    ds.__getitems__([0, 1])  # the intact shard reads
+    with pytest.raises(DataPrepError) as err:
+        ds.__getitems__([0, first_of_shard1 + 2])
+    assert str(err.value) == (
+        f"shard {shard} holds token id 65535, past the tokenizer's 50257 ids (altered or damaged); prepare {data} "
+        "again (python -m data_prep.prepare)"
+    )

@@ -223,6 +223,18 @@ def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
     assert set_aside(run_dir, 0, None) is None  # nothing of a run left: an empty folder starts as it is
 
 
+def test_a_fresh_start_leaves_its_own_data_dir_inside_the_folder_where_it_is(tmp_path):
+    """--resume never moved a --data-dir kept inside --out-dir with the old run, then stopped reading it."""
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 2)
+    (run_dir / "corpora" / "books").mkdir(parents=True)
+    (run_dir / "corpora" / "books" / "manifest.json").write_text("{}")
+    line = set_aside(run_dir, 0, None, run_dir / "corpora" / "books")
+    [previous] = run_dir.glob("previous-*")
+    assert line == f"moved checkpoints into {previous} (the run this one replaces)"
+    assert (run_dir / "corpora" / "books" / "manifest.json").is_file()
+
+
 def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_path):
     """Resumed from step 4 while steps up to 8 were logged (and a row cut by a kill): rows 5.. go, step 6's
     checkpoint (resumed past, or damaged) moves aside, so neither auto-resume nor pruning can prefer it."""
