@@ -197,7 +197,13 @@ class WindowDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         if self._maps is None:  # opened lazily so each DataLoader worker maps the files itself
-            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+            try:
+                self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+            except FileNotFoundError as err:  # checked at the start, gone since (the start-up reads no shard)
+                raise DataPrepError(
+                    f"shard {err.filename} is missing (removed since the run started); prepare "
+                    f"{Path(err.filename).parent} again (python -m data_prep.prepare)"
+                ) from None
         shard = self._shard(index)
         offset = (index - int(self.starts[shard])) * self.block_size
         return self._maps[shard][offset : offset + self.block_size + 1]

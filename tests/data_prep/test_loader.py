@@ -371,9 +371,10 @@ def test_format_1_dataset_still_loads_and_prepare_migrates_it(prepared_books, tm
     assert all((data / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())
 
 
-def test_a_shard_altered_in_place_is_one_error_naming_it(prepared_books, tmp_path):
+def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_books, tmp_path):
     """Of the right size, so the start-up's size check passes, but holding ids no tokenizer wrote: the embedding's
-    IndexError traceback at the first step, before; now the batch that reads it stops with one line."""
+    IndexError traceback at the first step, before; now the batch that reads it stops with one line. A shard removed
+    after that check: numpy's FileNotFoundError, naming neither the fix nor, in its line, the corpus."""
     data = tmp_path / "data"
     shutil.copytree(prepared_books, data)
     shard = sorted(data.glob("train_*.bin"))[1]
@@ -383,6 +384,10 @@ def test_a_shard_altered_in_place_is_one_error_naming_it(prepared_books, tmp_pat
     ds = WindowDataset([data / s.file for s in shards], [s.num_tokens for s in shards], BLOCK, manifest.vocab_size)
     first_of_shard1 = (shards[0].num_tokens - 1) // BLOCK
     ds.__getitems__([0, 1])  # the intact shard reads
+    gone = WindowDataset([data / s.file for s in shards], [s.num_tokens for s in shards], BLOCK, manifest.vocab_size)
+    (data / shards[2].file).rename(tmp_path / "aside.bin")  # removed after the start-up's check
+    with pytest.raises(DataPrepError, match=rf"^shard {re.escape(str(data / shards[2].file))} is missing \(removed"):
+        gone.__getitems__([0])  # the files are mapped at the first read: the error named no shard nor what to do
     with pytest.raises(DataPrepError) as err:
         ds.__getitems__([0, first_of_shard1 + 2])
     assert str(err.value) == (
