@@ -163,10 +163,12 @@ class WindowDataset(Dataset):
     tokens holds (n - 1) // block_size windows.
     """
 
-    def __init__(self, paths: list[Path], num_tokens: list[int], block_size: int, vocab_size: int) -> None:
-        self.paths = [str(p) for p in paths]
-        self.block_size, self.vocab_size = block_size, vocab_size
-        counts = [max(0, (n - 1) // block_size) for n in num_tokens]
+    def __init__(self, manifest: Manifest, split: str, block_size: int) -> None:
+        shards = manifest.shards_of(split)
+        self.paths = [str(manifest.data_dir / s.file) for s in shards]
+        self.block_size, self.vocab_size = block_size, manifest.vocab_size
+        self.redo = f"re-run `{prepare_command(manifest.data_dir, manifest.source)}`"  # what a damaged shard needs
+        counts = [max(0, (s.num_tokens - 1) // block_size) for s in shards]
         self.starts = np.cumsum([0, *counts])  # first window index of each shard
         self._maps: list[np.memmap] | None = None
 
@@ -185,7 +187,7 @@ class WindowDataset(Dataset):
             path = self.paths[self._shard(indices[row])]
             raise DataPrepError(
                 f"shard {path} holds token id {int(windows[row].max())}, past the tokenizer's {self.vocab_size} ids "
-                f"(altered or damaged); prepare {Path(path).parent} again (python -m data_prep.prepare)"
+                f"(altered or damaged); {self.redo}"
             )
         batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
@@ -201,8 +203,7 @@ class WindowDataset(Dataset):
                 self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
             except FileNotFoundError as err:  # checked at the start, gone since (the start-up reads no shard)
                 raise DataPrepError(
-                    f"shard {err.filename} is missing (removed since the run started); prepare "
-                    f"{Path(err.filename).parent} again (python -m data_prep.prepare)"
+                    f"shard {err.filename} is missing (removed since the run started); {self.redo}"
                 ) from None
         shard = self._shard(index)
         offset = (index - int(self.starts[shard])) * self.block_size
@@ -267,13 +268,7 @@ class EvalWindows:
                 f"{block_size=}, {count=}, {micro_batch_size=}, {rank=}, {world_size=}"
             )
         manifest = load_manifest(data_dir, verify=verify)
-        shards = manifest.shards_of(split)
-        self.dataset = WindowDataset(
-            [manifest.data_dir / s.file for s in shards],
-            [s.num_tokens for s in shards],
-            block_size,
-            manifest.vocab_size,
-        )
+        self.dataset = WindowDataset(manifest, split, block_size)
         if len(self.dataset) == 0:
             raise DataPrepError(
                 _cut_by_shards(manifest, split, block_size, 0, 1)
@@ -399,12 +394,7 @@ class TokenLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.infinite = shuffle, infinite
         shards = self.manifest.shards_of(split)
-        self.dataset = WindowDataset(
-            [self.manifest.data_dir / s.file for s in shards],
-            [s.num_tokens for s in shards],
-            block_size,
-            self.manifest.vocab_size,
-        )
+        self.dataset = WindowDataset(self.manifest, split, block_size)
         per_step = world_size * micro_batch_size
         if len(self.dataset) < per_step:
             raise DataPrepError(

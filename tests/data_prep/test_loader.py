@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from data_prep import DataPrepError
-from data_prep.loader import IGNORE_INDEX, EvalWindows, TokenLoader, WindowDataset, load_manifest, spread
+from data_prep.loader import (
+    IGNORE_INDEX,
+    EvalWindows,
+    TokenLoader,
+    WindowDataset,
+    load_manifest,
+    prepare_command,
+    spread,
+)
 
 BLOCK = 64
 
@@ -33,8 +41,7 @@ def _same(a, b) -> bool:
 def test_windows_are_shifted_pairs_inside_one_shard(prepared_books):
     manifest = load_manifest(prepared_books)
     shards = manifest.shards_of("train")
-    paths, counts = [prepared_books / s.file for s in shards], [s.num_tokens for s in shards]
-    ds = WindowDataset(paths, counts, BLOCK, manifest.vocab_size)
+    ds = WindowDataset(manifest, "train", BLOCK)
     assert len(ds) == sum((s.num_tokens - 1) // BLOCK for s in shards)
     first_of_shard2 = sum((s.num_tokens - 1) // BLOCK for s in shards[:2])
     shard2 = np.fromfile(prepared_books / shards[2].file, dtype=np.uint16).astype(np.int64)
@@ -381,16 +388,17 @@ def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_boo
     shard.write_bytes(b"\xff" * shard.stat().st_size)
     manifest = load_manifest(data)
     shards = manifest.shards_of("train")
-    ds = WindowDataset([data / s.file for s in shards], [s.num_tokens for s in shards], BLOCK, manifest.vocab_size)
+    ds = WindowDataset(manifest, "train", BLOCK)
     first_of_shard1 = (shards[0].num_tokens - 1) // BLOCK
     ds.__getitems__([0, 1])  # the intact shard reads
-    gone = WindowDataset([data / s.file for s in shards], [s.num_tokens for s in shards], BLOCK, manifest.vocab_size)
+    gone = WindowDataset(manifest, "train", BLOCK)
     (data / shards[2].file).rename(tmp_path / "aside.bin")  # removed after the start-up's check
-    with pytest.raises(DataPrepError, match=rf"^shard {re.escape(str(data / shards[2].file))} is missing \(removed"):
+    redo = f"re-run `{prepare_command(data, manifest.source)}`"
+    with pytest.raises(DataPrepError) as err:
         gone.__getitems__([0])  # the files are mapped at the first read: the error named no shard nor what to do
+    assert str(err.value) == f"shard {data / shards[2].file} is missing (removed since the run started); {redo}"
     with pytest.raises(DataPrepError) as err:
         ds.__getitems__([0, first_of_shard1 + 2])
     assert str(err.value) == (
-        f"shard {shard} holds token id 65535, past the tokenizer's 50257 ids (altered or damaged); prepare {data} "
-        "again (python -m data_prep.prepare)"
+        f"shard {shard} holds token id 65535, past the tokenizer's 50257 ids (altered or damaged); {redo}"
     )
