@@ -196,7 +196,9 @@ def _short_dcp_shard(folder: Path) -> str | None:
     return None
 
 
-def _saved_config(folder: Path) -> dict | None:
+def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
+    """The run config saved in `folder` (a checkpoint or a run folder): its keys as saved, and the TrainConfig they
+    make; None where none was saved. CheckpointError where it does not read."""
     path = folder / CONFIG_FILE
     if not path.is_file():
         return None
@@ -212,10 +214,9 @@ def _saved_config(folder: Path) -> dict | None:
     # resume is this launch's choice, not the run's (and older runs wrote '' there)
     saved = {k: v for k, v in values.items() if k in now and k != "resume"}
     try:
-        TrainConfig(**saved)
+        return saved, TrainConfig(**saved)
     except (ConfigError, TypeError) as err:
         raise CheckpointError(f"{what[:-1]}: {err}; {mend}") from None
-    return saved
 
 
 def _shape(cfg: TrainConfig) -> str:
@@ -230,10 +231,10 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
     this launch's config differs from the checkpoint's (None when it doesn't, or nothing says).
 
     The checkpoint's config.yaml is the launch that wrote it; older checkpoints have only their run folder's."""
-    saved = next((c for c in map(_saved_config, (checkpoint, checkpoint.parent.parent)) if c is not None), None)
-    if saved is None:
+    found = next((c for c in map(_saved_config, (checkpoint, checkpoint.parent.parent)) if c is not None), None)
+    if found is None:
         return None
-    theirs, now = TrainConfig(**saved), dataclasses.asdict(cfg)
+    (saved, theirs), now = found, dataclasses.asdict(cfg)
     afresh = f"start afresh there with --resume never (the run is moved into {PREVIOUS}<time>/ first)"
     if _shape(theirs) != _shape(cfg):
         raise ConfigError(
@@ -301,8 +302,8 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
             f"out_dir {run_dir} has no intact checkpoint ({listing}); restore one, or start afresh with --resume "
             f"never (the run is moved into {run_dir}/{PREVIOUS}<time>/ first)"
         )
-    saved = _saved_config(run_dir)
-    if saved is not None and _shape(theirs := TrainConfig(**saved)) != _shape(cfg):
+    found = _saved_config(run_dir)
+    if found is not None and _shape(theirs := found[1]) != _shape(cfg):
         raise ConfigError(
             f"out_dir {run_dir} holds a run of a {_shape(theirs)} model, this run's is {_shape(cfg)}; continue it with "
             "its --preset/--block-size/--init-from, start afresh there with --resume never (the run is moved into "
@@ -337,11 +338,12 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     else:
         moved = []
     lines = []
-    metrics = run_dir / METRICS_FILE
-    rows = metrics.read_bytes().decode("utf-8", "replace").splitlines(keepends=True) if metrics.is_file() else []
+    metrics, rows = run_dir / METRICS_FILE, []
+    if step and metrics.is_file():  # its rows after `step` go: read where a run continues, not where it starts
+        rows = metrics.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
     steps = [_row_step(row) for row in rows]
     # rows that are not JSON (a cut last row, a kill's, is simply dropped): the file as it was goes aside, kept
-    garbled = step and any(s is None and row.endswith("\n") for row, s in zip(rows, steps))
+    garbled = any(s is None and row.endswith("\n") for row, s in zip(rows, steps))
     if garbled:
         moved.append(metrics)
     if moved:
@@ -359,7 +361,7 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
         if garbled:
             why += f"; {METRICS_FILE} holds rows that are not JSON, so its readable rows go on in a new one"
         lines.append(f"moved {what} into {previous} ({why})")
-    if step and rows:
+    if rows:
         kept = [row for row, s in zip(rows, steps) if s is not None and s <= step]
         if len(kept) < len(rows):
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
