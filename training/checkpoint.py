@@ -324,19 +324,7 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     saving again) are dropped, as the resumed run logs those steps anew. The run's data_dir, where it lies inside the
     folder, stays: it is this launch's input, not the replaced run's output."""
     run_dir = Path(run_dir)
-    if resumed_from is None or Path(resumed_from).resolve().parent.parent != run_dir.resolve():
-        step = 0  # this folder's run, if any, is not the one continued
-    if step:
-        moved = [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
-    elif (run_dir / CONFIG_FILE).exists() or (run_dir / METRICS_FILE).exists() or (run_dir / "checkpoints").exists():
-        inputs = {*Path(data_dir).resolve().parents, Path(data_dir).resolve()} if data_dir else set()
-        moved = [
-            p
-            for p in run_dir.iterdir()
-            if p.name not in _LOCKS and not p.name.startswith(PREVIOUS) and p.resolve() not in inputs
-        ]
-    else:
-        moved = []
+    step, moved = _to_set_aside(run_dir, step, resumed_from, data_dir)
     lines = []
     metrics, rows = run_dir / METRICS_FILE, []
     if step and metrics.is_file():  # its rows after `step` go: read where a run continues, not where it starts
@@ -367,6 +355,39 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now)")
     return "; ".join(lines) or None
+
+
+def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Path | None) -> tuple[int, list[Path]]:
+    """set_aside's step (0 where this folder's run, if any, is not the one continued) and the paths it moves."""
+    if resumed_from is None or Path(resumed_from).resolve().parent.parent != run_dir.resolve():
+        step = 0
+    if step:
+        return step, [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
+    if not any((run_dir / name).exists() for name in (CONFIG_FILE, METRICS_FILE, "checkpoints")):
+        return 0, []
+    inputs = {*Path(data_dir).resolve().parents, Path(data_dir).resolve()} if data_dir else set()
+    moved = [
+        p
+        for p in run_dir.iterdir()
+        if p.name not in _LOCKS and not p.name.startswith(PREVIOUS) and p.resolve() not in inputs
+    ]
+    return 0, moved
+
+
+def outputs_in_the_way(
+    run_dir: Path, step: int, resumed_from: Path | None, data_dir: Path | None, files: list[str], folders: list[str]
+) -> list[str]:
+    """What this launch would find in the way of its outputs once set_aside has run: a folder where it writes one of
+    `files` (samples.txt, loss.png, ...), a file where it writes one of `folders` (export/). Found when they are
+    written, they stopped the run after its training; the start-up asks this first."""
+    moved = set(_to_set_aside(run_dir, step, resumed_from, data_dir)[1])
+    wrong = [(run_dir / n, "a folder where this run writes a file") for n in files if (run_dir / n).is_dir()]
+    wrong += [
+        (run_dir / n, "a file where this run writes a folder")
+        for n in folders
+        if (run_dir / n).exists() and not (run_dir / n).is_dir()
+    ]
+    return [f"{path} is {what}" for path, what in wrong if path not in moved]
 
 
 def _row_step(row: str) -> int | None:

@@ -28,7 +28,7 @@ from modeling.config import GPTConfig
 from modeling.device import device_name
 from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
-from modeling.runs import load_checkpoint, plain_state_dict
+from modeling.runs import CONFIG_FILE, METRICS_FILE, load_checkpoint, plain_state_dict
 from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
@@ -36,6 +36,7 @@ from training.checkpoint import (
     ensure_writable,
     list_checkpoints,
     load_resume_state,
+    outputs_in_the_way,
     plan_resume,
     room_warning,
     set_aside,
@@ -332,7 +333,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         startup.lap("resume")
     # What the end of the run writes, decided by the main process, which writes it, before this launch writes
     # anything; every rank stops alike.
-    hub_note = decided_on_main(accelerator, lambda: check_outputs(cfg, model_config, export_check))
+    hub_note = decided_on_main(
+        accelerator, lambda: check_outputs(cfg, model_config, export_check, progress.step, resume_from)
+    )
     if hub_note:
         accelerator.print(hub_note)
     startup.lap("outputs_check")
@@ -374,8 +377,12 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     return run
 
 
-def check_outputs(cfg: TrainConfig, model_config: GPTConfig, export_check: ExportCheck | None) -> str | None:
-    """What write_outputs needs, checked before any training: the loss plot (matplotlib) and, where the run exports,
+def check_outputs(
+    cfg: TrainConfig, model_config: GPTConfig, export_check: ExportCheck | None, step: int, resumed_from: Path | None
+) -> str | None:
+    """What write_outputs and write_sample need, checked before any training, in the run folder as this launch
+    (continuing after `step` from checkpoint `resumed_from`, or afresh) will leave it: nothing in the way of the
+    files and the export folder it writes; the loss plot (matplotlib) and, where the run exports,
     the Hub push (a repository id, a token the Hub takes for it, or a note where the Hub could not say;
     training.hub.check_push), the model card (huggingface_hub, the manifest) and the export (transformers, a GPT-2
     shape, a one-layer model and the tokenizer written in a temporary folder: the verdict of export_check, started at
@@ -383,6 +390,14 @@ def check_outputs(cfg: TrainConfig, model_config: GPTConfig, export_check: Expor
     Run on the main process, which alone writes and pushes them: the other ranks never import transformers, nor
     need a token (on a cluster, perhaps only machine 0 has one)."""
     # fail now, not after days of training
+    files = [CONFIG_FILE, METRICS_FILE, "loss.png"]
+    files += ["samples.txt"] if cfg.sample_interval else []
+    files += ["evals.png"] if cfg.eval_tasks else []
+    in_the_way = outputs_in_the_way(
+        Path(cfg.out_dir), step, resumed_from, Path(cfg.data_dir), files, ["export"] if cfg.export_hf else []
+    )
+    if in_the_way:
+        raise ConfigError(f"{'; '.join(in_the_way)}: move it aside, then run the same command again")
     try:  # loss.png's plotting library, loaded as plot_losses loads it (0.5 s; its font cache built on first use)
         import matplotlib
 

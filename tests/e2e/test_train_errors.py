@@ -16,6 +16,7 @@ import pytest
 from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
+from modeling.runs import read_metrics
 from testkit import REPO, TINY_MODEL, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
 from training.checkpoint import list_checkpoints
 
@@ -229,9 +230,9 @@ def test_a_run_killed_by_a_signal_is_one_line_from_the_launcher(tmp_path):
     )
 
 
-def test_a_folder_where_the_run_writes_a_file_is_one_line_after_the_final_save(prepared_books, tmp_path):
-    """A fault at the last step that start-up could not see (a folder named samples.txt): the last sample comes after
-    the final save, so no training is lost, and the run ends with one line; the same command then finishes the job."""
+def test_a_folder_where_the_run_writes_a_file_stops_it_at_start_up(prepared_books, tmp_path):
+    """A folder named samples.txt in the run folder: found when the first sample is written, it stopped the run after
+    its training; the start-up names it in one line before any step, and the same command then trains."""
     run_dir = tmp_path / "run"
     (run_dir / "samples.txt").mkdir(parents=True)
     args = ["--max-steps", "2", "--checkpoint-interval", "0", "--sample-interval", "2", "--eval-interval", "0",
@@ -243,7 +244,9 @@ def test_a_folder_where_the_run_writes_a_file_is_one_line_after_the_final_save(p
         f"error: {run_dir / 'samples.txt'} is a folder where this run writes a file: move it aside, then run the same "
         "command again"
     )
-    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000002"]
+    metrics = run_dir / "metrics.jsonl"  # no step trained: at most the launch's own rows
+    assert list_checkpoints(run_dir) == []
+    assert not metrics.exists() or not any("train_loss" in r for r in read_metrics(metrics))
     (run_dir / "samples.txt").rmdir()
     done = run(cmd)
-    assert "the run is at step 2 of 2: nothing to train" in done.stdout and (run_dir / "loss.png").is_file()
+    assert "--- step 2 ---" in (run_dir / "samples.txt").read_text() and (run_dir / "loss.png").is_file(), done.stdout

@@ -59,10 +59,10 @@ def test_the_export_check_in_a_process_of_its_own(prepared_books, tmp_path, monk
     """As a run beside a GPU checks: in a child started early, whose verdict check_outputs waits for. It passes
     where the export works, and stops the run where the child's transformers is broken or the child dies."""
     cfg = tiny_config(prepared_books, tmp_path / "run")
-    assert check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config())) is None
+    assert check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config()), 0, None) is None
     python_path_with(monkeypatch, tmp_path, "transformers", "raise ImportError('transformers is broken here')")
     with pytest.raises(ConfigError, match=EXPORT_FAILS.format("ImportError: transformers is broken here")):
-        check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config()))
+        check_outputs(cfg, cfg.model_config(), ExportCheck(cfg.model_config()), 0, None)
     # killed (the OOM killer, say) before it could say why: its exit status is the reason
     python_path_with(monkeypatch, tmp_path, "sitecustomize", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(ConfigError, match=EXPORT_FAILS.format("its check ended with exit status -9")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from training.checkpoint import (
     checkpoint_damage,
     checkpoint_dir,
     list_checkpoints,
+    outputs_in_the_way,
     plan_resume,
     prune_checkpoints,
     set_aside,
@@ -287,6 +289,27 @@ def test_a_resume_from_another_folders_checkpoint_sets_this_folders_run_aside_wh
     [previous] = run_dir.glob("previous-*")
     assert line == f"moved checkpoints, metrics.jsonl into {previous} (the run this one replaces)"
     assert {p.name for p in run_dir.iterdir()} == {previous.name}
+
+
+def test_outputs_in_the_way_are_those_the_set_aside_leaves(tmp_path):
+    """A folder where the run writes a file (samples.txt), a file where it writes a folder (export): named at start-up
+    where they stay once set_aside has run (a resume from this folder's checkpoint, or a folder holding no run), not
+    where the fresh start moves them aside with the old run."""
+    run_dir = tmp_path / "run"
+    newest = fake_checkpoint(run_dir, 2)
+    (run_dir / "samples.txt").mkdir()
+    (run_dir / "export").write_text("a file")
+    (run_dir / "loss.png").write_text("a plot: a file, as it should be")
+    files, folders = ["samples.txt", "loss.png"], ["export"]
+    expected = [
+        f"{run_dir / 'samples.txt'} is a folder where this run writes a file",
+        f"{run_dir / 'export'} is a file where this run writes a folder",
+    ]
+    assert outputs_in_the_way(run_dir, 2, newest, None, files, folders) == expected
+    assert outputs_in_the_way(run_dir, 0, None, None, files, folders) == []  # afresh: all of it moves aside
+    assert outputs_in_the_way(run_dir, 2, newest, None, ["loss.png"], []) == []
+    shutil.rmtree(run_dir / "checkpoints")  # no run here: nothing moves, so afresh finds them too
+    assert outputs_in_the_way(run_dir, 0, None, None, files, folders) == expected
 
 
 def test_pruning_keeps_the_newest_and_the_best_and_passes_over_a_damaged_meta(tmp_path):
