@@ -24,6 +24,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import os
 import shlex
 import statistics
@@ -359,7 +360,10 @@ def launch_env(path: Path, device: torch.device) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     prog = "python -m bench.time_to_loss"
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(raw)
+    parser = build_parser(prog)
+    args = parser.parse_args(raw)
+    if args.target is not None and not (math.isfinite(args.target) and args.target >= 0):  # no run would reach it
+        parser.error(f"argument --target: a val loss is a finite number >= 0, got {args.target}")
     recipes = args.recipe or [parse_recipe(r) for r in ("today", "default", PEER)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     speeds = cpu_matmul_speeds() if device.type == "cpu" else None  # ~1 s: the CPU's precision and the peer's

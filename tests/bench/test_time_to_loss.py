@@ -56,6 +56,17 @@ def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tm
     assert not out.exists()  # checked before the benchmark made its folder and trained
 
 
+@pytest.mark.parametrize("target", ["-3", "nan", "inf"])
+def test_a_target_no_run_can_reach_is_argparses_one_line(tmp_path, capsys, target):
+    """A val loss is >= 0: --target -3 trained every recipe for nothing (never reached), as nan and inf would."""
+    out = tmp_path / "ttl"
+    with pytest.raises(SystemExit) as exc:
+        main(["--recipe", "today", "--seeds", "1", "--target", target, "--out", str(out)])
+    assert exc.value.code == 2 and not out.exists()
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.endswith(f"error: argument --target: a val loss is a finite number >= 0, got {float(target)}"), last
+
+
 def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_trains(tmp_path):
     argv = ["--recipe", "today", "--recipe", "m=--muon-lr -1", "--seeds", "1", "--set", f"--data-dir {tmp_path}"]
     with pytest.raises(SystemExit) as exc:
