@@ -10,18 +10,20 @@ from bench.measure import Result
 from bench.rungs import Role
 from data_prep.assets import atomic_write_bytes
 from evals.plot import png_bytes
-from modeling.disk import DiskFull, disk_full_reported, unwritable_folder
+from modeling.disk import DiskFull, cannot_write, disk_full_reported
 
 
 def report_folder(out: Path) -> None:
     """Make --out before the measuring, whose minutes are lost if the report cannot be written at its end: one
     `error:` line where it cannot be made (a file there) or written (a read-only disk, another user's folder)."""
+    made = None
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        sys.exit(f"error: --out {out}: {err.strerror}; give a folder for the report")
-    if unwritable_folder(out / "report.json") is not None:  # a file the report writes in it
-        sys.exit(f"error: --out {out}: not writable by this user; give a folder for the report")
+        made = err.strerror
+    why = cannot_write(out / "report.json") or made  # a file the report writes in it
+    if why:
+        sys.exit(f"error: --out {out}: {why}; give a folder for the report")
 
 
 def save_report(files: dict[Path, str | bytes]) -> None:
