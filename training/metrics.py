@@ -327,11 +327,13 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     if mixed_precision == "bf16" and ratio >= NO_NATIVE_BF16:
         return (
             f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here ({speeds}); "
-            f"launch with {CPU_YAML[other]} (fp32) instead"
+            f"set mixed_precision: '{other}' (fp32) in the launch YAML instead ({CPU_YAML[other]} for one process)"
         )
+    # said as the YAML's setting: the launch may be the user's own, or one of several processes (cpu_ddp2.yaml)
     return (
-        f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): launching "
-        f"with {CPU_YAML[other]} ({other_name}) should train faster (a step gains less than its matmuls)"
+        f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): "
+        f"mixed_precision: '{other}' in the launch YAML ({CPU_YAML[other]} for one process) should train faster (a "
+        "step gains less than its matmuls)"
     )
 
 

@@ -64,10 +64,15 @@ def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     # an AMX or Zen 4 core: bf16 ~4x fp32, so the fp32 cpu.yaml is the slow choice
     hint = precision_advice("no", {"bf16": 0.9, "no": 0.21})
     assert hint.startswith("hint:") and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
+    # the setting named, whichever YAML launched: the user's own, or a two-process one (cpu_ddp2.yaml)
+    assert "mixed_precision: 'bf16' in the launch YAML (accelerate_configs/cpu_bf16.yaml for one process)" in hint
     # an AVX2-only core (Zen 3, most laptops): no native bf16, ~100x slower; one line that says so
     warning = precision_advice("bf16", {"bf16": 0.0011, "no": 0.15})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 136x slower than fp32")
-    assert "launch with accelerate_configs/cpu.yaml (fp32) instead" in warning and "\n" not in warning
+    assert warning.endswith(
+        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one process)"
+    )
+    assert "\n" not in warning
     # an AVX-512 Xeon without its bf16 instructions (Cascade Lake): emulated too, 4.6x slower
     warning = precision_advice("bf16", {"bf16": 0.050, "no": 0.231})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 5x slower than fp32")
