@@ -64,8 +64,12 @@ PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-do
 
 
 def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
-    """The run's data manifest: where its newest launch found it (metrics.jsonl's launch rows hold the absolute path,
-    so a card rendered from another working folder finds it too), else at its data_dir as given (older runs)."""
+    """The run's data manifest, as much of it as the card shows: as its newest launch recorded it (metrics.jsonl's
+    launch rows: training.metrics.data_for_the_card), else where that launch found it (the absolute path, so a card
+    rendered from another working folder finds it too), else at its data_dir as given (runs from before both)."""
+    recorded = [r["launch"]["data"] for r in reversed(rows) if r.get("launch", {}).get("data")]
+    if recorded:
+        return recorded[0]
     launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
     for folder in [*launched[:1], config["data_dir"]]:
         if (Path(folder) / "manifest.json").is_file():

@@ -400,6 +400,19 @@ def check_trackers(names: list[str]) -> None:
 # What metrics.jsonl's launch row keeps of a launch's run info (training.loop.log_run_info): where it computed, how,
 # with what micro-batch, and the data folder as an absolute path (the card finds the manifest from any working folder)
 LAUNCH_KEYS = ("world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path")
+# What the model card says of the data, from its manifest.json: the sources with their licenses, the splits' sizes
+CARD_DATA_KEYS = ("source", "sources", "splits")
+
+
+def data_for_the_card(data_path: str | Path) -> dict | None:
+    """The manifest's CARD_DATA_KEYS as this launch found them (None: no manifest there). Kept in its launch row: the
+    card is written at the run's end, or later by `python -m training.hub`, when the data folder may be gone (scratch
+    storage wiped) or prepared anew, and must describe what the run trained on."""
+    path = Path(data_path) / "manifest.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    return {k: raw[k] for k in CARD_DATA_KEYS if k in raw}
 
 
 class JSONLTracker(GeneralTracker):
@@ -420,7 +433,8 @@ class JSONLTracker(GeneralTracker):
         """The run config is written to config.yaml by the trainer; this launch's hardware and precision (which the
         launch YAML, not the config, chose, and which a resume may change) go in a row at the step it starts from,
         for the model card."""
-        self.log({"launch": {k: values[k] for k in LAUNCH_KEYS}}, step=values["start_step"])
+        launch = {k: values[k] for k in LAUNCH_KEYS} | {"data": data_for_the_card(values["data_path"])}
+        self.log({"launch": launch}, step=values["start_step"])
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import socket
 import time
 
@@ -30,6 +31,7 @@ from training.hub import (
     shown_source,
     write_model_card,
 )
+from training.metrics import LAUNCH_KEYS, JSONLTracker
 
 # metrics.jsonl's row of a launch from step 0 (training.metrics.LAUNCH_KEYS)
 CPU_LAUNCH = {"world_size": 1, "device": "CPU: Xeon", "mixed_precision": "bf16", "dynamo_backend": "NO"}
@@ -251,6 +253,28 @@ def test_the_card_finds_the_data_from_any_working_folder(finished_run, prepared_
         metrics.write(json.dumps({"step": 0, "launch": {**CPU_LAUNCH, "data_path": str(prepared_books)}}) + "\n")
     manifest = json.loads((prepared_books / "manifest.json").read_text())
     assert f"{manifest['splits']['train']['num_tokens']:,} tokens" in render_model_card(finished_run)
+
+
+def test_the_card_describes_the_data_trained_on_after_its_folder_is_gone(finished_run, prepared_books, tmp_path):
+    """The card is written at the end, or later by `python -m training.hub`: the data folder may be gone by then
+    (scratch storage wiped) or prepared anew. The launch row, written by the tracker as a launch does, keeps what the
+    card says of the data."""
+    data = tmp_path / "scratch" / "books"
+    shutil.copytree(prepared_books, data)
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    (finished_run / "config.yaml").write_text(yaml.safe_dump({**config, "data_dir": str(data)}))
+    values = {k: CPU_LAUNCH.get(k, 8) for k in LAUNCH_KEYS} | {"data_path": str(data), "start_step": 0}
+    (finished_run / "metrics.jsonl").write_text("")
+    tracker = JSONLTracker(finished_run)
+    tracker.store_init_configuration(values)
+    tracker.log({"train_loss": 9.25, "tokens_per_sec": 1100.0, "tokens_seen": 2048}, step=2)
+    tracker.log({"val_loss": 9.5}, step=2)
+    manifest = json.loads((data / "manifest.json").read_text())
+    before = render_model_card(finished_run)
+    shutil.rmtree(data)
+    assert render_model_card(finished_run) == before  # not "no manifest.json there: source and license unknown"
+    tokens, license = manifest["splits"]["train"]["num_tokens"], manifest["sources"][0]["license"]
+    assert f"({tokens:,} tokens)" in before and f"| {license} |" in before
 
 
 def test_write_model_card_fills_repo_id(finished_run):
