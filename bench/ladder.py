@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     launch = checked_launch(launch_path, device, args.dynamo_backend)
     config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
+    if script := peer.peer_script(args.peer_dir):  # timed after the rungs: checked before them
+        try:
+            peer.checked_peer(script)
+        except peer.PeerError as err:
+            sys.exit(f"error: {err}")
     report_folder(args.out)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.

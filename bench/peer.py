@@ -73,6 +73,35 @@ def load_peer(script: Path) -> types.ModuleType:
     return module
 
 
+class PeerError(ValueError):
+    """--peer-dir's train_gpt2.py is not the build-nanogpt script this module reads."""
+
+
+def checked_peer(script: Path, schedule: bool = False) -> types.ModuleType:
+    """load_peer's module, checked before any measuring: the names build_peer_step uses (and, with `schedule`, its lr
+    schedule's), else PeerError naming the script. The ladder times the peer after its own rungs: a script found
+    wrong only then ended the benchmark with a traceback, and the rungs' rows, measured by then, were lost."""
+    try:
+        module = load_peer(script)
+    except Exception as err:  # its own code, run at its top level: any error at all
+        raise PeerError(f"--peer-dir: {script} does not load ({type(err).__name__}: {err}); {_GIVE}") from None
+    names = ["GPT", "GPTConfig", "GPT.configure_optimizers", *(SCHEDULE_NAMES if schedule else ())]
+    missing = [name for name in names if _lookup(module, name) is None]
+    if missing:
+        raise PeerError(f"--peer-dir: {script} has no {', '.join(missing)}; {_GIVE}")
+    return module
+
+
+_GIVE = "give a checkout of karpathy/build-nanogpt, whose train_gpt2.py this benchmark reads"
+
+
+def _lookup(module: types.ModuleType, dotted: str) -> object | None:
+    found: object | None = module
+    for part in dotted.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
 @contextmanager
 def peer_matmul_precision() -> Iterator[None]:
     """The script's torch.set_float32_matmul_precision('high') (TF32 on CUDA, oneDNN's TF32 mode where a CPU has

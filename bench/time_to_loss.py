@@ -381,7 +381,10 @@ def main(argv: list[str] | None = None) -> None:
             f"error: no --target and no `{args.baseline}` recipe to take it from; pass --target VAL_LOSS or name one"
             " of the recipes with --baseline"
         )
-    module = peer.load_peer(script) if script else None
+    try:
+        module = peer.checked_peer(script, schedule=True) if script else None
+    except peer.PeerError as err:
+        raise SystemExit(f"error: {err}") from None
     if args.config is None and device.type == "cpu":
         args.config = REPO / "configs" / "cpu_small.yaml"
     try:

@@ -14,6 +14,7 @@ from bench.attention_speed import main as attention_speed_main
 from bench.ladder import main as ladder_main
 from bench.loss_speed import main as loss_speed_main
 from bench.profile import main as profile_main
+from bench.time_to_loss import main as time_to_loss_main
 from testkit import REPO, fill_disk
 
 CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}  # on a corpus
@@ -188,3 +189,33 @@ def test_a_report_on_a_disk_that_fills_up_is_one_error_below_the_results(tmpfs, 
     )
     assert "| fused (modeling.fused_ce), compiled |" in capsys.readouterr().out
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("cli", ["ladder", "time_to_loss"])
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        ("class GPTConfig:\n    pass\n", "has no GPT, GPT.configure_optimizers"),  # another script, or a cut copy
+        ("class GPT(:\n", "does not load (SyntaxError: "),
+    ],
+)
+def test_a_peer_script_it_cannot_read_is_one_error_before_the_measuring(
+    prepared_books: Path, tmp_path: Path, cli: str, script: str, said: str
+):
+    """The ladder times build-nanogpt after its own rungs: a --peer-dir whose train_gpt2.py it cannot use ended the
+    benchmark there with a traceback, and the rungs' rows with it. Both benchmarks check it before measuring."""
+    peer_dir = tmp_path / "build-nanogpt"
+    peer_dir.mkdir()
+    (peer_dir / "train_gpt2.py").write_text(script)
+    out = tmp_path / "report"
+    common = ["--peer-dir", str(peer_dir), "--out", str(out)]
+    argv = ["--preset", "tiny-cpu", "--data-dir", str(prepared_books), *common]
+    if cli == "time_to_loss":
+        argv = ["--recipe", "today", "--recipe", "build-nanogpt", "--seeds", "1", "--target", "5", *common]
+    with pytest.raises(SystemExit) as exc:
+        (ladder_main if cli == "ladder" else time_to_loss_main)(argv)
+    assert str(exc.value.code).startswith(f"error: --peer-dir: {peer_dir / 'train_gpt2.py'} {said}")
+    assert str(exc.value.code).endswith(
+        "give a checkout of karpathy/build-nanogpt, whose train_gpt2.py this benchmark reads"
+    )
+    assert not out.exists()  # nothing measured, no report folder
