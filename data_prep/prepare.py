@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,11 @@ def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple
                 count, future = pending.popleft()
                 yield count, future.result()
                 check()
+        except BrokenProcessPool:  # not the books' fault: what was written so far is kept for the same command
+            raise SourceUnreadable(
+                "a preparation worker died (killed: by the kernel's OOM killer where memory ran short; a smaller "
+                "--num-proc needs less)"
+            ) from None
         finally:
             pool.shutdown(cancel_futures=True)
 
@@ -423,6 +429,11 @@ def _build(
             num_docs[json.loads(line)["split"]] += 1
     if not sum(num_docs.values()):
         raise DataPrepError(f"source {setup['source']!r} produced no documents (all empty); add some books")
+    if empty := [s for s in SPLITS if not num_docs[s]]:  # a run needs both: it would stop at its start-up
+        raise DataPrepError(
+            f"the {empty[0]} split got no text: the books assigned to it were empty after cleaning (the skipping "
+            "lines above), or the source has too few; leave those books out or add some"
+        )
     documents = {"file": DOCUMENTS_NAME, "count": sum(num_docs.values()), "sha256": file_sha256(index_path)}
     manifest = {
         "format_version": FORMAT_VERSION,

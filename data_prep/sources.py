@@ -315,8 +315,10 @@ def _plan_files(arg: str) -> Plan:
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
         # hidden files and folders left out, as a glob (and `datasets`) leaves them: editors' and notebooks'
         # copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version control
-        visible = (
-            p for p in path.rglob("*.txt") if not any(part.startswith(".") for part in p.relative_to(path).parts)
+        visible = (  # .txt in any case: book.TXT from a Windows or DOS archive is a book too
+            p
+            for p in path.rglob("*")
+            if p.suffix.lower() == ".txt" and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         paths, base = sorted(p for p in visible if p.is_file()), path
     elif path.is_file():
@@ -331,6 +333,9 @@ def _plan_files(arg: str) -> Plan:
     for p in paths:
         doc_id = f"{prefix}/{p.relative_to(base).as_posix()}"
         stat = p.stat()
+        if not stat.st_size:  # left out before the split: an empty notes.txt must not take a split's place
+            log.warning("skipping %s: an empty file", doc_id)
+            continue
         records.append(Record(doc_id, p.stem, path=str(p.absolute()), size=stat.st_size))
         key.append((doc_id, stat.st_size, stat.st_mtime_ns))
     text_bytes = sum(r.size for r in records)
@@ -455,9 +460,17 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
                 f"({e.strerror}); set HF_HOME to a folder you can write, with room for datasets' cache (an Arrow copy "
                 "of the data, unless --streaming)"
             ) from None
+        cause = e
+        while cause.__cause__ or cause.__context__:  # DatasetGenerationError's own text says only that one occurred
+            cause = cause.__cause__ or cause.__context__
+        said = f"{type(e).__name__}: {e}" + (f"; {type(cause).__name__}: {cause}" if cause is not e else "")
+        check = (
+            "check that file or folder: its format and its rows"
+            if path.exists()
+            else "check the name, split and network (or pass a local dataset folder or parquet/arrow file)"
+        )
         raise DataPrepError(
-            f"could not load Hugging Face dataset {name!r} split {split!r} ({type(e).__name__}: {e}); "
-            f"check the name, split and network (or pass a local dataset folder or parquet/arrow file)"
+            f"could not load Hugging Face dataset {name!r} split {split!r} ({' '.join(said.split())[:600]}); {check}"
         ) from None
 
 

@@ -126,6 +126,64 @@ def test_a_corpus_of_one_document_is_split_by_position(tmp_path):
     assert manifest.splits["val"]["num_documents"] == manifest.splits["train"]["num_documents"] == 1
 
 
+def test_empty_files_and_any_case_of_txt_are_sorted_out_before_the_split(tmp_path, caplog):
+    """A library as it comes: an empty notes.txt took the val split's only place (val 0 tokens, found by the run's
+    start-up), and a BOOK.TXT from a DOS-era archive was silently left out. The empty file is left out before the
+    split, saying so, and .TXT is a book: the one book here is split by position, as a corpus of one."""
+    library = _write_books(tmp_path / "library", n=1)
+    (library / "notes.txt").write_text("")
+    data = tmp_path / "data"
+    with caplog.at_level(logging.WARNING):
+        prepare(f"files:{library}", data)
+    assert "skipping files/library/notes.txt: an empty file" in caplog.text
+    manifest = load_manifest(data)
+    assert [(d["id"], d["split"]) for d in manifest.documents()] == [
+        ("files/library/book0.txt", "train"),
+        ("files/library/book0.txt#val", "val"),
+    ]
+    (library / "book0.txt").rename(library / "BOOK0.TXT")
+    _write_books(tmp_path / "more", n=1)
+    (tmp_path / "more" / "book0.txt").rename(library / "Book1.Txt")
+    prepare(f"files:{library}", data)
+    ids = sorted(d["id"].removesuffix("#val") for d in load_manifest(data).documents())
+    assert ids == ["files/library/BOOK0.TXT", "files/library/Book1.Txt"]
+
+
+def test_a_split_left_without_text_is_one_error_at_preparation(tmp_path):
+    """Two books, one of them empty only once cleaned (blank lines), which the hash put in a split alone: the
+    preparation said 'Wrote ... 0 tokens (0 docs)' for it and the run stopped at its start-up. Now the preparation
+    stops, and nothing is written."""
+    library = _write_books(tmp_path / "library", n=2)
+    (library / "book1.txt").write_text("\n\n   \n")  # not an empty file: empty once cleaned
+    with pytest.raises(DataPrepError) as err:
+        prepare(f"files:{library}", tmp_path / "data")
+    assert str(err.value).endswith(
+        "split got no text: the books assigned to it were empty after cleaning (the skipping lines above), or the "
+        "source has too few; leave those books out or add some"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "library"]
+
+
+def _killed(records: list) -> list:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer takes a worker
+    return []
+
+
+def test_a_worker_killed_mid_preparation_is_one_line_and_the_same_command_finishes(tmp_path, monkeypatch):
+    """A --num-proc worker the OOM killer takes: concurrent.futures' BrokenProcessPool traceback before. Now one line
+    that keeps the build, and the same command finishes it to the bytes of a preparation never interrupted."""
+    library = _write_books(tmp_path / "library", n=6)
+    monkeypatch.setattr(prepare_module, "tokenize_records", _killed)  # the pool's workers are sent it by name
+    with pytest.raises(DataPrepError) as err:
+        prepare(f"files:{library}", tmp_path / "data", num_proc=2)
+    assert str(err.value).startswith("a preparation worker died (killed: by the kernel's OOM killer where memory ran ")
+    assert f"prepared so far are kept in {tmp_path / '.data.build'}" in str(err.value)
+    monkeypatch.undo()
+    prepare(f"files:{library}", tmp_path / "data", num_proc=2)
+    prepare(f"files:{library}", tmp_path / "again")
+    assert _snapshot_bytes(tmp_path / "data") == _snapshot_bytes(tmp_path / "again")
+
+
 def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
     books = _write_books(tmp_path / "books")
     out = tmp_path / "data"

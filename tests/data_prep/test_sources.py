@@ -1,5 +1,7 @@
 """Book sources: the embedded default corpus, local files, Gutenberg (offline paths only), hf."""
 
+import re
+
 import pytest
 
 from data_prep import DataPrepError, sources
@@ -151,6 +153,15 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
         list(iter_documents(f"hf:{data}:train:body"))
     with pytest.raises(DataPrepError, match=r"could not load Hugging Face dataset '.*nope' split 'train'"):
         list(iter_documents(f"hf:{tmp_path}/nope"))
+    # a local file datasets cannot read: its own error's cause named (its text says only that an error occurred),
+    # and the file to check, not the network
+    (data / "part.jsonl").write_text('{"text": "A book."}\n{"text": "cut sh\n', encoding="utf-8")
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"hf:{data / 'part.jsonl'}"))
+    assert re.search(
+        r"\(DatasetGenerationError: .*; \w+Error: .+\); check that file or folder: its format and its rows$",
+        str(err.value),
+    ), err.value
 
 
 def test_hf_column_that_is_not_text_is_one_clear_error(tmp_path, monkeypatch, capsys):
