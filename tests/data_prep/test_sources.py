@@ -51,6 +51,10 @@ def test_clean_text_strips_gutenberg_boilerplate_modern_and_old():
     assert clean_text(PG_OLD) == "OLD BOOK\n\nOnce upon a time.\n"
     assert clean_text("no markers\r\nat all\rhere") == "no markers\nat all\nhere\n"
     assert clean_text(" \r\n\n\t\n") == ""
+    # several books in one file (a collection joined into one input.txt): every body, no header or license between
+    # them (only the last book's body was kept)
+    both = clean_text(PG_OLD + "\n" + PG_MODERN)
+    assert both == "OLD BOOK\n\nOnce upon a time.\n\n\nCHAPTER I.\n\nIt was a dark night.\n\n\nThe end.\n"
 
 
 def test_files_directory_tree_glob_and_single_file(tmp_path):
