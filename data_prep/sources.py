@@ -21,6 +21,7 @@ preparation reads each book exactly once, in a worker, and knows up front whethe
 
 from __future__ import annotations
 
+import codecs
 import configparser
 import errno
 import glob
@@ -264,17 +265,25 @@ def _read_text(path: Path) -> str:
 
 
 def _decode(data: bytes, where: str) -> str:
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Windows' "Unicode" text: the BOM says which
+        try:
+            return data.decode("utf-16")
+        except UnicodeDecodeError as e:
+            raise DataPrepError(
+                f"{where} is not valid UTF-16 after its byte-order mark ({e.reason} at offset "
+                f"{e.start}); convert it to UTF-8 or leave it out of the source"
+            ) from None
     if b"\x00" in data:
         raise DataPrepError(
-            f"{where} holds NUL bytes (a binary file, or UTF-16 text); convert it to UTF-8 or leave it out "
-            f"of the source"
+            f"{where} holds NUL bytes (a binary file, or UTF-16 text without a byte-order mark); convert it to UTF-8 "
+            "or leave it out of the source"
         )
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataPrepError(
             f"{where} is not valid UTF-8 (bad byte at offset {e.start}); convert it to UTF-8 "
-            f"(e.g. `iconv -f latin1 -t utf-8`) or leave it out of the source"
+            f"(e.g. `iconv -f cp1252 -t utf-8` for Windows or Latin-1 text) or leave it out of the source"
         ) from None
 
 

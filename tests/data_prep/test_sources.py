@@ -120,8 +120,14 @@ def test_files_errors(tmp_path):
     with pytest.raises(DataPrepError, match="produced no documents"):
         list(iter_documents(f"files:{tmp_path}"))
     (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 society\n".encode("latin-1"))
-    with pytest.raises(DataPrepError, match=r"latin1.txt is not valid UTF-8 \(bad byte at offset 3\); convert"):
+    with pytest.raises(DataPrepError, match=r"latin1.txt is not valid UTF-8 \(bad byte at offset 3\); convert") as e:
         list(iter_documents(f"files:{tmp_path}"))
+    # cp1252, not latin1: Windows text's quotes and dashes (0x91-0x97) are control codes in latin1
+    assert "(e.g. `iconv -f cp1252 -t utf-8` for Windows or Latin-1 text)" in str(e.value)
+    (tmp_path / "latin1.txt").unlink()
+    # Windows' "Unicode" text: UTF-16 with its byte-order mark, read as what it says it is
+    (tmp_path / "notepad.txt").write_bytes("\u201cCaf\u00e9,\u201d she said.\r\n".encode("utf-16"))
+    assert [d.text for d in iter_documents(f"files:{tmp_path}")] == ["\u201cCaf\u00e9,\u201d she said.\n"]
 
 
 def test_gutenberg_reads_its_cache_and_reports_network_failure(tmp_path, monkeypatch):
