@@ -546,11 +546,21 @@ def _check_out_dir(out: Path) -> None:
     if (why := cannot_write(out)) is not None:
         raise DataPrepError(f"cannot write {out}: {why}; choose another --out")
     # The output dir is replaced wholesale, so never take over a folder we did not create.
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_prepared(out))):
         raise DataPrepError(
-            f"{out} exists and is not a prepared dataset (no {MANIFEST_NAME}); it would be replaced, so "
+            f"{out} exists and is not a prepared dataset (no {MANIFEST_NAME} of one); it would be replaced, so "
             f"choose another --out or remove it yourself"
         )
+
+
+def _is_prepared(folder: Path) -> bool:
+    """Whether `folder`'s manifest.json is a prepared dataset's, not just any file of that name: a training checkpoint
+    has one too, and --out at it would have replaced the checkpoint."""
+    try:
+        raw = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and {"format_version", "tokenizer", "shards"} <= raw.keys()
 
 
 def _up_to_date(out: Path, key: str) -> bool:

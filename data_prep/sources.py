@@ -28,6 +28,7 @@ import glob
 import hashlib
 import json
 import logging
+import os
 import re
 import tarfile
 import time
@@ -347,6 +348,13 @@ def _plan_files(arg: str) -> Plan:
     records, key = [], []
     for p in paths:
         doc_id = f"{prefix}/{p.relative_to(base).as_posix()}"
+        try:
+            doc_id.encode("utf-8")  # ids are written as UTF-8 JSON: Python holds a name's bad bytes as surrogates
+        except UnicodeEncodeError:
+            raise DataPrepError(
+                f"the name of {os.fsencode(p)!r} is not UTF-8; rename it (e.g. `convmv -f cp1252 -t utf-8 --notest "
+                "FILE`) or leave it out of the source"
+            ) from None
         stat = p.stat()
         if not stat.st_size:  # left out before the split: an empty notes.txt must not take a split's place
             log.warning("skipping %s: an empty file", doc_id)

@@ -264,6 +264,11 @@ def test_refuses_to_replace_a_folder_it_did_not_create(tmp_path):
     with pytest.raises(DataPrepError, match="exists and is not a prepared dataset"):
         prepare(f"files:{_write_books(tmp_path / 'books')}", mine)
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"]
+    # a manifest.json of another kind: a training checkpoint's (its files' sizes and hashes) was replaced whole
+    (mine / "manifest.json").write_text('{"files": {"model.safetensors": {"bytes": 1, "sha256": "00"}}}')
+    with pytest.raises(DataPrepError, match=r"exists and is not a prepared dataset \(no manifest.json of one\)"):
+        prepare(f"files:{tmp_path / 'books'}", mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex", "manifest.json"]
 
 
 def test_an_output_folder_that_cannot_be_written_stops_before_any_work(tmp_path, tmpfs):

@@ -1,5 +1,6 @@
 """Book sources: the embedded default corpus, local files, Gutenberg (offline paths only), hf."""
 
+import os
 import re
 
 import pytest
@@ -125,6 +126,12 @@ def test_files_errors(tmp_path):
     # cp1252, not latin1: Windows text's quotes and dashes (0x91-0x97) are control codes in latin1
     assert "(e.g. `iconv -f cp1252 -t utf-8` for Windows or Latin-1 text)" in str(e.value)
     (tmp_path / "latin1.txt").unlink()
+    # a file name that is not UTF-8 (copied from an old archive): UnicodeEncodeError's traceback at the index write
+    bad_name = tmp_path / os.fsdecode(b"caf\xe9.txt")
+    bad_name.write_text("A book.\n", encoding="utf-8")
+    with pytest.raises(DataPrepError, match=r"^the name of b'.*/caf\\xe9.txt' is not UTF-8; rename it \(e.g. `convmv"):
+        list(iter_documents(f"files:{tmp_path}"))
+    bad_name.unlink()
     # Windows' "Unicode" text: UTF-16 with its byte-order mark, read as what it says it is
     (tmp_path / "notepad.txt").write_bytes("\u201cCaf\u00e9,\u201d she said.\r\n".encode("utf-16"))
     assert [d.text for d in iter_documents(f"files:{tmp_path}")] == ["\u201cCaf\u00e9,\u201d she said.\n"]
