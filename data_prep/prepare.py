@@ -108,6 +108,8 @@ def prepare(
         )
         num_proc = cpus
     out = Path(out_dir).absolute()
+    if out.is_symlink():  # the data goes where the link points (its disk): the link itself is not replaced
+        out = out.resolve()
     _check_out_dir(out)
     get_encoding()  # fail early (before reading inputs) if the tokenizer can't be provisioned
     params = {"shard_tokens": shard_tokens, "val_fraction": val_fraction, "seed": seed}

@@ -271,6 +271,19 @@ def test_refuses_to_replace_a_folder_it_did_not_create(tmp_path):
     assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex", "manifest.json"]
 
 
+def test_an_out_that_is_a_symlink_prepares_where_it_points(tmp_path):
+    """data/ linked to a scratch disk, as clusters keep data: the link was replaced by a real folder on the home disk
+    (the scratch folder left empty), and every later run, the up-to-date one too, ended in rmtree's traceback."""
+    (tmp_path / "scratch" / "books").mkdir(parents=True)
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "scratch" / "books")
+    books = f"files:{_write_books(tmp_path / 'library')}"
+    for _ in range(2):  # the second: up to date
+        assert prepare(books, link) == tmp_path / "scratch" / "books" / "manifest.json"
+    assert link.is_symlink() and load_manifest(link).num_tokens("train") > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "library", "scratch"]  # no .data.old link left
+
+
 def test_an_output_folder_that_cannot_be_written_stops_before_any_work(tmp_path, tmpfs):
     disk = tmpfs("1m")
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
