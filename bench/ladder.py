@@ -22,6 +22,7 @@ import shlex
 import sys
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import accelerate
@@ -110,16 +111,18 @@ def run_ladder(
     return results
 
 
-def run_peers(bench: Bench, peer_dir: Path | None, compiled_backend: str, recipe_precision: str) -> list[Result]:
-    """build-nanogpt's GPT trained by its own loop's step, eager and compiled; skipped without its train_gpt2.py.
-    Where rung 11 trains in fp32 (cpu.yaml), a third row runs the compiled peer in fp32 too: ours is faster
-    partly by picking the CPU's faster precision, and that row shows how much is left without that choice."""
-    script = peer.peer_script(peer_dir)
-    if script is None:
+def run_peers(
+    bench: Bench, peer_dir: Path | None, module: ModuleType | None, compiled_backend: str, recipe_precision: str
+) -> list[Result]:
+    """build-nanogpt's GPT (`module`, bench.peer's, loaded from peer_dir's train_gpt2.py) trained by its own loop's
+    step, eager and compiled; skipped without its train_gpt2.py (module None). Where rung 11 trains in fp32
+    (cpu.yaml), a third row runs the compiled peer in fp32 too: ours is faster partly by picking the CPU's faster
+    precision, and that row shows how much is left without that choice."""
+    if module is None:
         where = "no --peer-dir given" if peer_dir is None else f"no {peer.SCRIPT} in {peer_dir}"
         print(f"peer: skipped ({where}; pass --peer-dir with a build-nanogpt checkout to time it)", flush=True)
         return []
-    module = peer.load_peer(script)
+    script = module.__file__
     rows = [("build-nanogpt eager", None, True), ("build-nanogpt compiled", compiled_backend, True)]
     if recipe_precision == "fp32":
         rows.append(("build-nanogpt compiled, fp32", compiled_backend, False))
@@ -208,11 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     launch = checked_launch(launch_path, device, args.dynamo_backend)
     config = checked_inputs(args.preset, args.data_dir, log=partial(print, flush=True))
-    if script := peer.peer_script(args.peer_dir):  # timed after the rungs: checked before them
-        try:
-            peer.checked_peer(script)
-        except peer.PeerError as err:
-            sys.exit(f"error: {err}")
+    script = peer.peer_script(args.peer_dir)
+    try:
+        module = peer.checked_peer(script) if script else None  # timed after the rungs: checked before them
+    except peer.PeerError as err:
+        sys.exit(f"error: {err}")
     report_folder(args.out)
     set_up_compile_cache(device)  # rungs 8-11 and the compiled peer compile
     # MFU of each row against the peak of its matmul dtype: on CPUs without fast bf16 fp32 can be the faster one.
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
 
     recipe_precision = dtype_name(launch.get("mixed_precision", "no"))
     rows = run_ladder(bench, args.rungs, launch, args.dynamo_backend, cap) + run_peers(
-        bench, args.peer_dir, compile_backend(launch, args.dynamo_backend), recipe_precision
+        bench, args.peer_dir, module, compile_backend(launch, args.dynamo_backend), recipe_precision
     )
     command = f"{prog} {shlex.join(raw)}".strip()
     write_report(args, command, rows, launch_path, peaks, measured_bf16, peak_text)

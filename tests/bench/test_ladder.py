@@ -106,7 +106,8 @@ def test_bf16_rows_are_not_timed_on_a_cpu_whose_bf16_is_20x_slower(tmp_path):
     launch = launch_config(REPO / "accelerate_configs" / "cpu.yaml")
     rows = run_ladder(slow_bf16, {5, 10}, launch, None, 1)
     (tmp_path / peer.SCRIPT).write_text("class GPTConfig:\n    pass\n")
-    rows += run_peers(slow_bf16, tmp_path, "inductor", recipe_precision="bf16")  # its two bf16 rows only
+    module = peer.load_peer(peer.peer_script(tmp_path))
+    rows += run_peers(slow_bf16, tmp_path, module, "inductor", recipe_precision="bf16")  # its two bf16 rows only
     assert [(r.label, r.status) for r in rows] == [("5", "n/a"), ("10", "n/a"), ("peer", "n/a"), ("peer", "n/a")]
     why = "this CPU's bf16 matmuls run 100x slower than fp32 (no native bf16): not timed"
     assert all(r.reason == why for r in rows)
