@@ -9,7 +9,6 @@ model card and loss plot written into its export/ folder.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,7 +24,7 @@ import yaml
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES, SOURCE_START
 from modeling.runs import is_hub_id, list_checkpoints, read_metrics
-from training.metrics import precision_name
+from training.metrics import data_for_the_card, precision_name
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
@@ -72,8 +71,8 @@ def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
         return recorded[0]
     launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
     for folder in [*launched[:1], config["data_dir"]]:
-        if (Path(folder) / "manifest.json").is_file():
-            return json.loads((Path(folder) / "manifest.json").read_text())
+        if (found := data_for_the_card(folder)) is not None:
+            return found
     return None
 
 

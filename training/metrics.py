@@ -15,6 +15,7 @@ import torch
 from accelerate.tracking import GeneralTracker, get_available_trackers
 from accelerate.utils import LoggerType
 
+from data_prep.loader import MANIFEST_NAME
 from evals.plot import save_png
 from modeling.cpu_linear import matmul
 from modeling.disk import append_bytes, disk_full_reported
@@ -408,7 +409,7 @@ def data_for_the_card(data_path: str | Path) -> dict | None:
     """The manifest's CARD_DATA_KEYS as this launch found them (None: no manifest there). Kept in its launch row: the
     card is written at the run's end, or later by `python -m training.hub`, when the data folder may be gone (scratch
     storage wiped) or prepared anew, and must describe what the run trained on."""
-    path = Path(data_path) / "manifest.json"
+    path = Path(data_path) / MANIFEST_NAME
     if not path.is_file():
         return None
     raw = json.loads(path.read_text(encoding="utf-8"))
