@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modeling import cpu_linear
+from modeling import cpu_linear, cpu_softmax
 from modeling.fp8_head import fp8_logits
 
 # Rows of h per chunk, and a cap on the number of chunks (BENCHMARKS.md, "fused loss" and "Chunk size on a Zen 5", has
@@ -87,6 +87,53 @@ def _(logits: Tensor, target: Tensor) -> Tensor:
     return logits.new_empty(target.shape)
 
 
+def softmax_grad(
+    product: Tensor, target: Tensor, row_scale: Tensor, compiled: bool, write_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Each row's loss, -log softmax(product)[target] as (rows, 1), and with write_grad d(loss)/d(product) =
+    (softmax - onehot(target)) * row_scale in product's dtype, for the chunk's product (rows, V) and target,
+    row_scale (rows, 1): the loss's torch form (the CPU's kernel is modeling.cpu_softmax)."""
+    compute_dtype = product.dtype
+    acc_dtype = torch.promote_types(compute_dtype, torch.float32)
+    # from the product as the matmul wrote it: an fp32 copy for the op would be a (chunk, V) buffer of its own
+    target_logit = target_logits(product, target).to(acc_dtype)  # (chunk, 1)
+    logits = product.to(acc_dtype)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    shifted = logits.sub_(row_max)  # in place (eager CPU pays a page fault per touched page of a new tensor)
+    # The other ids' mass, summed without the target's term: 1 - p_target = other / (other + exp_target)
+    # stays exact as p_target -> 1, where the full sum minus exp_target would cancel to 0.
+    if compiled:  # one pass per row, in cache: the mass below the row's max and at it (a float compare)
+        exp = shifted.exp()
+        below = shifted < 0
+        below_max = torch.where(below, exp, 0.0).sum(dim=-1, keepdim=True)
+        at_max = torch.where(below, 0.0, exp).sum(dim=-1, keepdim=True)  # exp(0) per id at the max
+        sum_exp = below_max + at_max
+        exp_target = (target_logit - row_max).exp()
+        # The target alone at the max (every row with p_target > 1/2): the others are the ids below it.
+        # Otherwise other >= exp(0) >= exp_target, and the difference loses at most a bit.
+        alone = (target_logit == row_max) & (at_max < 1.5)
+        other = torch.where(alone, below_max, sum_exp - exp_target)
+    else:  # eager: in place, no new (chunk, V) tensor
+        exp = shifted.exp_()
+        exp_target = exp.gather(1, target)
+        other = exp.scatter_(1, target, 0.0).sum(dim=-1, keepdim=True)
+        sum_exp = other + exp_target
+    # loss = -log p_target: log1p keeps its precision near 0 (confident rows); the lse form when the
+    # target's exp underflows.
+    row_loss = torch.where(exp_target > 0.5, torch.log1p(other / exp_target), row_max + sum_exp.log() - target_logit)
+    if not write_grad:
+        return row_loss, None
+    # d(mean loss)/d(logits) = (softmax - onehot) * row_scale, whole in fp32 before the cast to
+    # compute_dtype; its target entry p_target - 1 = -other / sum_exp.
+    inv = row_scale / sum_exp
+    if compiled:  # its target entries written after, in place
+        grad_logits = (exp * inv).to(compute_dtype)
+        put_targets_(grad_logits, target, (-other * inv).to(compute_dtype))
+    else:
+        grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
+    return row_loss, grad_logits
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -129,45 +176,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             target = safe_targets[rows]
             # (chunk, V) in compute_dtype
             product = logits_by_slabs(h_c[rows], w_c, VOCAB_SLAB) if by_slabs else linear(h_c[rows], w_c, None)
-            # from the product as the matmul wrote it: an fp32 copy for the op would be a (chunk, V) buffer of its own
-            target_logit = target_logits(product, target).to(acc_dtype)  # (chunk, 1)
-            logits = product.to(acc_dtype)
-            row_max = logits.amax(dim=-1, keepdim=True)
-            shifted = logits.sub_(row_max)  # in place (eager CPU pays a page fault per touched page of a new tensor)
-            # The other ids' mass, summed without the target's term: 1 - p_target = other / (other + exp_target)
-            # stays exact as p_target -> 1, where the full sum minus exp_target would cancel to 0.
-            if compiled:  # one pass per row, in cache: the mass below the row's max and at it (a float compare)
-                exp = shifted.exp()
-                below = shifted < 0
-                below_max = torch.where(below, exp, 0.0).sum(dim=-1, keepdim=True)
-                at_max = torch.where(below, 0.0, exp).sum(dim=-1, keepdim=True)  # exp(0) per id at the max
-                sum_exp = below_max + at_max
-                exp_target = (target_logit - row_max).exp()
-                # The target alone at the max (every row with p_target > 1/2): the others are the ids below it.
-                # Otherwise other >= exp(0) >= exp_target, and the difference loses at most a bit.
-                alone = (target_logit == row_max) & (at_max < 1.5)
-                other = torch.where(alone, below_max, sum_exp - exp_target)
-            else:  # eager: in place, no new (chunk, V) tensor
-                exp = shifted.exp_()
-                exp_target = exp.gather(1, target)
-                other = exp.scatter_(1, target, 0.0).sum(dim=-1, keepdim=True)
-                sum_exp = other + exp_target
-            # loss = -log p_target: log1p keeps its precision near 0 (confident rows); the lse form when the
-            # target's exp underflows.
-            row_loss = torch.where(
-                exp_target > 0.5, torch.log1p(other / exp_target), row_max + sum_exp.log() - target_logit
-            )
-            accumulate_(loss_sum, (row_loss * valid[rows, None]).sum())
-            if not (need_grad_h or need_grad_w):
-                continue
-            # d(mean loss)/d(logits) = (softmax - onehot) * row_scale, whole in fp32 before the cast to
-            # compute_dtype; its target entry p_target - 1 = -other / sum_exp.
-            inv = row_scale[rows] / sum_exp
-            if compiled:  # its target entries written after, in place
-                grad_logits = (exp * inv).to(compute_dtype)
-                put_targets_(grad_logits, target, (-other * inv).to(compute_dtype))
+            need_grad = need_grad_h or need_grad_w
+            if cpu_softmax.takes(product):  # the loss and, over the logits, their gradient: one C kernel
+                row_loss = cpu_softmax.softmax_grad_(product, target, row_scale[rows], need_grad)
+                grad_logits = product
             else:
-                grad_logits = exp.mul_(inv).scatter_(1, target, -other * inv).to(compute_dtype)
+                row_loss, grad_logits = softmax_grad(product, target, row_scale[rows], compiled, need_grad)
+            accumulate_(loss_sum, (row_loss * valid[rows, None]).sum())
+            if not need_grad:
+                continue
             if need_grad_h:
                 grad_h[rows] = linear(grad_logits, w_c.t(), None)
             if need_grad_w:

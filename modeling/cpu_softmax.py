@@ -1,0 +1,91 @@
+"""The fused loss's softmax on the CPU as one C kernel per chunk (modeling/cpu_softmax.c), built when first needed.
+
+Inductor writes the chunk's softmax as three passes over its (rows x 50,304) logits with Sleef's exp, into a new
+gradient tensor: 22 ms a 1,024-row bf16 chunk on an AMX Xeon, a quarter of `make train`'s step there. The kernel
+takes each row through its passes while the row is in the core's cache, with a cheaper exp (2 ulp of fp32's), and
+writes the gradient over the logits in place (BENCHMARKS.md, "The loss's softmax as a C kernel").
+
+Built per process with gcc (0.1-0.2 s, `-march=native`: the machine it runs on) into a temporary folder, loaded,
+and the file deleted: nothing is cached, so no build can reach a CPU it was not made for. It runs on torch's own
+OpenMP threads (the libgomp torch loaded), so it needs Linux, gcc and a torch built with GNU OpenMP; elsewhere, or
+if the build fails, `built()` is False and the fused loss keeps its torch form, which computes the same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def _gnu_openmp_loaded() -> bool:
+    """Whether this process has GNU OpenMP (libgomp) loaded, as torch's CPU builds for Linux bring it: the kernel's
+    parallel loop then runs on torch's thread pool rather than a second one competing with it for the cores."""
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernel library, or None where it cannot run here (not Linux, no gcc, no libgomp, a failed build)."""
+    gcc = shutil.which("gcc")
+    if not sys.platform.startswith("linux") or gcc is None or not _gnu_openmp_loaded():
+        return None
+    with tempfile.TemporaryDirectory(prefix="bookgpt-kernel-") as folder:
+        library = Path(folder) / "cpu_softmax.so"
+        try:
+            build = subprocess.run([gcc, *FLAGS, str(SOURCE), "-o", str(library)], capture_output=True, timeout=120)
+            return ctypes.CDLL(str(library)) if build.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+
+def built() -> bool:
+    """Whether the kernel is built and loaded in this process (built on the first call); a constant to torch.compile."""
+    return _library() is not None
+
+
+# What @torch.compiler.assume_constant_result sets (as modeling.fused_ce.cuda_memory_bytes): dynamo calls it while
+# tracing and keeps the answer, rather than tracing into a build.
+built._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def takes(logits: Tensor) -> bool:
+    """Whether softmax_grad_ computes this chunk's softmax: bf16 or fp32 CPU logits, where the kernel is built."""
+    return logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and built()
+
+
+@torch.library.custom_op("bookgpt::softmax_grad_", mutates_args=("logits",))
+def softmax_grad_(logits: Tensor, target: Tensor, scale: Tensor, write_grad: bool) -> Tensor:
+    """For logits (rows, V) and target, scale (rows, 1): each row's loss -log softmax(logits)[target] in fp32,
+    returned as (rows, 1); with write_grad, the logits overwritten by (softmax - onehot(target)) * scale in their
+    dtype. An op of its own: torch.compile calls it as it is, and the logits it overwrites are the chunk's only
+    (rows, V) tensor."""
+    library = _library()
+    assert library is not None and logits.is_contiguous(), "softmax_grad_ without its kernel (see takes())"
+    rows, vocab = logits.shape
+    target = target.to(torch.int64).contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    loss = torch.empty((rows, 1), dtype=torch.float32)
+    run = library.softmax_grad_bf16 if logits.dtype == torch.bfloat16 else library.softmax_grad_fp32
+    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (logits, target, scale, loss)]
+    if run(*pointers, ctypes.c_int64(rows), ctypes.c_int64(vocab), ctypes.c_int(write_grad)):
+        raise MemoryError(f"the loss's softmax kernel could not allocate {vocab * 4} bytes a thread")
+    return loss
+
+
+@softmax_grad_.register_fake
+def _(logits: Tensor, target: Tensor, scale: Tensor, write_grad: bool) -> Tensor:
+    return logits.new_empty((logits.shape[0], 1), dtype=torch.float32)

@@ -1,0 +1,118 @@
+"""modeling.cpu_softmax: the fused loss's softmax as a C kernel on the CPU, against fp64 and against the loss's torch
+form (modeling.fused_ce.softmax_grad), which it replaces where it is built and which stays where it is not."""
+
+import shutil
+
+import pytest
+import torch
+
+from bench import loss_numerics as numerics
+from modeling import cpu_softmax, fused_ce
+
+ROWS, V = 64, 3000
+
+
+def chunk(p_target: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's logits (ROWS, V) in dtype whose targets hold about p_target of each row's mass, their targets and
+    row scales (every 5th row ignored: scale 0, target 0, as the fused loss passes them); row 1's target ties with
+    another id at the max, row 2's lies far below the rest (its exp underflows)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(ROWS, V, generator=g) * 2
+    target = torch.randint(0, V, (ROWS, 1), generator=g)
+    # the target's logit above the row's others by the margin that gives it p_target of the mass
+    others = logits.exp().sum(-1, keepdim=True)
+    margin = torch.log(torch.tensor(p_target / (1 - p_target))) + others.log()
+    logits.scatter_(1, target, margin)
+    logits[1, (target[1, 0] + 1) % V] = logits[1, target[1, 0]]
+    logits[2, target[2, 0]] = -200.0
+    scale = torch.full((ROWS, 1), 1 / 1000)
+    scale[::5] = 0
+    target[::5] = 0
+    return logits.to(dtype), target, scale
+
+
+def reference(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss and the loss's gradient, in fp64 from the same (rounded) logits."""
+    log_p = torch.log_softmax(logits.double(), -1)
+    onehot = torch.zeros_like(log_p).scatter_(1, target, 1.0)
+    return -log_p.gather(1, target), (log_p.exp() - onehot) * scale.double()
+
+
+def errors(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
+    return [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
+
+
+needs_kernel = pytest.mark.skipif(not cpu_softmax.built(), reason="the kernel is not built here (no gcc or libgomp)")
+
+
+def test_the_kernel_is_built_where_gcc_is():
+    """The suite's CPUs have gcc (torch.compile needs it): the tests here run the kernel, not only the torch form."""
+    assert cpu_softmax.built() == (shutil.which("gcc") is not None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("p_target", [1e-4, 0.5, 0.99995, 1 - 1e-8], ids=str)
+def test_as_accurate_as_the_torch_form_against_fp64(p_target, dtype):
+    logits, target, scale = chunk(p_target, dtype)
+    want = reference(logits, target, scale)
+    out = logits.clone()
+    loss = cpu_softmax.softmax_grad_(out, target, scale, True)
+    got = errors((loss, out), want)
+    for compiled in (False, True):
+        form = torch.compile(fused_ce.softmax_grad) if compiled else fused_ce.softmax_grad
+        torch_form = errors(form(logits.clone(), target, scale, compiled, True), want)
+        # the gradient is rounded to dtype in both: the kernel's exps (2 ulp of fp32) do not show above that
+        assert got[0] <= 1.1 * torch_form[0] + 1e-6 and got[1] <= 1.1 * torch_form[1] + 1e-7, (got, torch_form)
+    assert got[0] < 1e-5, got  # the loss from fp32 sums, whatever the logits' dtype
+    assert got[1] < (1e-6 if dtype == torch.float32 else 4e-3), got
+    assert (out[::5] == 0).all()  # ignored rows: no gradient
+
+
+@needs_kernel
+def test_the_loss_alone_leaves_the_logits_as_they_are():
+    logits, target, scale = chunk(0.5, torch.bfloat16)
+    out = logits.clone()
+    loss = cpu_softmax.softmax_grad_(out, target, scale, False)
+    assert torch.equal(out, logits)
+    assert errors((loss,), reference(logits, target, scale)[:1])[0] < 1e-5
+
+
+@needs_kernel
+def test_the_same_bits_on_any_number_of_threads():
+    """Each row is one thread's, in one order: a run resumed on other cores computes the same loss and gradient."""
+    logits, target, scale = chunk(0.5, torch.bfloat16)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = logits.clone()
+            results.append((cpu_softmax.softmax_grad_(out, target, scale, True), out))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r, results[0], strict=True))
+
+
+def test_without_gcc_the_fused_loss_keeps_its_torch_form(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cpu_softmax._library.cache_clear()
+    try:
+        assert not cpu_softmax.built() and not cpu_softmax.takes(torch.zeros(2, 3))
+        h, weight = torch.randn(8, 4), torch.randn(50, 4)
+        targets = torch.randint(0, 50, (8,))
+        torch.testing.assert_close(
+            fused_ce.fused_linear_cross_entropy(h, weight, targets), numerics.plain_cross_entropy(h, weight, targets)
+        )
+    finally:
+        cpu_softmax._library.cache_clear()
+
+
+def test_built_is_marked_constant_as_torch_marks_it():
+    """built() carries @torch.compiler.assume_constant_result's mark: dynamo asks it once, rather than trace a build."""
+
+    def probe():
+        return True
+
+    torch.compiler.assume_constant_result(probe)
+    assert vars(probe) and vars(cpu_softmax.built) == vars(probe)
