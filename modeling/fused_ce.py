@@ -5,7 +5,9 @@ several times in forward and backward; at 2,048 tokens x 50,304 ids that is ~400
 about a third of a small model's step on CPU. Here the rows are processed in chunks: for each chunk the
 forward pass computes the logits, the log-sum-exp, the loss AND the gradients w.r.t. h and W right away,
 so the chunk's logits are dropped before the next one. Backward only scales the stored gradients. In bf16 on the
-CPU a chunk's logits are one product per 4,096 ids of the head (logits_by_slabs), which AMX runs faster.
+CPU a chunk's logits are one product per 4,096 ids of the head (logits_by_slabs), which AMX runs faster; on the CPU
+the chunk's softmax, loss and logit gradient are one C kernel (modeling/cpu_softmax.py) wherever gcc can build it,
+and softmax_grad's torch ops elsewhere.
 
 Which of the two forms the model's loss takes is one rule, takes_full_logits: the full logits on CUDA under
 torch.compile while they fit (inductor's code for this form is 5% slower there), this form elsewhere.
@@ -92,7 +94,9 @@ def softmax_grad(
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's loss, -log softmax(product)[target] as (rows, 1), and with write_grad d(loss)/d(product) =
     (softmax - onehot(target)) * row_scale in product's dtype, for the chunk's product (rows, V) and target,
-    row_scale (rows, 1): the loss's torch form (the CPU's kernel is modeling.cpu_softmax)."""
+    row_scale (rows, 1): the loss's torch form (the CPU's kernel is modeling.cpu_softmax). The same arithmetic in two
+    forms, each slow in the other mode: inductor writes a scatter_'s (chunk, V) input out whole, eager allocates every
+    where() (BENCHMARKS.md, "Loss accuracy")."""
     compute_dtype = product.dtype
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)
     # from the product as the matmul wrote it: an fp32 copy for the op would be a (chunk, V) buffer of its own
@@ -164,11 +168,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # Under bf16 autocast torch.compile (inductor) sums the chunks' (V, E) grad_w products in one kernel after
         # the last chunk, so all of them are alive at once: cap their number (a bigger batch gets bigger chunks).
         chunk_rows = max(chunk_rows, -(-h.shape[0] // MAX_CHUNKS))
-        # The same arithmetic in two forms, each slow in the other mode: inductor writes a scatter_'s (chunk, V)
-        # input out whole, eager allocates every where() (BENCHMARKS.md, "Loss accuracy").
         compiled = torch.compiler.is_compiling()
+        need_grad = need_grad_h or need_grad_w
         # fp32 products on AVX-512 AMD CPUs through oneDNN in training (modeling/cpu_linear.py); x @ w.t() as a linear
-        onednn = (need_grad_h or need_grad_w) and cpu_linear.takes(h_c, w_c)
+        onednn = need_grad and cpu_linear.takes(h_c, w_c)
         linear = cpu_linear.onednn_linear if onednn else F.linear
         by_slabs = h.device.type == "cpu" and compute_dtype == torch.bfloat16
         for start in range(0, h.shape[0], chunk_rows):
@@ -176,7 +179,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             target = safe_targets[rows]
             # (chunk, V) in compute_dtype
             product = logits_by_slabs(h_c[rows], w_c, VOCAB_SLAB) if by_slabs else linear(h_c[rows], w_c, None)
-            need_grad = need_grad_h or need_grad_w
             if cpu_softmax.takes(product):  # the loss and, over the logits, their gradient: one C kernel
                 row_loss = cpu_softmax.softmax_grad_(product, target, row_scale[rows], need_grad)
                 grad_logits = product
