@@ -7,7 +7,16 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.profile import BF16_MATH, MUON_STEP, ONEDNN_LINEAR, kind_of, matmul_calls, print_matmul_bound, time_matmul
+from bench.profile import (
+    BF16_MATH,
+    LOSS_SOFTMAX,
+    MUON_STEP,
+    ONEDNN_LINEAR,
+    kind_of,
+    matmul_calls,
+    print_matmul_bound,
+    time_matmul,
+)
 from bench.rungs import REPO, full_recipe_trainer, launch_config
 from modeling import cpu_linear
 from modeling.config import get_preset
@@ -112,8 +121,9 @@ ATTENTION = "attention: SDPA flash, or the CPU path's softmax (its matmuls: abov
     ("name", "kind"),
     [
         ("aten::mm", "matmul (mm, addmm, bmm)"),
-        ("graph_0_cpp_fused__to_copy_add_amax_arange_clamp_div_eq_exp_gather_gt_log_log1p_mul_native",
-         "fused loss: softmax over the vocab (inductor)"),
+        ("graph_0_cpp_fused__to_copy_add_amax_arange_clamp_div_eq_exp_gather_gt_log_log1p_mul_native", LOSS_SOFTMAX),
+        ("bookgpt::softmax_grad_", LOSS_SOFTMAX),
+        ("graph_0_cpp_fused__to_copy_add_arange_div_expand_gt_mul_neg_scalar_tensor_sum_transpose_un", ATTENTION),
         ("graph_0_cpp_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_view_12", "LayerNorm (inductor)"),
         ("graph_0_cpp_fused__to_copy_add_mul_sigmoid_view_3", "GELU (inductor)"),
         ("graph_0_cpp_fused__to_copy_add_mul_sigmoid_sigmoid_backward_sum_view_1", "GELU (inductor)"),
