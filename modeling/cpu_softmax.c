@@ -2,11 +2,11 @@
 
 For each row of logits (rows x vocab, bf16 or fp32, as the head's product wrote them) and its target id: the row's
 loss, -log p(target), and, written over the logits in place, d(loss)/d(logits) = (softmax - onehot) * scale.
-One row at a time, so that its values stay in the core's L2 cache through the three passes (max; exps and their
-sum; the gradient); the rows split over torch's OpenMP threads. Computed in fp32, as the loss's torch form does, but for the sums: the
-exps are exp(x - max) <= 1, by a polynomial within 1.5 ulp of fp32's exp, summed in fp64 (in fp32, a lane holding an
-exp near 1 drops the small ones added to it, which the torch form's cascade sums keep), and the other ids' mass is
-summed without the target's term, so that 1 - p(target) stays exact as p(target) -> 1. */
+One row at a time, so that its values stay in the core's L2 cache through the passes (max; exps; their sum; the
+gradient); the rows split over torch's OpenMP threads. Computed in fp32, as the loss's torch form does, but for the
+sums: the exps are exp(x - max) <= 1, by a polynomial within 1.5 ulp of fp32's exp, summed in fp64 (in fp32, a lane
+holding an exp near 1 drops the small ones added to it, which the torch form's cascade sums keep), and the other
+ids' mass is summed without the target's term, so that 1 - p(target) stays exact as p(target) -> 1. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

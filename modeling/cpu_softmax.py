@@ -2,10 +2,10 @@
 
 Inductor writes the chunk's softmax as three passes over its (rows x 50,304) logits with Sleef's exp, into a new
 gradient tensor: 22 ms a 1,024-row bf16 chunk on an AMX Xeon, a quarter of `make train`'s step there. The kernel
-takes each row through its passes while the row is in the core's cache, with a cheaper exp (2 ulp of fp32's), and
-writes the gradient over the logits in place (BENCHMARKS.md, "The loss's softmax as a C kernel").
+takes each row through its passes while the row is in the core's cache, with a cheaper exp (within 1.5 ulp of
+fp32's), and writes the gradient over the logits in place (BENCHMARKS.md, "The loss's softmax as a C kernel").
 
-Built per process with gcc (0.1-0.2 s, `-march=native`: the machine it runs on) into a temporary folder, loaded,
+Built per process with gcc (~0.2 s, `-march=native`: the machine it runs on) into a temporary folder, loaded,
 and the file deleted: nothing is cached, so no build can reach a CPU it was not made for. It runs on torch's own
 OpenMP threads (the libgomp torch loaded), so it needs Linux, gcc and a torch built with GNU OpenMP; elsewhere, or
 if the build fails, `built()` is False and the fused loss keeps its torch form, which computes the same values.
