@@ -31,10 +31,12 @@ FLAGS += ["-shared", "-fPIC"]
 
 
 def _gnu_openmp_loaded() -> bool:
-    """Whether this process has GNU OpenMP (libgomp) loaded, as torch's CPU builds for Linux bring it: the kernel's
-    parallel loop then runs on torch's thread pool rather than a second one competing with it for the cores."""
+    """Whether this process has loaded GNU OpenMP as libgomp.so.1, the name the kernel links against, as torch's CPU
+    wheels for Linux bring it: the kernel's parallel loop then runs on torch's thread pool. A wheel whose libgomp is
+    renamed (libgomp-<hash>.so.1, as auditwheel renames it) would have the kernel start a second pool, competing
+    with torch's for the cores: no kernel there."""
     try:
-        return "libgomp" in Path("/proc/self/maps").read_text()
+        return any(line.endswith("/libgomp.so.1") for line in Path("/proc/self/maps").read_text().splitlines())
     except OSError:
         return False
 
