@@ -8,7 +8,7 @@ from pathlib import Path
 
 from evals import EvalError
 from modeling.gpt import GPT
-from modeling.runs import RunError, list_checkpoints, load_checkpoint
+from modeling.runs import EXPORT_DIR, RunError, list_checkpoints, load_checkpoint
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +45,8 @@ def load_model(
         raise EvalError(f"run folder {run} {'is a file' if run.exists() else 'does not exist'}")
     if checkpoint is None:
         found = list_checkpoints(run)
-        if not found and (run / "export").is_dir():
-            return _from_export(run / "export").eval(), f"export {run / 'export'}"
+        if not found and (run / EXPORT_DIR).is_dir():
+            return _from_export(run / EXPORT_DIR).eval(), f"export {run / EXPORT_DIR}"
         if not found:
             raise EvalError(
                 f"run folder {run} has no checkpoint (checkpoints/step-NNNNNNNN/) and no export/ folder: "

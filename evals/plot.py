@@ -13,7 +13,7 @@ from typing import Any
 
 from data_prep.assets import atomic_write_bytes
 from modeling.disk import DiskFull, disk_full_reported
-from modeling.runs import RunError, read_metrics
+from modeling.runs import EVALS_PLOT, METRICS_FILE, RunError, read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")
 
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Plot val loss and eval scores vs tokens seen for a run folder.")
     parser.add_argument("run", help="run folder with metrics.jsonl")
     args = parser.parse_args(argv)
-    metrics = Path(args.run) / "metrics.jsonl"
+    metrics = Path(args.run) / METRICS_FILE
     if not metrics.is_file():
         sys.exit(f"error: {metrics} does not exist; pass a run folder that training has logged to")
-    png = Path(args.run) / "evals.png"
+    png = Path(args.run) / EVALS_PLOT
     try:
         with disk_full_reported(png, f"{png.name} is as it was"):
             print(plot_evals(metrics, png))

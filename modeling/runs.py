@@ -32,8 +32,13 @@ from modeling.config import GPTConfig, get_preset
 from modeling.device import quiet_deepspeed
 from modeling.gpt import GPT
 
+# A run folder's files and folders, as training writes them (besides its checkpoints/)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
+EVALS_PLOT = "evals.png"
+SAMPLES_FILE = "samples.txt"
+EXPORT_DIR = "export"  # the transformers export, with its model card
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)

@@ -461,7 +461,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "meta.json").write_text(json.dumps(meta))
-            shutil.copy2(Path(run_dir) / "config.yaml", tmp / "config.yaml")
+            shutil.copy2(Path(run_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
             umask_modes(tmp)  # model.safetensors: readable as the other files are
             write_manifest(tmp)  # last: it covers every rank's files and ours
     except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError

@@ -23,7 +23,7 @@ import yaml
 
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES, SOURCE_START
-from modeling.runs import is_hub_id, list_checkpoints, read_metrics
+from modeling.runs import CONFIG_FILE, EXPORT_DIR, LOSS_PLOT, METRICS_FILE, is_hub_id, list_checkpoints, read_metrics
 from training.metrics import data_for_the_card, precision_name
 
 if TYPE_CHECKING:
@@ -264,8 +264,8 @@ def render_model_card(run_dir: str | Path) -> str:
     from huggingface_hub import ModelCard
 
     run_dir = Path(run_dir)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    rows = read_metrics(run_dir / METRICS_FILE)
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_loss" in r]
     if not train:
@@ -460,7 +460,7 @@ def _schedule_line(config: dict) -> str:
 def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     """Write README.md (and loss.png when present) into the run's export folder."""
     run_dir = Path(run_dir)
-    export = run_dir / "export"
+    export = run_dir / EXPORT_DIR
     if not (export / "config.json").is_file():
         raise HubError(f"{export} holds no transformers export: train with --export-hf true first")
     checkpoints = list_checkpoints(run_dir)
@@ -475,8 +475,8 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     if repo_id:
         card = card.replace("REPO_ID", repo_id)
     atomic_write_bytes(export / "README.md", card.encode())  # a crash leaves the old card or the new, never half
-    if (run_dir / "loss.png").is_file():
-        shutil.copyfile(run_dir / "loss.png", export / "loss.png")
+    if (run_dir / LOSS_PLOT).is_file():
+        shutil.copyfile(run_dir / LOSS_PLOT, export / LOSS_PLOT)
     return export / "README.md"
 
 
@@ -495,7 +495,7 @@ def push(
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=run_dir / "export", commit_message="Upload bookgpt export")
+        api.upload_folder(repo_id=repo_id, folder_path=run_dir / EXPORT_DIR, commit_message="Upload bookgpt export")
         if checkpoints and (run_dir / "checkpoints").is_dir():
             api.upload_folder(
                 repo_id=repo_id, folder_path=run_dir / "checkpoints", path_in_repo="checkpoints",

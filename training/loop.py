@@ -28,7 +28,16 @@ from modeling.config import GPTConfig
 from modeling.device import device_name
 from modeling.disk import append_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
-from modeling.runs import CONFIG_FILE, METRICS_FILE, load_checkpoint, plain_state_dict
+from modeling.runs import (
+    CONFIG_FILE,
+    EVALS_PLOT,
+    EXPORT_DIR,
+    LOSS_PLOT,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    load_checkpoint,
+    plain_state_dict,
+)
 from training.checkpoint import (
     TrainProgress,
     checkpoint_bytes,
@@ -390,11 +399,11 @@ def check_outputs(
     Run on the main process, which alone writes and pushes them: the other ranks never import transformers, nor
     need a token (on a cluster, perhaps only machine 0 has one)."""
     # fail now, not after days of training
-    files = [CONFIG_FILE, METRICS_FILE, "loss.png"]
-    files += ["samples.txt"] if cfg.sample_interval else []
-    files += ["evals.png"] if cfg.eval_tasks else []
+    files = [CONFIG_FILE, METRICS_FILE, LOSS_PLOT]
+    files += [SAMPLES_FILE] if cfg.sample_interval else []
+    files += [EVALS_PLOT] if cfg.eval_tasks else []
     in_the_way = outputs_in_the_way(
-        Path(cfg.out_dir), step, resumed_from, Path(cfg.data_dir), files, ["export"] if cfg.export_hf else []
+        Path(cfg.out_dir), step, resumed_from, Path(cfg.data_dir), files, [EXPORT_DIR] if cfg.export_hf else []
     )
     if in_the_way:
         raise ConfigError(f"{'; '.join(in_the_way)}: move it aside, then run the same command again")
@@ -479,7 +488,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
     }
     accelerator.init_trackers("bookgpt", config={k: v for k, v in run_info.items() if v is not None})
     if accelerator.is_main_process:
-        config = run.run_dir / "config.yaml"
+        config = run.run_dir / CONFIG_FILE
         with disk_full_reported(config, "the checkpoints are untouched"):
             atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
@@ -681,7 +690,7 @@ def write_sample(run: Run, step: int) -> None:
     model.train()
     text = encoding.decode(out[0].tolist())
     if accelerator.is_main_process:
-        samples = run.run_dir / "samples.txt"
+        samples = run.run_dir / SAMPLES_FILE
         kept = "it keeps every complete sample, the checkpoints are untouched"
         with disk_full_reported(samples, kept):
             append_bytes(samples, f"--- step {step} ---\n{text}\n".encode())
@@ -696,16 +705,16 @@ def write_outputs(run: Run) -> None:
     checkpoints = list_checkpoints(run_dir)
     kept = f"the final checkpoint {checkpoints[-1].name} and metrics.jsonl are complete"
     if accelerator.is_main_process:
-        for plot, png in [(plot_losses, "loss.png")] + ([(plot_evals, "evals.png")] if cfg.eval_tasks else []):
+        for plot, png in [(plot_losses, LOSS_PLOT)] + ([(plot_evals, EVALS_PLOT)] if cfg.eval_tasks else []):
             with disk_full_reported(run_dir / png, kept):
-                plot(run_dir / "metrics.jsonl", run_dir / png)
+                plot(run_dir / METRICS_FILE, run_dir / png)
     if cfg.export_hf:
         export_model = final_model(run, checkpoints[-1])  # on the main process; None on the others
         if export_model is not None:
-            with disk_full_reported(run_dir / "export", kept):
+            with disk_full_reported(run_dir / EXPORT_DIR, kept):
                 export_final(run_dir, export_model)
                 write_model_card(run_dir, cfg.push_to_hub or None)
-    written = ["loss.png", *(["evals.png"] if cfg.eval_tasks else []), *(["export/"] if cfg.export_hf else [])]
+    written = [LOSS_PLOT, *([EVALS_PLOT] if cfg.eval_tasks else []), *([f"{EXPORT_DIR}/"] if cfg.export_hf else [])]
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
@@ -735,7 +744,7 @@ def export_final(run_dir: Path, model: GPT) -> None:
     """The run's export/ (a transformers folder), written under a temporary name and renamed into place (replacing
     the export of an earlier end of this run, resumed since). A failure leaves the checkpoints, and says how to
     export the newest of them, which holds these same weights."""
-    export = run_dir / "export"
+    export = run_dir / EXPORT_DIR
     try:
         from modeling.hf_export import export_hf  # imports transformers (~3 s): only runs that export pay for it
 

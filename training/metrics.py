@@ -19,7 +19,7 @@ from data_prep.loader import MANIFEST_NAME
 from evals.plot import save_png
 from modeling.cpu_linear import matmul
 from modeling.disk import append_bytes, disk_full_reported
-from modeling.runs import read_metrics
+from modeling.runs import METRICS_FILE, read_metrics
 from modeling.runtime import dtype_name
 from training.compile_cache import cpp_compiler
 from training.config import ConfigError
@@ -424,7 +424,7 @@ class JSONLTracker(GeneralTracker):
 
     def __init__(self, run_dir: str | Path) -> None:
         super().__init__()
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
 
     @property
     def tracker(self) -> Path:
