@@ -49,17 +49,18 @@ MUON_STEP = "Optimizer.step#Muon.step"  # the profiler's range around training.o
 ONEDNN_LINEAR = "mkldnn::_linear_pointwise"  # modeling.cpu_linear's fp32 products (AVX-512 AMD): x @ weight.T (+ bias)
 MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", ONEDNN_LINEAR}
 BF16_MATH = "bookgpt::bf16_products"  # modeling.cpu_attention's op: its matmuls run in oneDNN's bf16 math mode
+ATTENTION = "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)"
 LOSS_SOFTMAX = "fused loss: softmax over the vocab (modeling.cpu_softmax's kernel, or inductor's)"
 # (kind, test on an op name), first match wins; inductor's kernels are named graph_<i>_cpp_fused_<the ops they fuse>_<n>
 KINDS: list[tuple[str, Callable[[str], bool]]] = [
     ("matmul (mm, addmm, bmm)", lambda n: n in MATMULS),
     (
-        "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)",
+        ATTENTION,
         lambda n: "scaled_dot_product" in n or "flash_attention" in n or "_softmax" in n or "bf16_products" in n,
     ),
     (LOSS_SOFTMAX, lambda n: n == "bookgpt::softmax_grad_" or ("cpp_fused" in n and re.search(r"_exp(_|$)", n))),
     # the whole-matmul attention's causal mask in a kernel of its own (the backward's: its softmax unnamed)
-    ("attention: SDPA flash, or the CPU path's softmax (its matmuls: above)", lambda n: "arange" in n and "_gt_" in n),
+    (ATTENTION, lambda n: "arange" in n and "_gt_" in n),
     ("LayerNorm (inductor)", lambda n: "cpp_fused" in n and "layer_norm" in n),
     ("GELU (inductor)", lambda n: "cpp_fused" in n and ("tanh" in n or "gelu" in n or "sigmoid" in n)),
     ("other fused kernels: residuals, casts, bias grads (inductor)", lambda n: "cpp_fused" in n),

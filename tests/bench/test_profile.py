@@ -8,6 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.profile import (
+    ATTENTION,
     BF16_MATH,
     LOSS_SOFTMAX,
     MUON_STEP,
@@ -112,9 +113,6 @@ def test_without_recorded_layouts_the_matmuls_are_reported_as_they_ran_in_the_st
     rows = [line for line in out.splitlines() if line.startswith("| aten::mm ")]
     assert len(rows) == 3 and all(line.endswith("|  |  |") for line in rows), out
     assert "not timed alone, as torch" in out.splitlines()[-1]
-
-
-ATTENTION = "attention: SDPA flash, or the CPU path's softmax (its matmuls: above)"
 
 
 @pytest.mark.parametrize(

@@ -106,13 +106,3 @@ def test_without_gcc_the_fused_loss_keeps_its_torch_form(monkeypatch):
         )
     finally:
         cpu_softmax._library.cache_clear()
-
-
-def test_built_is_marked_constant_as_torch_marks_it():
-    """built() carries @torch.compiler.assume_constant_result's mark: dynamo asks it once, rather than trace a build."""
-
-    def probe():
-        return True
-
-    torch.compiler.assume_constant_result(probe)
-    assert vars(probe) and vars(cpu_softmax.built) == vars(probe)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench import loss_numerics as numerics
-from modeling import cpu_linear, fused_ce
+from modeling import cpu_linear, cpu_softmax, fused_ce
 from modeling.fused_ce import (
     full_logits_cross_entropy,
     fused_linear_cross_entropy,
@@ -236,16 +236,17 @@ def test_the_two_forms_agree_compiled_where_the_rule_switches(precision):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_the_memory_lookup_is_marked_constant_as_torch_marks_it():
-    """cuda_memory_bytes carries the mark @torch.compiler.assume_constant_result sets (set by hand, sparing every
-    process the decorator's import of torch._dynamo): the day torch marks otherwise, this fails here, not on a GPU
-    as a graph break."""
+@pytest.mark.parametrize("marked", [fused_ce.cuda_memory_bytes, cpu_softmax.built], ids=lambda f: f.__name__)
+def test_the_loss_rules_lookups_are_marked_constant_as_torch_marks_them(marked):
+    """cuda_memory_bytes and cpu_softmax.built carry the mark @torch.compiler.assume_constant_result sets (set by
+    hand, sparing every process the decorator's import of torch._dynamo; dynamo asks them once rather than trace a
+    device query or a build): the day torch marks otherwise, this fails here, not on a GPU as a graph break."""
 
-    def probe(device):
+    def probe():
         return 0
 
     torch.compiler.assume_constant_result(probe)
-    assert vars(probe) and vars(fused_ce.cuda_memory_bytes) == vars(probe)
+    assert vars(probe) and vars(marked) == vars(probe)
 
 
 @needs_cuda
