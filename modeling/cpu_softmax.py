@@ -5,8 +5,9 @@ gradient tensor: 22 ms a 1,024-row bf16 chunk on an AMX Xeon, a quarter of `make
 takes each row through its passes while the row is in the core's cache, with a cheaper exp (within 1.5 ulp of
 fp32's), and writes the gradient over the logits in place (BENCHMARKS.md, "The loss's softmax as a C kernel").
 
-Built per process with gcc (~0.2 s, `-march=native`: the machine it runs on) into a temporary folder, loaded,
-and the file deleted: nothing is cached, so no build can reach a CPU it was not made for. It runs on torch's own
+Built per process with gcc (~0.2 s, `-march=native`: the machine it runs on, held to AVX2 where ATen is, as under
+ATEN_CPU_CAPABILITY=avx2) into a temporary folder, loaded, and the file deleted: nothing is cached, so no build can
+reach a CPU it was not made for. It runs on torch's own
 OpenMP threads (the libgomp torch loaded), so it needs Linux, gcc and a torch built with GNU OpenMP; elsewhere, or
 if the build fails, `built()` is False and the fused loss keeps its torch form (the same values, to rounding).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +32,14 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-
 FLAGS += ["-shared", "-fPIC"]
 
 
+def isa_flags(capability: str) -> list[str]:
+    """gcc's flags beyond FLAGS for the vector ISA ATen computes with in this process (capability:
+    torch.backends.cpu.get_cpu_capability()): none, the machine's own, except AVX2 on a CPU with AVX-512, where ATen
+    was told to run its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as the suite emulates an AVX2-only CPU such as a
+    Zen 3): the kernel is then the one gcc builds on such a CPU."""
+    return ["-mno-avx512f"] if capability == "AVX2" and platform.machine().lower() in ("x86_64", "amd64") else []
+
+
 def _gnu_openmp_loaded() -> bool:
     """Whether this process has loaded GNU OpenMP as libgomp.so.1, the name the kernel links against, as torch's CPU
     wheels for Linux bring it: the kernel's parallel loop then runs on torch's thread pool. A wheel whose libgomp is
@@ -43,15 +53,22 @@ def _gnu_openmp_loaded() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel library, or None where it cannot run here (not Linux, no gcc, no libgomp, a failed build)."""
+    """The kernel library for this process's ISA, built on the first call."""
+    return build(isa_flags(torch.backends.cpu.get_cpu_capability()))
+
+
+def build(extra_flags: list[str]) -> ctypes.CDLL | None:
+    """The kernel built with FLAGS + extra_flags and loaded, or None where it cannot run here (not Linux, no gcc, no
+    libgomp, a failed build)."""
     gcc = shutil.which("gcc")
     if not sys.platform.startswith("linux") or gcc is None or not _gnu_openmp_loaded():
         return None
     with tempfile.TemporaryDirectory(prefix="bookgpt-kernel-") as folder:
         library = Path(folder) / "cpu_softmax.so"
         try:
-            build = subprocess.run([gcc, *FLAGS, str(SOURCE), "-o", str(library)], capture_output=True, timeout=120)
-            return ctypes.CDLL(str(library)) if build.returncode == 0 else None
+            command = [gcc, *FLAGS, *extra_flags, str(SOURCE), "-o", str(library)]
+            finished = subprocess.run(command, capture_output=True, timeout=120)
+            return ctypes.CDLL(str(library)) if finished.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired):
             return None
 

@@ -1,6 +1,7 @@
 """modeling.cpu_softmax: the fused loss's softmax as a C kernel on the CPU, against fp64 and against the loss's torch
 form (modeling.fused_ce.softmax_grad), which it replaces where it is built and which stays where it is not."""
 
+import platform
 import shutil
 
 import pytest
@@ -50,10 +51,26 @@ def test_the_kernel_is_built_where_gcc_is():
     assert cpu_softmax.built() == (shutil.which("gcc") is not None)
 
 
+@pytest.fixture(params=["native", "avx2"])
+def kernel(request, monkeypatch):
+    """The kernel as this process builds it (its CPU's ISA), and as gcc builds it for an AVX2-only CPU such as a Zen 3
+    (or under ATEN_CPU_CAPABILITY=avx2): another vector width, another set of gcc's choices (its selects as AVX2
+    blends), run here through the same op."""
+    if request.param == "avx2":
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip("AVX2 is an x86 ISA")
+        flags = cpu_softmax.isa_flags("AVX2")
+        assert flags == ["-mno-avx512f"]
+        library = cpu_softmax.build(flags)
+        assert library is not None, "gcc builds the kernel for AVX2"
+        monkeypatch.setattr(cpu_softmax, "_library", lambda: library)
+    return request.param
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("p_target", [1e-4, 0.5, 0.99995, 1 - 1e-8], ids=str)
-def test_as_accurate_as_the_torch_form_against_fp64(p_target, dtype):
+def test_as_accurate_as_the_torch_form_against_fp64(p_target, dtype, kernel):
     logits, target, scale = chunk(p_target, dtype)
     want = reference(logits, target, scale)
     out = logits.clone()
