@@ -1,5 +1,5 @@
 """modeling.malloc: after keep_freed_memory a process reuses the big blocks a step frees instead of faulting in
-fresh ones every step."""
+fresh ones every step; torch's big CPU blocks ask for huge pages in every process that computes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,9 @@ PROBE = textwrap.dedent("""
     print([faults_of_a_step() for _ in range(int(sys.argv[2]))])
 """)
 
+# The fault counts below are of 4 KB pages: a huge page is one fault for 512 of them (and still zeroed afresh)
+SMALL_PAGES = {"THP_MEM_ALLOC_ENABLE": "0"}
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
@@ -38,8 +42,9 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
     the second fault (next to) nothing. The second step still grows the heap by one buffer (every run here), and
     glibc's placement now and then grows it once more on a later step (seen in one run of five with AVX2 kernels,
     and in CI): at most a quarter of the later steps may."""
-    default = ast.literal_eval(run([sys.executable, "-c", PROBE, "default", "4"]).stdout.strip())
-    keep = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "10"]).stdout.strip())
+    env = {**os.environ, **SMALL_PAGES}
+    default = ast.literal_eval(run([sys.executable, "-c", PROBE, "default", "4"], env=env).stdout.strip())
+    keep = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "10"], env=env).stdout.strip())
     assert min(default[1:]) > 20_000
     steady = keep[2:]
     assert sum(faults > 100 for faults in steady) <= len(steady) // 4, keep
@@ -49,6 +54,36 @@ def test_a_step_reuses_the_memory_the_last_one_freed():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_a_users_own_malloc_tuning_wins():
     """With MALLOC_* set in the environment keep_freed_memory changes nothing: the user's threshold applies."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **SMALL_PAGES, "MALLOC_MMAP_THRESHOLD_": "65536"}
     faults = ast.literal_eval(run([sys.executable, "-c", PROBE, "keep", "4"], env=env).stdout.strip())
     assert min(faults[1:]) > 20_000
+
+
+HUGE_PAGES = textwrap.dedent("""
+    import importlib, sys
+    importlib.import_module(sys.argv[1])  # an entry point's imports, as when it runs
+    import torch
+    block = torch.ones(8 << 20, dtype=torch.uint8)  # a big CPU block, allocated after them
+    inside = False
+    for line in open("/proc/self/smaps"):  # the VmFlags of the mapping that holds it: hg = madvise(MADV_HUGEPAGE)
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            low, high = (int(x, 16) for x in first.split("-"))
+            inside = low <= block.data_ptr() < high
+        elif inside and line.startswith("VmFlags:"):
+            print("hg" in line.split())
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages")
+@pytest.mark.parametrize("entry", ["train_accel", "bench.ladder", "evals.__main__"])
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "user_off"])
+def test_big_cpu_blocks_ask_for_huge_pages_unless_the_user_says_no(entry, setting):
+    """torch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation: the entry points' imports set it before that
+    (modeling.malloc, imported first by modeling), and a user's 0 stays 0."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if setting is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    out = run([sys.executable, "-c", HUGE_PAGES, entry], env=env).stdout.split()
+    assert out == (["True"] if setting is None else ["False"]), out
