@@ -24,9 +24,10 @@ M_MMAP_MAX = -4
 # Transparent huge pages for torch's big CPU blocks: with THP_MEM_ALLOC_ENABLE set, torch's CPU allocator advises
 # the kernel to back each block of 2 MB or more with 2 MB pages (madvise), so that a step's big buffers (a loss
 # chunk's 103 MB of logits, the 51 MB gradients) take 1/512 of the TLB entries and misses: the rung-11 step 3-9%
-# faster on an AMX Xeon, `make train`'s 5-7% (BENCHMARKS.md, "Huge pages"). torch reads the variable once, at its
-# first CPU allocation, so it is set on import: modeling/__init__.py imports this module before anything allocates.
-# A default only: a user's THP_MEM_ALLOC_ENABLE=0 wins; where the kernel's THP is "never" the advice does nothing.
+# faster on an AMX Xeon, 5-7% at `make train`'s width (BENCHMARKS.md, "Huge pages"). torch reads the variable once,
+# at its first CPU allocation, so it is set on import: modeling/__init__.py imports this module before anything
+# allocates. A default only: a user's THP_MEM_ALLOC_ENABLE=0 wins; where the kernel's THP is "never" the advice does
+# nothing.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
