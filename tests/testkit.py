@@ -46,6 +46,10 @@ TRAINING_LAUNCH = [sys.executable, "-m", "training.launch"]  # accelerate's laun
 # unit tests on (scripts/gpu_first_light.sh, step cpu) have none; the project's install always has it
 NO_DATASETS = "the books are read through the datasets pipeline, and this environment has no datasets package"
 
+# For tests that count page faults, in 4 KB pages: torch's big CPU blocks otherwise ask for 2 MB pages
+# (modeling.malloc), one fault for 512 of them, which would hide a step that maps its buffers afresh.
+SMALL_PAGES = {"THP_MEM_ALLOC_ENABLE": "0"}
+
 # Quiet, fast launches: no MFU matmul probe, no samples, no loader workers, no export unless a test asks for one
 # (a test's own flags come later on the command line, and the last one wins).
 QUIET = ["--peak-tflops", "1", "--sample-interval", "0", "--num-workers", "0", "--export-hf", "false"]

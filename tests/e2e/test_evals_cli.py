@@ -16,15 +16,15 @@ from evals.runner import run_task
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
-from testkit import ACCELERATE_LAUNCH, REPO, TINY_MODEL, run
+from testkit import ACCELERATE_LAUNCH, REPO, SMALL_PAGES, TINY_MODEL, run
 from training.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.slow
 
 
-def run_cli(args: list[str], launcher: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # as in a user's shell
-    return run([*launcher, *args], timeout=300, env={**env, "PYTHONPATH": str(REPO)})
+def run_cli(args: list[str], launcher: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    shell = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # as in a user's shell
+    return run([*launcher, *args], timeout=300, env={**shell, "PYTHONPATH": str(REPO), **(env or {})})
 
 
 def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path):
@@ -71,7 +71,7 @@ def test_scoring_reuses_the_memory_each_batch_frees(tiny_run):
     21,923 of 50,304; by default 81,750-81,975: each batch's logits mapped afresh)."""
     batch = 32  # 16 HellaSwag examples × 4 endings: 2 batches of 32 sequences
     args = ["--run", str(tiny_run), "--tasks", "hellaswag", "--limit", "16", "--batch-size", str(batch)]
-    faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_SCORING]).stdout.split()[-1])
+    faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_SCORING], SMALL_PAGES).stdout.split()[-1])
     one_batch_of_logits = batch * TINY_MODEL.block_size * TINY_MODEL.vocab_size * 4 // 4096
     assert faults < one_batch_of_logits, (faults, one_batch_of_logits)
 
@@ -107,7 +107,7 @@ def test_generation_reuses_the_memory_each_token_frees(tmp_path):
     config = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=512)
     export = export_hf(GPT(config), tmp_path / "export", gpt2_vocab_and_merges())
     args = ["--model", str(export), "--prompt", "word " * 1000, "--max-new-tokens", "20", "--temperature", "0"]
-    faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_GENERATION]).stdout.split()[-1])
+    faults = int(run_cli(args, [sys.executable, "-c", FAULTS_OF_A_SECOND_GENERATION], SMALL_PAGES).stdout.split()[-1])
     mlp_activations = config.block_size * 4 * config.n_embd * 4 // 4096  # pages: the window x 4 n_embd fp32
     assert faults < mlp_activations // 10, (faults, mlp_activations)
 

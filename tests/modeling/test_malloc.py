@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import run
+from testkit import SMALL_PAGES, run
 
 PROBE = textwrap.dedent("""
     import resource, sys, torch
@@ -30,9 +30,6 @@ PROBE = textwrap.dedent("""
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     print([faults_of_a_step() for _ in range(int(sys.argv[2]))])
 """)
-
-# The fault counts below are of 4 KB pages: a huge page is one fault for 512 of them (and still zeroed afresh)
-SMALL_PAGES = {"THP_MEM_ALLOC_ENABLE": "0"}
 
 
 @pytest.mark.slow
