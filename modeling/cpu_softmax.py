@@ -7,9 +7,9 @@ fp32's), and writes the gradient over the logits in place (BENCHMARKS.md, "The l
 
 Built per process with gcc (~0.2 s, `-march=native`: the machine it runs on, held to AVX2 where ATen is, as under
 ATEN_CPU_CAPABILITY=avx2) into a temporary folder, loaded, and the file deleted: nothing is cached, so no build can
-reach a CPU it was not made for. It runs on torch's own
-OpenMP threads (the libgomp torch loaded), so it needs Linux, gcc and a torch built with GNU OpenMP; elsewhere, or
-if the build fails, `built()` is False and the fused loss keeps its torch form (the same values, to rounding).
+reach a CPU it was not made for. It runs on torch's own OpenMP threads (the libgomp torch loaded), so it needs
+Linux, gcc and a torch built with GNU OpenMP; elsewhere, or if the build fails, `built()` is False and the fused
+loss keeps its torch form (the same values, to rounding).
 """
 
 from __future__ import annotations

@@ -74,8 +74,11 @@ HUGE_PAGES = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages")
-@pytest.mark.parametrize("entry", ["train_accel", "bench.ladder", "evals.__main__"])
-@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "user_off"])
+@pytest.mark.parametrize(
+    ("entry", "setting"),
+    [("train_accel", None), ("bench.ladder", None), ("evals.__main__", None), ("train_accel", "0")],
+    ids=["train_accel", "bench.ladder", "evals", "train_accel-user_off"],
+)
 def test_big_cpu_blocks_ask_for_huge_pages_unless_the_user_says_no(entry, setting):
     """torch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation: the entry points' imports set it before that
     (modeling.malloc, imported first by modeling), and a user's 0 stays 0."""
