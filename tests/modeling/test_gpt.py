@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 from modeling.config import PRESETS, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT, CausalSelfAttention, LayerKV, TanhGELU
+from modeling.inductor_passes import TiedGradientSum
 from testkit import COMPILED_TINY, compiled_tiny_batch
 from training.compile_cache import set_up_compile_cache
 
@@ -255,8 +256,17 @@ def test_generate_with_the_cache_scores_as_the_whole_context_does():
 # --- torch.compile -----------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def tied_gradient_pass():
+    """inductor's pass for the tied embedding's gradient, as every process that computes installs it
+    (modeling.runtime.set_up_compute), here for this test's compiles only."""
+    tied_sum = TiedGradientSum()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=tied_sum):
+        yield tied_sum
+
+
 @pytest.mark.slow  # inductor compiles in processes of its own (compile workers, the C++ compiler)
-def test_compiled_forward_backward_matches_eager():
+def test_compiled_forward_backward_matches_eager(tied_gradient_pass):
     eager = tiny_model(COMPILED_TINY)
     compiled_model = tiny_model(COMPILED_TINY)
     idx, targets = compiled_tiny_batch()
@@ -264,13 +274,15 @@ def test_compiled_forward_backward_matches_eager():
     eager_loss.backward()
     _, compiled_loss = torch.compile(compiled_model)(idx, targets)
     compiled_loss.backward()
+    # the backward's add of the head's gradient to the lookup's scatter became one scatter into the head's
+    assert tied_gradient_pass.rewritten == 1
     torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.slow
-def test_a_recompile_is_served_its_graphs_whole_and_computes_the_same():
+def test_a_recompile_is_served_its_graphs_whole_and_computes_the_same(tied_gradient_pass):
     """training.compile_cache: AOTAutograd's cache takes the graph with the fused loss's autograd.Function in it, so a
     compile of a model compiled before (a relaunch, a resume) skips tracing and partitioning its forward and backward
     (torch 2.13 bypasses that cache for such graphs by default); its loss is the first compile's, and so are its
