@@ -14,18 +14,18 @@ processes: tests/e2e/test_evals_cli.py). The two kernels' sums differ in the las
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from modeling.device import X86
+
 
 def _onednn_beats_mkl() -> bool:
     """Whether this is an x86 AMD CPU with AVX-512 (Zen 4 and later) and torch's oneDNN: the CPUs where oneDNN's fp32
     kernels beat MKL's. ATen's CPU capability stands for the ISA, so ATEN_CPU_CAPABILITY=avx2 takes MKL, as a Zen 3."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+    if not X86 or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False

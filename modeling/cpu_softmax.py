@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from modeling.device import X86
 
 SOURCE = Path(__file__).with_suffix(".c")
 # -fno-trapping-math: without it gcc leaves the exp loop scalar for AVX2 (its selects; AVX-512 masks them anyway)
@@ -37,7 +38,7 @@ def isa_flags(capability: str) -> list[str]:
     torch.backends.cpu.get_cpu_capability()): none, the machine's own, except AVX2 on a CPU with AVX-512, where ATen
     was told to run its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, as the suite emulates an AVX2-only CPU such as a
     Zen 3): the kernel is then the one gcc builds on such a CPU."""
-    return ["-mno-avx512f"] if capability == "AVX2" and platform.machine().lower() in ("x86_64", "amd64") else []
+    return ["-mno-avx512f"] if capability == "AVX2" and X86 else []
 
 
 def _gnu_openmp_loaded() -> bool:

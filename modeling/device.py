@@ -44,6 +44,8 @@ def quiet_deepspeed() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+X86 = platform.machine().lower() in ("x86_64", "amd64")  # Linux's name, and Windows'
+
 # The first of these a CPU has says how fast its bf16 matmuls can be (AMX >> AVX-512 bf16 > plain AVX-512 / AVX2).
 MATMUL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 

@@ -1,7 +1,6 @@
 """modeling.cpu_softmax: the fused loss's softmax as a C kernel on the CPU, against fp64 and against the loss's torch
 form (modeling.fused_ce.softmax_grad), which it replaces where it is built and which stays where it is not."""
 
-import platform
 import shutil
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from bench import loss_numerics as numerics
 from modeling import cpu_softmax, fused_ce
+from modeling.device import X86
 
 ROWS, V = 64, 3000
 
@@ -57,7 +57,7 @@ def kernel(request, monkeypatch):
     (or under ATEN_CPU_CAPABILITY=avx2): another vector width, another set of gcc's choices (its selects as AVX2
     blends), run here through the same op."""
     if request.param == "avx2":
-        if platform.machine().lower() not in ("x86_64", "amd64"):
+        if not X86:
             pytest.skip("AVX2 is an x86 ISA")
         flags = cpu_softmax.isa_flags("AVX2")
         assert flags == ["-mno-avx512f"]

@@ -1,11 +1,11 @@
 """`make train`'s precision: the CPU launch YAML picked from measured fp32 and bf16 matmul speeds."""
 
 import os
-import platform
 import sys
 
 import pytest
 
+from modeling.device import X86
 from testkit import REPO, run
 from training import pick_cpu_config
 from training.metrics import CPU_YAML
@@ -41,7 +41,7 @@ def test_prints_the_yaml_it_picks_here_and_one_line_why(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 emulation: x86 only")
+@pytest.mark.skipif(not X86, reason="AVX2 emulation: x86 only")
 def test_a_cpu_without_native_bf16_gets_fp32():
     """AVX2-only emulated on any x86 CPU: oneDNN and ATen kept to AVX2, where bf16 matmuls are ~100x slower."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
