@@ -272,8 +272,15 @@ def test_compiled_forward_backward_matches_eager(tied_gradient_pass):
     idx, targets = compiled_tiny_batch()
     _, eager_loss = eager(idx, targets)
     eager_loss.backward()
-    _, compiled_loss = torch.compile(compiled_model)(idx, targets)
-    compiled_loss.backward()
+    # traced and lowered here, not served by dynamo's or the disk's graph caches (the recompile test below fills
+    # them with this graph, in whichever order a worker runs the two): the pass sees this compile's graph
+    torch._dynamo.reset()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        _, compiled_loss = torch.compile(compiled_model)(idx, targets)
+        compiled_loss.backward()
     # the backward's add of the head's gradient to the lookup's scatter became one scatter into the head's
     assert tied_gradient_pass.rewritten == 1
     torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
