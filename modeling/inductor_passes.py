@@ -1,7 +1,9 @@
 """An inductor graph pass for the tied embedding's gradient: the head's part and the lookup's rows summed in one buffer.
 
 The tied weight gets two gradients: the head's, dense (V x E), and the token lookup's, a scatter of the batch's rows.
-Inductor lowers the lookup's as a scatter-add into a fresh zero-filled (V x E) tensor, then adds the head's to it:
+Inductor lowers the lookup's as a scatter-add into a fresh zero-filled (V x E) tensor (torch 2.13 decomposes
+embedding_dense_backward to _unsafe_masked_index_put_accumulate, torch 2.11 to index_put(accumulate=True): either is
+rewritten), then adds the head's to it:
 at GPT-2's 50,304 x 256 in fp32 that zero-fills and rereads 51 MB it did not need, one kernel of 11.7 ms in a
 small-cpu step on an AMX Xeon. The pass rewrites add(dense, scatter_add(zeros, rows)) into scatter_add(dense, rows):
 the same sum, the rows added after the dense part rather than before (fp32, each entry's few adds in another order);
@@ -15,12 +17,20 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
-SCATTER_ADD = aten._unsafe_masked_index_put_accumulate.default  # embedding_dense_backward, decomposed
+
+
+def _is_scatter_add(node: torch.fx.Node) -> bool:
+    """Whether node adds rows into its first argument at indices: embedding_dense_backward as torch decomposes it."""
+    if node.target is aten._unsafe_masked_index_put_accumulate.default:  # (into, mask, indices, values), torch 2.13
+        return True
+    if node.target is aten.index_put.default:  # (into, indices, values, accumulate), torch 2.11
+        return bool(node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False))
+    return False
 
 
 def _scatter_into_zeros(node: torch.fx.Node) -> bool:
     """Whether node scatter-adds rows into a zero-filled tensor that nothing else uses, and nothing else uses it."""
-    if node.op != "call_function" or node.target is not SCATTER_ADD or len(node.users) != 1:
+    if node.op != "call_function" or not _is_scatter_add(node) or len(node.users) != 1:
         return False
     zeros = node.args[0]
     return (
@@ -45,11 +55,15 @@ class TiedGradientSum(CustomGraphPass):
                 want, got = add.meta.get("val"), dense.meta.get("val")
                 if not _scatter_into_zeros(scatter) or want is None or got is None:
                     continue
-                if got.shape != want.shape or got.dtype != want.dtype or scatter.meta["val"].shape != want.shape:
+                rows = scatter.meta["val"]
+                if (got.shape, got.dtype) != (want.shape, want.dtype) or (rows.shape, rows.dtype) != (
+                    got.shape,
+                    got.dtype,
+                ):
                     continue  # the add neither broadcasts nor casts: it is the scatter's own sum
-                zeros, mask, indices, values = scatter.args
-                with graph.inserting_before(add):
-                    summed = graph.call_function(SCATTER_ADD, (dense, mask, indices, values))
+                zeros = scatter.args[0]
+                with graph.inserting_before(add):  # the same scatter-add, into the dense gradient
+                    summed = graph.call_function(scatter.target, (dense, *scatter.args[1:]), dict(scatter.kwargs))
                 summed.meta.update(add.meta)
                 add.replace_all_uses_with(summed)
                 for node in (add, scatter, zeros):
