@@ -56,10 +56,7 @@ class TiedGradientSum(CustomGraphPass):
                 if not _scatter_into_zeros(scatter) or want is None or got is None:
                     continue
                 rows = scatter.meta["val"]
-                if (got.shape, got.dtype) != (want.shape, want.dtype) or (rows.shape, rows.dtype) != (
-                    got.shape,
-                    got.dtype,
-                ):
+                if not (got.shape == want.shape == rows.shape and got.dtype == want.dtype == rows.dtype):
                     continue  # the add neither broadcasts nor casts: it is the scatter's own sum
                 zeros = scatter.args[0]
                 with graph.inserting_before(add):  # the same scatter-add, into the dense gradient

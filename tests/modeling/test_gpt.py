@@ -272,8 +272,8 @@ def test_compiled_forward_backward_matches_eager(tied_gradient_pass):
     idx, targets = compiled_tiny_batch()
     _, eager_loss = eager(idx, targets)
     eager_loss.backward()
-    # traced and lowered here, not served by dynamo's or the disk's graph caches (the recompile test below fills
-    # them with this graph, in whichever order a worker runs the two): the pass sees this compile's graph
+    # traced and lowered here, not served by dynamo's or the disk's graph caches, which any earlier compile of this
+    # model fills (the recompile test below, another file's in this worker): the pass sees this compile's graph
     torch._dynamo.reset()
     with (
         torch._inductor.config.patch(fx_graph_cache=False),
