@@ -9,7 +9,7 @@ Spec grammar (combine several with `+`, e.g. `default+files:extra/`; a `+` insid
 - `files:PATH_OR_GLOB`              local UTF-8 .txt files; a directory means every .txt (any case) under it
 - `hf:DATASET[:SPLIT[:COLUMN]]`     a Hugging Face dataset: a Hub id, a folder (of parquet/arrow/json
                                     files, or one written by `save_to_disk`) or one such file
-                                    (split "train", column "text" by default)
+                                    (split "train", column "text" by default); of .txt files, a book a file
 - `pg19` or `pg19:FOLDER`           PG-19 (DeepMind's 28,752 public-domain books published before 1919),
                                     streamed from the Hub's parquet copy `emozilla/pg19`, or from a local
                                     copy of that repository (e.g. `hf download emozilla/pg19 --repo-type
@@ -474,7 +474,9 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             return datasets.load_dataset(
                 _HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split, streaming=streaming
             )
-        return datasets.load_dataset(name, split=split, streaming=streaming)
+        # datasets' "text" builder (a dataset of .txt files) gives a row per line by default: a book is a file
+        by_file = {"sample_by": "document"} if datasets.load_dataset_builder(name).name == "text" else {}
+        return datasets.load_dataset(name, split=split, streaming=streaming, **by_file)
     except Exception as e:  # hub, network and file-format failures have no common base class
         cache = datasets.config.HF_DATASETS_CACHE  # a read-only or full disk fails a write: datasets' cache's
         if isinstance(e, OSError) and (e.errno == errno.EROFS or is_disk_full(e, cache)):

@@ -181,6 +181,22 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
     ), err.value
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_dataset_of_text_files_is_a_document_per_file_not_per_line(tmp_path, monkeypatch, streaming):
+    """A Hub dataset (or a local folder) of .txt books: datasets' text builder would give every line as a row, and so
+    a document of its own, split between train and val line by line."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    books = {"a.txt": "Book one\n\nIts first line.\nIts second.\n", "b.txt": "Book two\nA line.\n\nAnother.\n"}
+    data = tmp_path / "shelf"
+    data.mkdir()
+    for name, text in books.items():
+        (data / name).write_text(text, encoding="utf-8")
+    docs = list(iter_documents(f"hf:{data}", streaming=streaming))
+    assert [d.text for d in docs] == list(books.values())
+
+
 def test_hf_column_that_is_not_text_is_one_clear_error(tmp_path, monkeypatch, capsys):
     import datasets
 
