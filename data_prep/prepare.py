@@ -8,7 +8,8 @@ their tokens, in order, to the split's shard files and one line per book to `doc
 Memory is bounded by the batches in flight, not by the corpus.
 
 Documents go to train or val by a hash of their id (adding books never moves the others), or as
-their source splits them (PG-19: its validation and test books are val). The
+their source splits them (PG-19: its validation and test books are val). A book whose tokens equal an
+earlier book's is left out, with a `skipping` line naming both. The
 dataset is built in `.NAME.build/` next to `--out` and swapped in by renames at the end, so an
 interrupted or failed run leaves any previous dataset untouched (a run killed between the renames is
 completed by the next one, before anything else); after every batch the build
@@ -410,12 +411,26 @@ def _build(
     os.truncate(index_path, state["index_bytes"])  # drop lines written after the last checkpoint
     done = state["records_done"]
     total = len(books.ids) if books.ids is not None else None
+    # Each book's tokens' sha256 (book_sha256 on its index lines) -> its id: a later book with the same text (a file
+    # copied under two names, a dataset's repeated rows) is left out, so no text is trained on twice or sits in both
+    # train and val.
+    kept: dict[str, str] = {}
+    with open(index_path, "rb") as index:  # a resumed build's books so far
+        for book in map(json.loads, index):
+            if "book_sha256" in book:  # none in a build begun before books were compared
+                kept.setdefault(book["book_sha256"], book["id"])
     with open(index_path, "ab") as index, _books_bar(total, done) as bar:
         for count, docs in _tokenized(_batches(books.records(done)), num_proc):
             for doc_id, title, tokens in docs:
+                digest = hashlib.sha256(tokens).hexdigest()
+                if digest in kept:
+                    log.warning("skipping %s: the same text as %s", doc_id, kept[digest])
+                    continue
+                kept[digest] = doc_id
                 for part_id, split, part in _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"]):
                     writers[split].write(part)
                     line = {"id": part_id, "title": title, "split": split, "num_tokens": len(part)}
+                    line["book_sha256"] = digest
                     index.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             done += count
             bar.update(count)

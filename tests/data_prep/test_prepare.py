@@ -36,7 +36,8 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
 def _write_books(folder: Path, n: int = 4) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        (folder / f"book{i}.txt").write_text(f"Book {i}.\n" + f"Line {i} of a small book.\n" * 50, encoding="utf-8")
+        text = f"Book {i} of {folder.name}.\n" + f"Line {i} of a small book.\n" * 50  # another folder: another book
+        (folder / f"book{i}.txt").write_text(text, encoding="utf-8")
     return folder
 
 
@@ -147,6 +148,41 @@ def test_empty_files_and_any_case_of_txt_are_sorted_out_before_the_split(tmp_pat
     prepare(f"files:{library}", data)
     ids = sorted(d["id"].removesuffix("#val") for d in load_manifest(data).documents())
     assert ids == ["files/library/BOOK0.TXT", "files/library/Book1.Txt"]
+
+
+def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tmp_path, monkeypatch, caplog):
+    """One book saved under two names: it was trained on twice, and the hash could put one copy in train and the
+    other in val, where the val loss would score text the model had learned. The later copy is left out, saying
+    which book it repeats; a preparation stopped between the two leaves it out when resumed as well."""
+    library = _write_books(tmp_path / "library", n=6)
+    shutil.copy(library / "book1.txt", library / "book4.txt")
+    source, args = f"files:{library}", {"val_fraction": 0.25}
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        prepare(source, tmp_path / "fresh", **args)
+    assert "skipping files/library/book4.txt: the same text as files/library/book1.txt" in caplog.text
+    books = list(load_manifest(tmp_path / "fresh").documents())
+    assert [d["id"] for d in books] == [f"files/library/book{i}.txt" for i in (0, 1, 2, 3, 5)]
+    assert len({d["book_sha256"] for d in books}) == 5
+
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
+    real, calls = prepare_module.tokenize_records, []
+
+    def stopped_at_the_third_book(records: list) -> list:
+        calls.append(records)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as Ctrl-C: the build and its progress record are kept
+        return real(records)
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", stopped_at_the_third_book)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, tmp_path / "data", **args)
+    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(source, tmp_path / "data", **args)
+    assert "after 2 books" in caplog.text  # book1 was prepared before the stop; its copy after it
+    assert "skipping files/library/book4.txt: the same text as files/library/book1.txt" in caplog.text
+    assert _snapshot_bytes(tmp_path / "data") == _snapshot_bytes(tmp_path / "fresh")
 
 
 def test_a_split_left_without_text_is_one_error_at_preparation(tmp_path):
