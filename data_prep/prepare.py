@@ -448,8 +448,8 @@ def _build(
         raise DataPrepError(f"source {setup['source']!r} produced no documents (all empty); add some books")
     if empty := [s for s in SPLITS if not num_docs[s]]:  # a run needs both: it would stop at its start-up
         raise DataPrepError(
-            f"the {empty[0]} split got no text: the books assigned to it were empty after cleaning (the skipping "
-            "lines above), or the source has too few; leave those books out or add some"
+            f"the {empty[0]} split got no text: the books assigned to it were empty after cleaning or repeated "
+            "earlier ones (the skipping lines above), or the source has too few; leave those books out or add some"
         )
     documents = {"file": DOCUMENTS_NAME, "count": sum(num_docs.values()), "sha256": file_sha256(index_path)}
     manifest = {

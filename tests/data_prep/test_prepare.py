@@ -194,8 +194,8 @@ def test_a_split_left_without_text_is_one_error_at_preparation(tmp_path):
     with pytest.raises(DataPrepError) as err:
         prepare(f"files:{library}", tmp_path / "data")
     assert str(err.value).endswith(
-        "split got no text: the books assigned to it were empty after cleaning (the skipping lines above), or the "
-        "source has too few; leave those books out or add some"
+        "split got no text: the books assigned to it were empty after cleaning or repeated earlier ones (the "
+        "skipping lines above), or the source has too few; leave those books out or add some"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "library"]
 
