@@ -150,6 +150,23 @@ def test_empty_files_and_any_case_of_txt_are_sorted_out_before_the_split(tmp_pat
     assert ids == ["files/library/BOOK0.TXT", "files/library/Book1.Txt"]
 
 
+def _stopped_at_book(n: int, monkeypatch: pytest.MonkeyPatch, source: str, out: Path, **args: float) -> None:
+    """prepare(source, out) stopped as by Ctrl-C when it reaches the n-th book, a progress record written after every
+    book (BATCH_DOCS 1, left set): the build and its record are kept, for the next prepare() to resume or redo."""
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)
+    real, calls = prepare_module.tokenize_records, []
+
+    def stopped(records: list) -> list:
+        calls.append(records)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(records)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(prepare_module, "tokenize_records", stopped)
+        prepare(source, out, **args)
+
+
 def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tmp_path, monkeypatch, caplog):
     """One book saved under two names: it was trained on twice, and the hash could put one copy in train and the
     other in val, where the val loss would score text the model had learned. The later copy is left out, saying
@@ -164,19 +181,7 @@ def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tm
     assert [d["id"] for d in books] == [f"files/library/book{i}.txt" for i in (0, 1, 2, 3, 5)]
     assert len({d["book_sha256"] for d in books}) == 5
 
-    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
-    real, calls = prepare_module.tokenize_records, []
-
-    def stopped_at_the_third_book(records: list) -> list:
-        calls.append(records)
-        if len(calls) == 3:
-            raise KeyboardInterrupt  # as Ctrl-C: the build and its progress record are kept
-        return real(records)
-
-    monkeypatch.setattr(prepare_module, "tokenize_records", stopped_at_the_third_book)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(source, tmp_path / "data", **args)
-    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    _stopped_at_book(3, monkeypatch, source, tmp_path / "data", **args)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         prepare(source, tmp_path / "data", **args)
@@ -363,20 +368,8 @@ def test_a_killed_build_whose_files_came_up_short_is_started_afresh(tmp_path, mo
     source = f"files:{_write_books(tmp_path / 'books', n=6)}"
     args = {"shard_tokens": 1000, "val_fraction": 0.25}
     prepare(source, tmp_path / "fresh", **args)
-    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
-    real, calls = prepare_module.tokenize_records, []
-
-    def killed_at_the_fourth_book(records: list) -> list:
-        calls.append(records)
-        if len(calls) == 4:
-            raise KeyboardInterrupt  # as Ctrl-C: the build and its progress record are kept
-        return real(records)
-
-    monkeypatch.setattr(prepare_module, "tokenize_records", killed_at_the_fourth_book)
     out, build = tmp_path / "data", tmp_path / ".data.build"
-    with pytest.raises(KeyboardInterrupt):
-        prepare(source, out, **args)
-    monkeypatch.setattr(prepare_module, "tokenize_records", real)
+    _stopped_at_book(4, monkeypatch, source, out, **args)
     state = json.loads((build / "progress.json").read_text())
     if cut == "open shard":
         [(split, writer)] = [(s, w) for s, w in state["writers"].items() if w["count"]]
