@@ -474,9 +474,15 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             return datasets.load_dataset(
                 _HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split, streaming=streaming
             )
-        # datasets' "text" builder (a dataset of .txt files) gives a row per line by default: a book is a file
-        by_file = {"sample_by": "document"} if datasets.load_dataset_builder(name).name == "text" else {}
-        return datasets.load_dataset(name, split=split, streaming=streaming, **by_file)
+        # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
+        # load_dataset would make a second one
+        builder = datasets.load_dataset_builder(name)
+        if builder.name == "text":  # datasets' builder of .txt files gives a row per line by default: a book is a file
+            builder = datasets.load_dataset_builder(name, sample_by="document")
+        if streaming:
+            return builder.as_streaming_dataset(split=split)
+        builder.download_and_prepare()
+        return builder.as_dataset(split=split)
     except Exception as e:  # hub, network and file-format failures have no common base class
         cache = datasets.config.HF_DATASETS_CACHE  # a read-only or full disk fails a write: datasets' cache's
         if isinstance(e, OSError) and (e.errno == errno.EROFS or is_disk_full(e, cache)):

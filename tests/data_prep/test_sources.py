@@ -160,7 +160,11 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
         '{"text": "First book.\\r\\nLine two.", "title": "One"}\n{"text": "Second.", "title": null}\n',
         encoding="utf-8",
     )
+    resolved = []  # datasets' resolution of a dataset's files (for a Hub dataset, its API calls), counted
+    factory = datasets.load.dataset_module_factory
+    monkeypatch.setattr(datasets.load, "dataset_module_factory", lambda *a, **k: resolved.append(a) or factory(*a, **k))
     docs = list(iter_documents(f"hf:{data}"))
+    assert len(resolved) == 1  # once, not again inside load_dataset
     name = str(data).strip("/")
     assert [(d.id, d.title, d.text) for d in docs] == [
         (f"hf/{name}/train/0", "One", "First book.\nLine two.\n"),
