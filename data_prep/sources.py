@@ -426,7 +426,7 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
     split, column = split or "train", column or "text"
-    ds = _load_hf(name, split, streaming)
+    ds, file_titles = _load_hf(name, split, streaming)
     # Streaming datasets may not know their features up front; then a missing column fails per row.
     if ds.features is not None and column not in ds.features:
         columns = list(ds.features)
@@ -454,7 +454,8 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
                     f"hf:{arg}: column {column!r} holds {type(raw).__name__} values (row {i}: {raw!r:.40}), not "
                     f"text; name the dataset's text column: hf:DATASET:SPLIT:COLUMN"
                 )
-            yield Record(f"{prefix}/{i}", str(row.get("title") or f"{name} #{i}"), raw=raw, size=len(raw))
+            title = row.get("title") or (file_titles[i] if file_titles else f"{name} #{i}")
+            yield Record(f"{prefix}/{i}", str(title), raw=raw, size=len(raw))
 
     if streaming:
         return Plan(None, None, records)
@@ -462,6 +463,8 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
 
 
 def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets is imported lazily
+    """The dataset's split (an IterableDataset where streaming), and, for a dataset of .txt files, each row's
+    title: its file's name without the extension, as files: names a book (else None)."""
     import datasets  # lazily: training machines read prepared shards and may not have it
 
     path = Path(name).expanduser()
@@ -469,20 +472,25 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             ds = datasets.load_from_disk(str(path))  # written by save_to_disk
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-            return ds.to_iterable_dataset() if streaming else ds
+            return (ds.to_iterable_dataset() if streaming else ds), None
         if path.is_file() and path.suffix in _HF_FILE_BUILDERS:
             return datasets.load_dataset(
                 _HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split, streaming=streaming
-            )
+            ), None
         # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
         # load_dataset would make a second one
         builder = datasets.load_dataset_builder(name)
+        file_titles = None
         if builder.name == "text":  # datasets' builder of .txt files gives a row per line by default: a book is a file
             builder = datasets.load_dataset_builder(name, sample_by="document")
+            files = (builder.config.data_files or {}).get(split, [])
+            # a row per file, in this order, unless an archive among them holds several
+            if all(PurePosixPath(f).suffix.lower() == ".txt" for f in files):
+                file_titles = [PurePosixPath(f).stem for f in files]
         if streaming:
-            return builder.as_streaming_dataset(split=split)
+            return builder.as_streaming_dataset(split=split), file_titles
         builder.download_and_prepare()
-        return builder.as_dataset(split=split)
+        return builder.as_dataset(split=split), file_titles
     except Exception as e:  # hub, network and file-format failures have no common base class
         cache = datasets.config.HF_DATASETS_CACHE  # a read-only or full disk fails a write: datasets' cache's
         if isinstance(e, OSError) and (e.errno == errno.EROFS or is_disk_full(e, cache)):

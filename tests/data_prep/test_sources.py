@@ -2,6 +2,7 @@
 
 import os
 import re
+import zipfile
 
 import pytest
 
@@ -199,6 +200,15 @@ def test_hf_dataset_of_text_files_is_a_document_per_file_not_per_line(tmp_path, 
         (data / name).write_text(text, encoding="utf-8")
     docs = list(iter_documents(f"hf:{data}", streaming=streaming))
     assert [d.text for d in docs] == list(books.values())
+    assert [d.title for d in docs] == ["a", "b"]  # each book named by its file, as files: names them
+    # a zip among the files holds several books: a row is no longer a listed file, so rows are numbered instead
+    with zipfile.ZipFile(data / "more.zip", "w") as z:
+        z.writestr("c.txt", "Book three\n")
+        z.writestr("d.txt", "Book four\n")
+    docs = list(iter_documents(f"hf:{data}", streaming=streaming))
+    assert [(d.title, d.text) for d in docs] == [
+        (f"{data} #{i}", t) for i, t in enumerate([*books.values(), "Book three\n", "Book four\n"])
+    ]
 
 
 def test_hf_column_that_is_not_text_is_one_clear_error(tmp_path, monkeypatch, capsys):
