@@ -51,6 +51,7 @@ from data_prep.sources import (
     Plan,
     Record,
     SourceUnreadable,
+    check_texts,
     parse_spec,
     plan,
     source_licenses,
@@ -146,6 +147,7 @@ def prepare(
                 stray.unlink()
         with disk_full_reported(out, lambda: _kept(out, build, key)):
             try:
+                check_texts(books.paths[(progress or {"records_done": 0})["records_done"] :])
                 splits = _splitter(books, val_fraction, seed)
                 manifest = _build(build, books, splits, setup, key, num_proc, progress)
             except SourceUnreadable as e:  # not the inputs' fault: the books done are kept, as on a full disk
@@ -395,6 +397,10 @@ def _books_bar(total: int | None, done: int) -> Iterator[tqdm | _LoggedBar]:
         bar.show()
 
 
+def _named(doc_id: str, title: str) -> str:
+    return f"{doc_id} ({title!r})" if title else doc_id
+
+
 def _build(
     build: Path,
     books: Plan,
@@ -414,19 +420,19 @@ def _build(
     # Each book's tokens' sha256 (book_sha256 on its index lines) -> its id: a later book with the same text (a file
     # copied under two names, a dataset's repeated rows) is left out, so no text is trained on twice or sits in both
     # train and val.
-    kept: dict[str, str] = {}
+    kept: dict[str, str] = {}  # named by id and title: an hf: dataset's ids are row numbers
     with open(index_path, "rb") as index:  # a resumed build's books so far
         for book in map(json.loads, index):
             if "book_sha256" in book:  # none in a build begun before books were compared
-                kept.setdefault(book["book_sha256"], book["id"])
+                kept.setdefault(book["book_sha256"], _named(book["id"], book["title"]))
     with open(index_path, "ab") as index, _books_bar(total, done) as bar:
         for count, docs in _tokenized(_batches(books.records(done)), num_proc):
             for doc_id, title, tokens in docs:
                 digest = hashlib.sha256(tokens).hexdigest()
                 if digest in kept:
-                    log.warning("skipping %s: the same text as %s", doc_id, kept[digest])
+                    log.warning("skipping %s: the same text as %s", _named(doc_id, title), kept[digest])
                     continue
-                kept[digest] = doc_id
+                kept[digest] = _named(doc_id, title)
                 for part_id, split, part in _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"]):
                     writers[split].write(part)
                     line = {"id": part_id, "title": title, "split": split, "num_tokens": len(part)}

@@ -113,6 +113,7 @@ class Plan:
     records: Callable[[int], Iterator[Record]]  # the records from index `skip` on
     text_bytes: int | None = None  # UTF-8 bytes of all the text, where listing can tell (before cleaning)
     splits: dict[str, str] = field(default_factory=dict)  # id -> split, for books whose source names their split
+    paths: list[str | None] = field(default_factory=list)  # each id's file (None: text in hand); [] for none
 
 
 def parse_spec(spec: str) -> list[tuple[str, str]]:
@@ -170,6 +171,7 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     sizes = [len(p.ids) for p in parts] if known else None
     text_bytes = sum(p.text_bytes for p in parts) if all(p.text_bytes is not None for p in parts) else None
     splits = {doc_id: split for p in parts for doc_id, split in p.splits.items()}
+    paths = [path for p in parts for path in p.paths or [None] * len(p.ids)] if known else []
 
     def records(skip: int = 0) -> Iterator[Record]:
         if skip and sizes is None:
@@ -181,7 +183,7 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
             yield from part.records(skip)
             skip = 0
 
-    return Plan(ids, key, records, text_bytes, splits)
+    return Plan(ids, key, records, text_bytes, splits, paths)
 
 
 def source_licenses(spec: str) -> list[dict[str, str | None]]:
@@ -362,7 +364,28 @@ def _plan_files(arg: str) -> Plan:
         records.append(Record(doc_id, p.stem, path=str(p.absolute()), size=stat.st_size))
         key.append((doc_id, stat.st_size, stat.st_mtime_ns))
     text_bytes = sum(r.size for r in records)
-    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes)
+    paths = [r.path for r in records]
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes, paths=paths)
+
+
+def check_texts(paths: Iterable[str | None]) -> None:
+    """Read each file as the build will and name every one that is not text (0.8-3.5 GB/s from the page cache on
+    a Zen 4; tokenizing runs at a few MB/s a process): fixing a bad file changes the inputs' key, so a build it
+    stopped hours in could not be resumed, and each rerun would stop at the next."""
+    errors = []
+    for path in filter(None, paths):
+        try:
+            _read_text(Path(path))
+        except DataPrepError as e:
+            errors.append(str(e))
+    for e in errors[1:]:
+        log.warning("%s", e)
+    if len(errors) > 1:
+        raise DataPrepError(
+            f"{errors[0]}; and {len(errors) - 1} more file(s) cannot be read as text (each named above)"
+        )
+    if errors:
+        raise DataPrepError(errors[0])
 
 
 def _first_magic(parts: tuple[str, ...]) -> int:
@@ -394,7 +417,8 @@ def _plan_gutenberg(arg: str, mirror: str) -> Plan:
     ]
     key = [(r.id, r.size, Path(r.path).stat().st_mtime_ns) for r in records]
     text_bytes = sum(r.size for r in records)
-    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes)
+    files = [r.path for r in records]
+    return Plan([r.id for r in records], _digest(key), lambda skip: iter(records[skip:]), text_bytes, paths=files)
 
 
 def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:

@@ -183,15 +183,25 @@ def test_hf_local_folder_parquet_and_arrow_files(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # num_proc=2 worker processes
-def test_binary_and_unreadable_files_are_one_clear_error(tmp_path):
+def test_binary_and_unreadable_files_are_one_clear_error(tmp_path, monkeypatch):
     books = tmp_path / "books"
     (books / "sub").mkdir(parents=True)
     (books / "good.txt").write_text("Good.\n", encoding="utf-8")
     (books / "sub" / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-    with pytest.raises(
-        DataPrepError, match=r"cover.txt holds NUL bytes \(a binary file, or UTF-16 text without a byte-order mark\); "
-    ):
+    nul = r"cover.txt holds NUL bytes \(a binary file, or UTF-16 text without a byte-order mark\); "
+    with pytest.raises(DataPrepError, match=nul):  # found before the build: nothing is begun
+        prepare(f"files:{books}", tmp_path / "data", num_proc=2)
+    assert not (tmp_path / "data").exists() and not (tmp_path / ".data.build").exists()
+    (books / "sub" / "cover.txt").write_text("A cover.\n", encoding="utf-8")
+
+    def checked_then_overwritten(paths):  # a file replaced while the build runs
+        sources.check_texts(paths)
+        (books / "sub" / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+
+    monkeypatch.setattr(prepare_module, "check_texts", checked_then_overwritten)
+    with pytest.raises(DataPrepError, match=nul):
         prepare(f"files:{books}", tmp_path / "data", num_proc=2)  # raised in a worker, reported the same
+    monkeypatch.undo()
     (books / "sub" / "cover.txt").unlink()
     (books / "sub" / "locked.txt").write_text("Locked.\n", encoding="utf-8")
     (books / "sub" / "locked.txt").chmod(0)

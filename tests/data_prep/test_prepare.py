@@ -172,11 +172,13 @@ def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tm
     other in val, where the val loss would score text the model had learned. The later copy is left out, saying
     which book it repeats; a preparation stopped between the two leaves it out when resumed as well."""
     library = _write_books(tmp_path / "library", n=6)
-    shutil.copy(library / "book1.txt", library / "book4.txt")
+    book1 = library / "book1.txt"
+    book1.write_text("Title: Emma\n\n" + book1.read_text())  # named by title too: an hf: dataset's ids are rows
+    shutil.copy(book1, library / "book4.txt")
     source, args = f"files:{library}", {"val_fraction": 0.25}
     with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
         prepare(source, tmp_path / "fresh", **args)
-    assert "skipping files/library/book4.txt: the same text as files/library/book1.txt" in caplog.text
+    assert "skipping files/library/book4.txt ('Emma'): the same text as files/library/book1.txt ('Emma')" in caplog.text
     books = list(load_manifest(tmp_path / "fresh").documents())
     assert [d["id"] for d in books] == [f"files/library/book{i}.txt" for i in (0, 1, 2, 3, 5)]
     assert len({d["book_sha256"] for d in books}) == 5
@@ -186,7 +188,7 @@ def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tm
     with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         prepare(source, tmp_path / "data", **args)
     assert "after 2 books" in caplog.text  # book1 was prepared before the stop; its copy after it
-    assert "skipping files/library/book4.txt: the same text as files/library/book1.txt" in caplog.text
+    assert "skipping files/library/book4.txt ('Emma'): the same text as files/library/book1.txt ('Emma')" in caplog.text
     assert _snapshot_bytes(tmp_path / "data") == _snapshot_bytes(tmp_path / "fresh")
 
 

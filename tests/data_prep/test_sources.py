@@ -1,5 +1,6 @@
 """Book sources: the embedded default corpus, local files, Gutenberg (offline paths only), hf."""
 
+import logging
 import os
 import re
 import zipfile
@@ -113,7 +114,7 @@ def test_bad_specs(spec, message):
             parse_spec(spec)
 
 
-def test_files_errors(tmp_path):
+def test_files_errors(tmp_path, caplog):
     with pytest.raises(DataPrepError, match=r"files:.*missing: no such file or directory; check the path"):
         list(iter_documents(f"files:{tmp_path}/missing"))
     with pytest.raises(DataPrepError, match="matched no .txt files"):
@@ -126,7 +127,20 @@ def test_files_errors(tmp_path):
         list(iter_documents(f"files:{tmp_path}"))
     # cp1252, not latin1: Windows text's quotes and dashes (0x91-0x97) are control codes in latin1
     assert "(e.g. `iconv -f cp1252 -t utf-8` for Windows or Latin-1 text)" in str(e.value)
-    (tmp_path / "latin1.txt").unlink()
+    # every bad file named at once, before a build: fixing one changes the inputs, so a build it stopped could not
+    # be resumed, and each rerun would stop at the next
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (tmp_path / "zz.txt").write_bytes(b"\x93quoted\x94\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"), pytest.raises(DataPrepError) as e:
+        sources.check_texts(sources.plan(f"files:{tmp_path}").paths)
+    assert re.fullmatch(r".*/latin1.txt is not valid UTF-8 .* out of the source; and 2 more file\(s\) cannot be "
+                        r"read as text \(each named above\)", str(e.value)), str(e.value)  # fmt: skip
+    said = [m.split("/")[-1].split(" (")[0] for m in caplog.messages]
+    assert said == ["cover.txt holds NUL bytes", "zz.txt is not valid UTF-8"]
+    for bad in ("latin1.txt", "sub/cover.txt", "zz.txt"):
+        (tmp_path / bad).unlink()
     # a file name that is not UTF-8 (copied from an old archive): UnicodeEncodeError's traceback at the index write
     bad_name = tmp_path / os.fsdecode(b"caf\xe9.txt")
     bad_name.write_text("A book.\n", encoding="utf-8")
