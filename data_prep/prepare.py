@@ -417,10 +417,10 @@ def _build(
     os.truncate(index_path, state["index_bytes"])  # drop lines written after the last checkpoint
     done = state["records_done"]
     total = len(books.ids) if books.ids is not None else None
-    # Each book's tokens' sha256 (book_sha256 on its index lines) -> its id: a later book with the same text (a file
-    # copied under two names, a dataset's repeated rows) is left out, so no text is trained on twice or sits in both
-    # train and val.
-    kept: dict[str, str] = {}  # named by id and title: an hf: dataset's ids are row numbers
+    # Each book's tokens' sha256 (book_sha256 on its index lines) -> its id and title (an hf: dataset's ids are row
+    # numbers): a later book with the same text (a file copied under two names, a dataset's repeated rows) is left
+    # out, so no text is trained on twice or sits in both train and val.
+    kept: dict[str, str] = {}
     with open(index_path, "rb") as index:  # a resumed build's books so far
         for book in map(json.loads, index):
             if "book_sha256" in book:  # none in a build begun before books were compared
