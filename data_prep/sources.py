@@ -263,7 +263,10 @@ def _read_text(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise DataPrepError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from None
+        raise SourceUnreadable(  # not bad text: made readable again, its size and mtime (the inputs' key) unchanged
+            f"cannot read {path} ({e.strerror}); make it readable and run the same command again, or leave it out of "
+            "the source"
+        ) from None
     return _decode(data, str(path))
 
 
@@ -375,20 +378,19 @@ def check_texts(paths: Iterable[str | None]) -> None:
     files = [p for p in paths if p is not None]
     if files:  # a silent minute otherwise, for a library of many GB on a cold disk
         log.info("Checking that the %d file(s) read as text", len(files))
-    errors = []
+    errors: list[DataPrepError] = []
     for path in files:
         try:
             _read_text(Path(path))
         except DataPrepError as e:
-            errors.append(str(e))
+            errors.append(e)
     for e in errors[1:]:
         log.warning("%s", e)
-    if len(errors) > 1:
-        raise DataPrepError(
-            f"{errors[0]}; and {len(errors) - 1} more file(s) cannot be read as text (each named above)"
-        )
     if errors:
-        raise DataPrepError(errors[0])
+        # files only unreadable keep a resumed build for the same command; a file to fix or leave out does not
+        kind = SourceUnreadable if all(isinstance(e, SourceUnreadable) for e in errors) else DataPrepError
+        more = f"; and {len(errors) - 1} more file(s) cannot be read as text (each named above)"
+        raise kind(f"{errors[0]}{more if len(errors) > 1 else ''}")
 
 
 def _first_magic(parts: tuple[str, ...]) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import DataPrepError
+from data_prep import DataPrepError, sources
 from data_prep import prepare as prepare_module
 from data_prep.loader import load_manifest
 from data_prep.prepare import _exclusive, assign_splits, main, prepare
@@ -210,6 +210,36 @@ def test_a_split_left_without_text_is_one_error_at_preparation(tmp_path):
 def _killed(records: list) -> list:
     os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer takes a worker
     return []
+
+
+def test_a_file_unreadable_before_a_resumed_build_keeps_it_for_the_same_command(tmp_path, monkeypatch):
+    """A file that cannot be read (gone for a moment, its permissions) is not bad text: made readable again, its size
+    and mtime are as listed, so the build stopped earlier is kept and the same command resumes it to the bytes of a
+    preparation never stopped (a file that is not text discards it: fixing that file changes the inputs)."""
+    library = _write_books(tmp_path / "library", n=6)
+    source, args = f"files:{library}", {"val_fraction": 0.25}
+    prepare(source, tmp_path / "fresh", **args)
+    _stopped_at_book(3, monkeypatch, source, tmp_path / "data", **args)
+    build = tmp_path / ".data.build"
+    aside = tmp_path / "book4.txt"
+
+    def listed_then_moved_away(*a, **kw):  # by another program, between the listing and the read
+        books = sources.plan(*a, **kw)
+        (library / "book4.txt").rename(aside)
+        return books
+
+    with monkeypatch.context() as patch, pytest.raises(DataPrepError) as err:
+        patch.setattr(prepare_module, "plan", listed_then_moved_away)
+        prepare(source, tmp_path / "data", **args)
+    assert re.fullmatch(
+        rf"cannot read {library}/book4.txt \(No such file or directory\); make it readable and run the same command "
+        rf"again, or leave it out of the source; the 2 books prepared so far are kept in {build} and the rerun "
+        r"continues after them",
+        str(err.value),
+    ), str(err.value)
+    aside.rename(library / "book4.txt")  # back, its mtime as it was
+    prepare(source, tmp_path / "data", **args)
+    assert _snapshot_bytes(tmp_path / "data") == _snapshot_bytes(tmp_path / "fresh")
 
 
 def test_a_worker_killed_mid_preparation_is_one_line_and_the_same_command_finishes(tmp_path, monkeypatch):
