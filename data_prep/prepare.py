@@ -205,13 +205,17 @@ def _amount(value: float, giga: str, mega: str, kilo: str) -> str:
 
 def _kept(out: Path, build: Path, key: str | None) -> str:
     """What a preparation stopped by a full disk or a source failing part-way leaves: the books recorded in the
-    build's progress (the rerun continues after them; a streamed source cannot be listed again, so its build is
-    removed to give the space back), and any previous dataset in `out` as it was."""
+    build's progress (the rerun continues after them; a streamed source cannot be listed again, and a build that
+    finished no book has nothing to continue, so either is removed to give the space back), and any previous dataset
+    in `out` as it was."""
     previous = f"; {out} is untouched" if (out / MANIFEST_NAME).is_file() else ""
     if key is None:
         shutil.rmtree(build, ignore_errors=True)
         return f"a streamed source cannot be continued, so its partial build was removed{previous}"
     done = (_progress(build, key) or {"records_done": 0})["records_done"]
+    if not done:
+        shutil.rmtree(build, ignore_errors=True)
+        return f"no book was finished yet, so there was nothing to keep: the rerun starts from the first{previous}"
     return f"the {done} books prepared so far are kept in {build} and the rerun continues after them{previous}"
 
 

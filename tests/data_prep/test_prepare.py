@@ -244,13 +244,18 @@ def test_a_file_unreadable_before_a_resumed_build_keeps_it_for_the_same_command(
 
 def test_a_worker_killed_mid_preparation_is_one_line_and_the_same_command_finishes(tmp_path, monkeypatch):
     """A --num-proc worker the OOM killer takes: concurrent.futures' BrokenProcessPool traceback before. Now one line
-    that keeps the build, and the same command finishes it to the bytes of a preparation never interrupted."""
+    that keeps the build, and the same command finishes it to the bytes of a preparation never interrupted. Killed
+    in its first batch, the build has no book to keep, and the line says so (it said "the 0 books prepared so far
+    are kept")."""
     library = _write_books(tmp_path / "library", n=6)
     monkeypatch.setattr(prepare_module, "tokenize_records", _killed)  # the pool's workers are sent it by name
     with pytest.raises(DataPrepError) as err:
         prepare(f"files:{library}", tmp_path / "data", num_proc=2)
-    assert str(err.value).startswith("a preparation worker died (killed: by the kernel's OOM killer where memory ran ")
-    assert f"prepared so far are kept in {tmp_path / '.data.build'}" in str(err.value)
+    assert str(err.value) == (
+        "a preparation worker died (killed: by the kernel's OOM killer where memory ran short; a smaller --num-proc "
+        "needs less); no book was finished yet, so there was nothing to keep: the rerun starts from the first"
+    )
+    assert not (tmp_path / ".data.build").exists()
     monkeypatch.undo()
     prepare(f"files:{library}", tmp_path / "data", num_proc=2)
     prepare(f"files:{library}", tmp_path / "again")
