@@ -1,6 +1,8 @@
 """modeling.fused_ce: the chunked linear + cross-entropy equals F.cross_entropy over the full logits, and the rule that
 picks one of the two forms for the model's loss."""
 
+import functools
+
 import pytest
 import torch
 
@@ -93,17 +95,32 @@ def test_bf16_autocast_close_to_autocast_cross_entropy():
 CONFIDENCE = [0.5, 0.99995, 1 - 1e-8]
 
 
-@pytest.fixture(scope="module", params=CONFIDENCE, ids=lambda p: f"p_target={p:.8g}")
-def confident(request):
-    h, weight, targets = numerics.confident_inputs(request.param)
+@functools.cache  # once per confidence: pytest sets the module fixture up again for each `fused` form it meets
+def confident_case(p_target: float) -> tuple[torch.Tensor, ...]:
+    h, weight, targets = numerics.confident_inputs(p_target)
     return h, weight, targets, numerics.reference(h, weight, targets)
 
 
-# Every launch YAML compiles the loss, which then takes its masked-sum form; eager takes gather/scatter_.
-@pytest.fixture(scope="module", params=["eager", "compiled"])
+@pytest.fixture(scope="module", params=CONFIDENCE, ids=lambda p: f"p_target={p:.8g}")
+def confident(request):
+    return confident_case(request.param)
+
+
+# Each chunk's softmax is the C kernel (modeling/cpu_softmax.py) wherever gcc builds it, so the CPU's kernel case;
+# its torch form (fused_ce.softmax_grad) is what GPUs, mps and CPUs without gcc run: tested here with the kernel
+# turned off. Every launch YAML compiles the loss, whose torch form then takes its masked-sum form; eager takes
+# gather/scatter_.
+@pytest.fixture(
+    scope="module", params=[("eager", "kernel"), ("compiled", "kernel"), ("eager", "torch"), ("compiled", "torch")],
+    ids=lambda p: f"{p[0]}-{'C_kernel' if p[1] == 'kernel' else 'torch_form'}",
+)  # fmt: skip
 def fused(request):
+    mode, softmax = request.param
     fused = lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_rows=64)  # 4 chunks
-    return torch.compile(fused) if request.param == "compiled" else fused
+    with pytest.MonkeyPatch.context() as patch:
+        if softmax == "torch":
+            patch.setattr(cpu_softmax, "takes", lambda logits: False)
+        yield torch.compile(fused) if mode == "compiled" else fused
 
 
 # fp32 products by torch (MKL on x86) or, as on AVX-512 AMD CPUs, by oneDNN (modeling/cpu_linear.py), forced on
