@@ -39,7 +39,9 @@ static inline float exp_nonpositive(float x) { /* exp(x) for x <= 0; 0 below -87
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
+    /* 2^n; a NaN x (a diverged step's logit) gives a NaN p, so the exp is NaN whatever scale is: n converted as 0
+       then, since C leaves a NaN's conversion to an integer undefined */
+    const int32_t bits = ((int32_t)(n == n ? n : 0.0f) + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
     return underflow ? 0.0f : p * scale;

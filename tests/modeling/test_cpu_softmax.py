@@ -87,6 +87,31 @@ def test_as_accurate_as_the_torch_form_against_fp64(p_target, dtype, kernel):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_with_a_nan_or_inf_logit_gets_a_nan_loss_and_gradient_as_in_the_torch_form(dtype, kernel):
+    """A diverged step's logits: the step is skipped (or the run stopped) on its gradient norm alone, so a NaN or +inf
+    logit must make its row's loss and gradient NaN, never a finite number, as F.cross_entropy's and the torch form's
+    do; a -inf logit (an id the row rules out) is an exp of 0, and its row as the others stay as without it."""
+    logits, target, scale = chunk(0.5, dtype)
+    clean_out = logits.clone()
+    clean_loss = cpu_softmax.softmax_grad_(clean_out, target, scale, True)
+    bad = {3: float("nan"), 4: float("inf"), 6: float("-inf")}  # rows with a target (every 5th row is ignored)
+    for row, value in bad.items():
+        logits[row, (target[row, 0] + 7) % V] = value
+    out = logits.clone()
+    loss = cpu_softmax.softmax_grad_(out, target, scale, True)
+    torch_loss, torch_grad = fused_ce.softmax_grad(logits.clone(), target, scale, False, True)
+    for got_loss, grad in ((loss, out), (torch_loss, torch_grad)):
+        assert got_loss[3].isnan().all() and got_loss[4].isnan().all(), got_loss[3:5]
+        assert grad[3].isnan().all() and grad[4].isnan().all()
+    assert torch.isfinite(loss[6]) and torch.isfinite(out[6]).all()
+    assert out[6, (target[6, 0] + 7) % V] == 0  # exp(-inf): no mass, no gradient
+    torch.testing.assert_close(loss[6], torch_loss[6], rtol=1e-5, atol=0)
+    others = [r for r in range(ROWS) if r not in bad]
+    assert torch.equal(loss[others], clean_loss[others]) and torch.equal(out[others], clean_out[others])
+
+
+@needs_kernel
 def test_the_loss_alone_leaves_the_logits_as_they_are():
     logits, target, scale = chunk(0.5, torch.bfloat16)
     out = logits.clone()
