@@ -81,6 +81,26 @@ def prepare_command(data_dir: str | Path, source: str = "default") -> str:
     return f"python -m data_prep.prepare --source {shlex.quote(source)} --out {shlex.quote(str(data_dir))}"
 
 
+def _missing_dataset(data_dir: Path) -> str:
+    """What a --data-dir without a manifest is, and the command that prepares one: a mistyped path, a folder of the
+    books themselves, or a folder to prepare into (from the user's books: the embedded corpus only where asked for,
+    which would otherwise train under the name of the user's own data)."""
+    if not data_dir.exists():
+        what = f"no prepared dataset in {data_dir}: no such folder (check --data-dir)"
+    elif data_dir.is_dir() and next(data_dir.glob("*.txt"), None) is not None:
+        what = (
+            f"{data_dir} holds .txt files, not a prepared dataset ({MANIFEST_NAME} is missing): --data-dir takes the "
+            "folder prepare writes"
+        )
+        return f"{what}; prepare these books with:\n  {prepare_command(f'{data_dir}-prepared', f'files:{data_dir}')}"
+    else:
+        what = f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing)"
+    return (
+        f"{what}; prepare your books into it (--source default: the embedded corpus of Shakespeare and Milton) "
+        f"with:\n  {prepare_command(data_dir, 'files:PATH/TO/BOOKS')}"
+    )
+
+
 def load_manifest(data_dir: str | Path, verify: str = "size") -> Manifest:
     """Read `data_dir/manifest.json` and check it and its shards (`verify`: none, size or sha256)."""
     if verify not in VERIFY_MODES:
@@ -88,10 +108,7 @@ def load_manifest(data_dir: str | Path, verify: str = "size") -> Manifest:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST_NAME
     if not path.is_file():
-        raise DataPrepError(
-            f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing); create it with:\n"
-            f"  {prepare_command(data_dir)}"
-        )
+        raise DataPrepError(_missing_dataset(data_dir))
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         tok = raw["tokenizer"]

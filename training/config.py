@@ -197,6 +197,10 @@ class TrainConfig:
     push_to_hub: str = field(
         default="", metadata={"help": "Hub repo id (you/name) to push the export and model card to at the end"}
     )
+    hub_private_repo: bool = field(
+        default=False,
+        metadata={"help": "create the --push-to-hub repository as private (one that exists keeps its visibility)"},
+    )
 
     # The fields the run-config file or the command line set (parse_config), as opposed to defaults: where the
     # engine cannot run the default optimizer the run takes another, but never one the user asked for.
@@ -277,6 +281,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not valid or (value is not None and not math.isfinite(value)):
                 raise ConfigError(f"{name} must be {rule}, got {value}")
+        if self.push_to_hub and not self.export_hf:
+            raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
+        if self.hub_private_repo and not self.push_to_hub:  # privacy asked for, and nothing would be pushed
+            raise ConfigError("--hub-private-repo is for --push-to-hub's repository: give --push-to-hub you/name too")
         if self.time_budget_minutes and self.warmup_steps < BUDGET_MIN_WARMUP:
             raise ConfigError(
                 f"time_budget_minutes needs warmup_steps >= {BUDGET_MIN_WARMUP}, got {self.warmup_steps}: the run "

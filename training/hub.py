@@ -35,9 +35,13 @@ class HubError(RuntimeError):
     """A push that could not happen; the message says why and how to retry."""
 
 
-def _retry_hint(run_dir: Path, repo_id: str) -> str:
+def _retry_hint(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -> str:
+    """The command that pushes the run as this push would have: with its flags (a private repository made public by
+    a retry copied from this line would publish the model)."""
+    flags = " --private" * private + " --checkpoints" * checkpoints
     return (
         f"the run folder {run_dir} is intact; push it later with: python -m training.hub {run_dir} --repo-id {repo_id}"
+        f"{flags}"
     )
 
 
@@ -502,9 +506,8 @@ def push(
                 commit_message="Upload training checkpoints",
             )  # fmt: skip
     except Exception as err:  # network, auth and Hub errors all end the same way for the user
-        raise HubError(
-            f"could not push to {repo_id}: {type(err).__name__}: {err}; {_retry_hint(run_dir, repo_id)}"
-        ) from err
+        retry = _retry_hint(run_dir, repo_id, private, checkpoints)
+        raise HubError(f"could not push to {repo_id}: {type(err).__name__}: {err}; {retry}") from err
     return str(url)
 
 

@@ -240,8 +240,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
-    if cfg.push_to_hub and not cfg.export_hf:
-        raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
     model_config = cfg.model_config()
     startup.lap("config")  # the config read, the run folder locked
 
@@ -717,7 +715,7 @@ def write_outputs(run: Run) -> None:
     written = [LOSS_PLOT, *([EVALS_PLOT] if cfg.eval_tasks else []), *([f"{EXPORT_DIR}/"] if cfg.export_hf else [])]
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
     if cfg.push_to_hub and accelerator.is_main_process:
-        accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub)}")
+        accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub, private=cfg.hub_private_repo)}")
 
 
 def final_model(run: Run, final_checkpoint: Path) -> GPT | None:

@@ -322,9 +322,28 @@ def test_windows_lost_to_small_shards_point_to_shard_tokens(prepared_books):
         TokenLoader(prepared_books, "train", 25_000, 4)
 
 
-def test_missing_dataset_prints_the_prepare_command(tmp_path):
-    with pytest.raises(DataPrepError, match=f"python -m data_prep.prepare --source default --out {tmp_path / 'nope'}"):
-        TokenLoader(tmp_path / "nope", "train", BLOCK, 8)
+@pytest.mark.parametrize("folder", ["missing", "books", "empty"])
+def test_missing_dataset_prints_the_prepare_command_for_the_users_books(tmp_path, folder):
+    """A mistyped --data-dir, the folder of the books themselves, a folder to prepare into: the command prepares the
+    user's books (it named the embedded corpus, which trained on under the name of the user's data)."""
+    data = tmp_path / folder
+    if folder != "missing":
+        data.mkdir()
+    if folder == "books":
+        (data / "emma.txt").write_text("Emma Woodhouse, handsome, clever, and rich.")
+    with pytest.raises(DataPrepError) as err:
+        TokenLoader(data, "train", BLOCK, 8)
+    said, command = str(err.value).split("\n")
+    to_yours = "prepare your books into it (--source default: the embedded corpus of Shakespeare and Milton) with:"
+    expected = {
+        "missing": f"no prepared dataset in {data}: no such folder (check --data-dir); {to_yours}",
+        "books": f"{data} holds .txt files, not a prepared dataset (manifest.json is missing): --data-dir takes the "
+        "folder prepare writes; prepare these books with:",
+        "empty": f"no prepared dataset in {data} (manifest.json is missing); {to_yours}",
+    }
+    assert said == expected[folder]
+    source, out = (f"files:{data}", f"{data}-prepared") if folder == "books" else ("files:PATH/TO/BOOKS", data)
+    assert command == f"  python -m data_prep.prepare --source {source} --out {out}"
 
 
 def test_truncated_or_altered_shard_is_named(prepared_books, tmp_path):

@@ -333,8 +333,9 @@ def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_b
     machines = two_machines([[], []], cwds, [Path("books")] * 2, [tmp_path / "run"] * 2)
     assert_both_stop_with(
         machines,
-        f"error: data_dir books on {socket.gethostname()} (rank 1): no prepared dataset in books (manifest.json is "
-        "missing); create it with:",
+        f"error: data_dir books on {socket.gethostname()} (rank 1): no prepared dataset in books: no such folder "
+        "(check --data-dir); prepare your books into it (--source default: the embedded corpus of Shakespeare and "
+        "Milton) with:",
     )
 
 

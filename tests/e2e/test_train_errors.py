@@ -81,7 +81,12 @@ def export_cut_short(data: Path) -> None:
 # checks each such message.
 CASES = {
     "malformed_yaml": (None, ["--config", "{tmp}/bad.yaml"], r"not valid YAML at line 3"),
-    "missing_data_dir": (None, ["--data-dir", "{tmp}/nowhere"], r"python -m data_prep.prepare --source default --out"),
+    "missing_data_dir": (
+        None,
+        ["--data-dir", "{tmp}/nowhere"],
+        r"no prepared dataset in .*/nowhere: no such folder \(check --data-dir\).*\n  python -m data_prep.prepare "
+        r"--source files:PATH/TO/BOOKS --out",
+    ),
     "truncated_shard": (corrupt_shard, [], r"shard .*train_000.bin is .* bytes .*truncated or altered"),
     "vocab_mismatch": (other_vocab_manifest, [], r"100277-id vocabulary but the tiny-cpu model has 50304"),
     "other_tokenizer": (other_tokenizer_manifest, [], r"tokenized with 'cl100k_base'"),

@@ -200,6 +200,17 @@ def test_a_time_budget_needs_a_warmup_to_time_its_steps_in():
         TrainConfig(time_budget_minutes=5, warmup_steps=2)
 
 
+def test_hub_flags_that_would_push_nothing_or_publicly_stop_before_the_run():
+    """--hub-private-repo alone would leave a user sure of a private repository that nothing creates; a push with no
+    export would fail only at the end of the run."""
+    with pytest.raises(ConfigError, match=r"^--hub-private-repo is for --push-to-hub's repository: give --push-to-hub"):
+        parse_config(["--hub-private-repo", "true"])
+    with pytest.raises(ConfigError, match=r"^--push-to-hub pushes the run's export: drop --export-hf false$"):
+        parse_config(["--push-to-hub", "you/books", "--export-hf", "false"])
+    cfg, _ = parse_config(["--push-to-hub", "you/books", "--hub-private-repo", "true"])
+    assert cfg.hub_private_repo and cfg.push_to_hub == "you/books"
+
+
 def test_grad_accum_from_token_budget():
     assert grad_accum_steps(524_288, 16, 1024, 4) == 8
     with pytest.raises(ConfigError, match=r"not a multiple of .* 16 × 1024 × 3 = 49152"):

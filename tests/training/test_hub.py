@@ -322,12 +322,19 @@ def test_push_of_a_malformed_repo_id_or_no_run_folder_is_a_clear_error_before_an
     )
 
 
-def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch):
+@pytest.mark.parametrize("private", [False, True], ids=["public", "private"])
+def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch, private):
+    """The line says how to push later, with the flags of this push: a retry copied from it without --private made
+    the repository public."""
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: connection refused at once
     before = tree_hashes(finished_run)
-    with pytest.raises(HubError, match=r"could not push to someone/tiny-books: .*the run folder .* is intact"):
-        push(finished_run, "someone/tiny-books")
+    with pytest.raises(HubError, match=r"^could not push to someone/tiny-books: .*the run folder .* is intact") as err:
+        push(finished_run, "someone/tiny-books", private=private, checkpoints=private)
+    flags = " --private --checkpoints" if private else ""
+    assert str(err.value).endswith(
+        f"push it later with: python -m training.hub {finished_run} --repo-id someone/tiny-books{flags}"
+    )
     after = tree_hashes(finished_run)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing changed or lost
     assert set(after) - set(before) == {str(finished_run / "export" / "README.md")}  # only the card was added
