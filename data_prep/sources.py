@@ -157,12 +157,19 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
             parts.append(_plan_hf(arg, streaming))
     known = all(p.ids is not None for p in parts)
     ids = [i for p in parts for i in p.ids] if known else None
+    paths = [path for p in parts for path in p.paths or [None] * len(p.ids)] if known else []
     if ids is not None:
-        seen: set[str] = set()
-        for doc_id in ids:
+        seen: dict[str, str | None] = {}
+        for doc_id, path in zip(ids, paths, strict=True):
             if doc_id in seen:
+                if path is not None and seen[doc_id] not in (None, path):  # two files: folders of the same name
+                    raise DataPrepError(
+                        f"{seen[doc_id]} and {path} get the same id {doc_id!r} (a book's id is its folder's name and "
+                        "its path below it, which keeps its split when the folder moves): rename one of the folders, "
+                        "or link it under another name"
+                    )
                 raise DataPrepError(f"document {doc_id!r} appears twice in source {spec!r}; list each book once")
-            seen.add(doc_id)
+            seen[doc_id] = path
         if not ids:
             raise DataPrepError(f"source {spec!r} has no documents; add some books")
     key = None
@@ -171,7 +178,6 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     sizes = [len(p.ids) for p in parts] if known else None
     text_bytes = sum(p.text_bytes for p in parts) if all(p.text_bytes is not None for p in parts) else None
     splits = {doc_id: split for p in parts for doc_id, split in p.splits.items()}
-    paths = [path for p in parts for path in p.paths or [None] * len(p.ids)] if known else []
 
     def records(skip: int = 0) -> Iterator[Record]:
         if skip and sizes is None:

@@ -92,6 +92,17 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
     ]
     with pytest.raises(DataPrepError, match="document 'files/books/a.txt' appears twice"):
         list(iter_documents(f"files:{books}/a.txt+files:{books}"))
+    # two folders of the same name, each listed once: the books of both, not "listed twice"
+    other = tmp_path / "bob" / "books"
+    other.mkdir(parents=True)
+    (other / "a.txt").write_text("Another book altogether.")
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"files:{books}+files:{other}"))
+    assert str(err.value) == (
+        f"{books / 'a.txt'} and {other / 'a.txt'} get the same id 'files/books/a.txt' (a book's id is its folder's name "
+        "and its path below it, which keeps its split when the folder moves): rename one of the folders, or link it "
+        "under another name"
+    )
 
 
 @pytest.mark.parametrize(
