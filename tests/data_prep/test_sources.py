@@ -99,9 +99,9 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
     with pytest.raises(DataPrepError) as err:
         list(iter_documents(f"files:{books}+files:{other}"))
     assert str(err.value) == (
-        f"{books / 'a.txt'} and {other / 'a.txt'} get the same id 'files/books/a.txt' (a book's id is its folder's name "
-        "and its path below it, which keeps its split when the folder moves): rename one of the folders, or link it "
-        "under another name"
+        f"{books / 'a.txt'} and {other / 'a.txt'} get the same id 'files/books/a.txt' (a book's id is its folder's "
+        "name and its path below it, which keeps its split when the folder moves): rename one of the folders, or link "
+        "it under another name"
     )
 
 
