@@ -102,6 +102,9 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
                 f"init_from {init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
                 "export/ (runs/NAME/export) or a Hub id such as gpt2"
             )
+        folder = Path(init_from).expanduser()
+        if not (folder / "config.json").is_file() and (folder / EXPORT_DIR / "config.json").is_file():
+            raise ValueError(f"init_from {init_from} is a run folder: give its export, {folder / EXPORT_DIR}")
         try:
             config, source = load_hf_config(init_from), f"{init_from}'s"
         except ValueError as err:  # a GPT-2 shape our GPT cannot take

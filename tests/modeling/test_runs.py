@@ -55,3 +55,15 @@ def test_a_hub_id_out_of_reach_is_one_line_saying_how_to_do_without(monkeypatch,
     with pytest.raises(ValueError) as err:
         model_shape("gpt2-124m", init_from=str(tmp_path))
     assert "\n" not in str(err.value) and "hf download" not in str(err.value)
+
+
+def test_a_run_folder_given_to_init_from_names_its_export(tmp_path):
+    """A run's folder (config.yaml, checkpoints/, export/) where its export is meant: transformers read the folder
+    and the line said "not a GPT-2 model (model_type None)"."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text('{"model_type": "gpt2"}')
+    (run / "config.yaml").write_text("preset: tiny-cpu\n")
+    with pytest.raises(ValueError) as err:
+        model_shape("gpt2-124m", init_from=str(run))
+    assert str(err.value) == f"init_from {run} is a run folder: give its export, {run / 'export'}"
