@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
+GPT2_CONTEXT = 1024  # the gpt2-* presets' block_size: a val split shorter than a window + 1 is unusable there
 BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora
 BATCH_DOCS = 256  # ... and at most this many books, so tiny documents still make progress checkpoints
 PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run got
@@ -179,6 +180,13 @@ def prepare(
         totals["val"]["num_tokens"],
         totals["val"]["num_documents"],
     )
+    if totals["val"]["num_tokens"] <= GPT2_CONTEXT:  # written, but the GPT-2 presets' runs could not use it
+        log.warning(
+            "the val split holds %d tokens, fewer than one window of the GPT-2 presets' %d-token context + 1: their "
+            "runs would stop at start-up (smaller block_size runs can use it); add books, as val takes whole books",
+            totals["val"]["num_tokens"],
+            GPT2_CONTEXT,
+        )
     return out / MANIFEST_NAME
 
 

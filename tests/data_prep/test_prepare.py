@@ -127,6 +127,29 @@ def test_a_corpus_of_one_document_is_split_by_position(tmp_path):
     assert manifest.splits["val"]["num_documents"] == manifest.splits["train"]["num_documents"] == 1
 
 
+def test_a_val_split_too_short_for_a_gpt2_window_is_said_when_written(tmp_path, caplog):
+    """A val split of fewer tokens than one 1,024-token window + 1 was written without a word; the GPT-2 presets' runs
+    then stopped at start-up. One warning line at the end of the preparation, and none for a val split that holds a
+    window."""
+    short = _write_books(tmp_path / "short", n=1)  # one book, split by position: val ~ a tenth of ~450 tokens
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        prepare(f"files:{short}", tmp_path / "data")
+    val = load_manifest(tmp_path / "data").splits["val"]["num_tokens"]
+    assert val <= 1024
+    assert (
+        f"the val split holds {val} tokens, fewer than one window of the GPT-2 presets' 1024-token context + 1"
+        in caplog.text
+    )
+    long = tmp_path / "long"
+    long.mkdir()
+    (long / "book.txt").write_text("".join(f"Line {i} of a long book.\n" for i in range(2000)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        prepare(f"files:{long}", tmp_path / "long_data")
+    assert load_manifest(tmp_path / "long_data").splits["val"]["num_tokens"] > 1025
+    assert "the val split holds" not in caplog.text
+
+
 def test_empty_files_and_any_case_of_txt_are_sorted_out_before_the_split(tmp_path, caplog):
     """A library as it comes: an empty notes.txt took the val split's only place (val 0 tokens, found by the run's
     start-up), and a BOOK.TXT from a DOS-era archive was silently left out. The empty file is left out before the
