@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Pinned here so a fresh machine gets a known torch; pyproject accepts any torch>=2.11 you already have.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test test-fast lint
+.PHONY: install train test test-fast test-avx2 lint
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
+
+# The fast tests with the kernels of an AVX2-only CPU (a Zen 3, older Xeons): oneDNN and ATen held to AVX2, as on
+# such a CPU, whatever this one has; its numerics tests then check the AVX2 paths against fp64.
+test-avx2: install
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(XDIST) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
