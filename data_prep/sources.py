@@ -26,6 +26,7 @@ import configparser
 import errno
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -334,6 +336,21 @@ def _plan_default(arg: str) -> Plan:
     return Plan([r.id for r in records], key, lambda skip: iter(records[skip:]), text_bytes)
 
 
+def _other_files(folder: Path) -> str:
+    """What a folder without .txt books holds instead (hidden files left out, as the listing leaves them), e.g. " (it
+    holds 3 .md, 1 .epub: books are read from .txt files only)", of its first 10,000 entries; "" for an empty folder
+    or a pattern."""
+    if not folder.is_dir():
+        return ""
+    files = (p for p in itertools.islice(folder.rglob("*"), 10_000) if p.is_file())
+    visible = (p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    suffixes = Counter(p.suffix.lower() or "no suffix" for p in visible)
+    if not suffixes:
+        return ""
+    held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
+    return f" (it holds {held}: books are read from .txt files only)"
+
+
 def _plan_files(arg: str) -> Plan:
     path = Path(arg).expanduser()
     if glob.has_magic(arg):
@@ -353,7 +370,7 @@ def _plan_files(arg: str) -> Plan:
     else:
         raise DataPrepError(f"source files:{arg}: no such file or directory; check the path")
     if not paths:
-        raise DataPrepError(f"source files:{arg} matched no .txt files; check the path or pattern")
+        raise DataPrepError(f"source files:{arg} matched no .txt files{_other_files(path)}; check the path or pattern")
     # ids keep the base folder's name so equal file names from two folders stay distinct
     prefix = f"files/{base.absolute().name}"
     records, key = [], []

@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import shutil
 import zipfile
 
 import pytest
@@ -128,8 +129,20 @@ def test_bad_specs(spec, message):
 def test_files_errors(tmp_path, caplog):
     with pytest.raises(DataPrepError, match=r"files:.*missing: no such file or directory; check the path"):
         list(iter_documents(f"files:{tmp_path}/missing"))
-    with pytest.raises(DataPrepError, match="matched no .txt files"):
+    with pytest.raises(DataPrepError) as err:
         list(iter_documents(f"files:{tmp_path}"))
+    assert str(err.value) == f"source files:{tmp_path} matched no .txt files; check the path or pattern"
+    notes = tmp_path / "notes"
+    for name in ("a.md", "b.md", "sub/c.epub", ".notes/d.md", ".DS_Store"):  # the hidden ones are not said
+        (notes / name).parent.mkdir(parents=True, exist_ok=True)
+        (notes / name).write_text("text")
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"files:{notes}"))
+    assert str(err.value) == (
+        f"source files:{notes} matched no .txt files (it holds 2 .md, 1 .epub: books are read from .txt files "
+        "only); check the path or pattern"
+    )
+    shutil.rmtree(notes)
     (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
     with pytest.raises(DataPrepError, match="produced no documents"):
         list(iter_documents(f"files:{tmp_path}"))
