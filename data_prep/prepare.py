@@ -76,6 +76,15 @@ BYTES_PER_TOKEN = 4.0
 TOKENS_PER_SECOND = 1_100_000  # per --num-proc worker with a core of its own
 
 
+class _SplitWithoutText(DataPrepError):
+    """A split that got no book: those drawn for it were left out by the build (empty once cleaned, or repeats of
+    earlier books), or there were too few. `written`: the ids of the books the build wrote."""
+
+    def __init__(self, message: str, split: str, written: set[str]) -> None:
+        super().__init__(message)
+        self.split, self.written = split, written
+
+
 class PreparationInterrupted(KeyboardInterrupt):
     """Ctrl-C during a preparation; its message says what was kept and what the same command does next."""
 
@@ -150,7 +159,10 @@ def prepare(
             try:
                 check_texts(books.paths[(progress or {"records_done": 0})["records_done"] :])
                 splits = _splitter(books, val_fraction, seed)
-                manifest = _build(build, books, splits, setup, key, num_proc, progress)
+                try:
+                    manifest = _build(build, books, splits, setup, key, num_proc, progress)
+                except _SplitWithoutText as err:
+                    manifest = _build_again_without_the_books_left_out(err, build, books, setup, num_proc)
             except SourceUnreadable as e:  # not the inputs' fault: the books done are kept, as on a full disk
                 raise DataPrepError(f"{e}; {_kept(out, build, key)}") from None
             except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
@@ -250,13 +262,16 @@ def _score(seed: int, doc_id: str) -> float:
 BY_POSITION = "train+val"
 
 
-def _splitter(books: Plan, val_fraction: float, seed: int) -> Callable[[str], str]:
+def _splitter(
+    books: Plan, val_fraction: float, seed: int, left_out: frozenset[str] = frozenset()
+) -> Callable[[str], str]:
     """The split of each document: its source's where it names one, else the hash rule; BY_POSITION for a corpus
-    of one document."""
+    of one document. Drawn over the listed ids but those `left_out` (books a build found empty or repeated)."""
     if books.ids is None:  # a streamed source: ids come as it is read, so only the hash rule applies
         return lambda doc_id: books.splits.get(doc_id) or ("val" if _score(seed, doc_id) < val_fraction else "train")
-    free = [i for i in books.ids if i not in books.splits]
-    if len(books.ids) == 1 and not books.splits:  # one document, and its source names no split for it
+    ids = [i for i in books.ids if i not in left_out]
+    free = [i for i in ids if i not in books.splits]
+    if len(ids) == 1 and not books.splits:  # one document, and its source names no split for it
         log.info("one document: its last %g%% of tokens are the val split (--val-fraction)", 100 * val_fraction)
         return lambda doc_id: BY_POSITION
     hashed = assign_splits(free, val_fraction, seed) if free else {}
@@ -409,6 +424,28 @@ def _books_bar(total: int | None, done: int) -> Iterator[tqdm | _LoggedBar]:
         bar.show()
 
 
+def _build_again_without_the_books_left_out(
+    err: _SplitWithoutText, build: Path, books: Plan, setup: dict[str, Any], num_proc: int
+) -> dict[str, Any]:
+    """A small library whose split fell on a book the build left out (a copy of another, one empty once cleaned: the
+    split is drawn over the listed ids, before the build reads the texts) is built again with the split drawn over
+    the books it kept; a source that cannot be read again (streamed), or whose books all made it in, stops with err.
+    The second build keeps no progress: stopped, the same command does both again, to the same bytes."""
+    left_out = frozenset(books.ids or ()) - err.written
+    if books.key is None or not left_out:
+        raise err
+    log.warning(
+        "the %s split's books were left out (the skipping lines above): drawing the split again over the %d books "
+        "kept, and preparing them anew",
+        err.split,
+        len(err.written),
+    )
+    shutil.rmtree(build)
+    build.mkdir()
+    splits = _splitter(books, setup["val_fraction"], setup["seed"], left_out)
+    return _build(build, books, splits, setup, None, num_proc, None)
+
+
 def _named(doc_id: str, title: str) -> str:
     return f"{doc_id} ({title!r})" if title else doc_id
 
@@ -458,16 +495,19 @@ def _build(
                 state["writers"] = {s: w.checkpoint() for s, w in writers.items()}
                 _write_json(build / PROGRESS_NAME, state)
     shards = [s for w in writers.values() for s in w.close()]
-    num_docs = {s: 0 for s in SPLITS}
+    num_docs, written = {s: 0 for s in SPLITS}, set()
     with open(index_path, "rb") as index:
-        for line in index:
-            num_docs[json.loads(line)["split"]] += 1
+        for line in map(json.loads, index):
+            num_docs[line["split"]] += 1
+            written.add(line["id"].removesuffix("#val"))
     if not sum(num_docs.values()):
         raise DataPrepError(f"source {setup['source']!r} produced no documents (all empty); add some books")
     if empty := [s for s in SPLITS if not num_docs[s]]:  # a run needs both: it would stop at its start-up
-        raise DataPrepError(
+        raise _SplitWithoutText(
             f"the {empty[0]} split got no text: the books assigned to it were empty after cleaning or repeated "
-            "earlier ones (the skipping lines above), or the source has too few; leave those books out or add some"
+            "earlier ones (the skipping lines above), or the source has too few; leave those books out or add some",
+            empty[0],
+            written,
         )
     documents = {"file": DOCUMENTS_NAME, "count": sum(num_docs.values()), "sha256": file_sha256(index_path)}
     manifest = {

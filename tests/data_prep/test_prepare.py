@@ -17,7 +17,7 @@ import pytest
 from data_prep import DataPrepError, sources
 from data_prep import prepare as prepare_module
 from data_prep.loader import load_manifest
-from data_prep.prepare import _exclusive, assign_splits, main, prepare
+from data_prep.prepare import DOCUMENTS_NAME, _exclusive, assign_splits, main, prepare
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import EOT_ID, get_encoding
 from testkit import REPO, fill_disk
@@ -215,19 +215,44 @@ def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tm
     assert _snapshot_bytes(tmp_path / "data") == _snapshot_bytes(tmp_path / "fresh")
 
 
-def test_a_split_left_without_text_is_one_error_at_preparation(tmp_path):
-    """Two books, one of them empty only once cleaned (blank lines), which the hash put in a split alone: the
-    preparation said 'Wrote ... 0 tokens (0 docs)' for it and the run stopped at its start-up. Now the preparation
-    stops, and nothing is written."""
+def test_a_split_whose_books_were_left_out_is_drawn_again_over_the_books_kept(tmp_path, caplog):
+    """Two books, one of them empty only once cleaned (blank lines): the split is drawn over the listed ids before
+    the texts are read, so one split held only the blank book, and the preparation stopped at its end ("the val
+    split got no text") though the other book could give both. Now the build is done again with the split drawn over
+    the books kept: here one book, split by position, to the bytes of a library of that book alone."""
     library = _write_books(tmp_path / "library", n=2)
     (library / "book1.txt").write_text("\n\n   \n")  # not an empty file: empty once cleaned
-    with pytest.raises(DataPrepError) as err:
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
         prepare(f"files:{library}", tmp_path / "data")
-    assert str(err.value).endswith(
-        "split got no text: the books assigned to it were empty after cleaning or repeated earlier ones (the "
-        "skipping lines above), or the source has too few; leave those books out or add some"
+    assert "split's books were left out (the skipping lines above): drawing the split again over the 1 books" in (
+        caplog.text
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "library"]
+    alone = _write_books(tmp_path / "alone" / "library", n=1)  # the same id: files/library/book0.txt
+    prepare(f"files:{alone}", tmp_path / "alone_data")
+    assert _shards_and_documents(tmp_path / "data") == _shards_and_documents(tmp_path / "alone_data")
+    assert [d["split"] for d in load_manifest(tmp_path / "data").documents()] == ["train", "val"]
+
+
+def test_a_copy_drawn_for_val_gives_its_place_to_a_book_kept(tmp_path):
+    """A library where no id hashes below --val-fraction puts its lowest in val: here a copy of another book, which
+    the build leaves out. The split is drawn again without it: the library prepares as it does without the copy."""
+    library = _write_books(tmp_path / "library", n=4)
+    ids = [f"files/library/book{i}.txt" for i in range(4)]
+    lowest = min(prepare_module._score(0, i) for i in ids)
+    # a name listed after the books (so the build keeps the original) whose id hashes below every book's
+    copy = next(f"copy{k}.txt" for k in range(1000) if prepare_module._score(0, f"files/library/copy{k}.txt") < lowest)
+    args = {"val_fraction": 1e-6}  # no id hashes below it
+    prepare(f"files:{library}", tmp_path / "without", **args)
+    shutil.copy(library / "book2.txt", library / copy)
+    prepare(f"files:{library}", tmp_path / "data", **args)
+    assert _shards_and_documents(tmp_path / "data") == _shards_and_documents(tmp_path / "without")
+    assert load_manifest(tmp_path / "data").splits["val"]["num_documents"] == 1
+
+
+def _shards_and_documents(folder: Path) -> dict[str, bytes]:
+    """A prepared dataset's token shards and documents index: what two preparations of the same books share (the
+    manifest also records each one's inputs)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix == ".bin" or p.name == DOCUMENTS_NAME}
 
 
 def _killed(records: list) -> list:
