@@ -235,7 +235,9 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
     if found is None:
         return None
     (saved, theirs), now = found, dataclasses.asdict(cfg)
-    afresh = f"start afresh there with --resume never (the run is moved into {PREVIOUS}<time>/ first)"
+    afresh = "start afresh there with --resume never"
+    if _holds_a_run(Path(cfg.out_dir)):
+        afresh += f" (the run is moved into {PREVIOUS}<time>/ first)"
     if _shape(theirs) != _shape(cfg):
         raise ConfigError(
             f"{source}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
@@ -363,7 +365,7 @@ def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir:
         step = 0
     if step:
         return step, [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
-    if not any((run_dir / name).exists() for name in (CONFIG_FILE, METRICS_FILE, "checkpoints")):
+    if not _holds_a_run(run_dir):
         return 0, []
     inputs = {*Path(data_dir).resolve().parents, Path(data_dir).resolve()} if data_dir else set()
     moved = [
@@ -372,6 +374,11 @@ def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir:
         if p.name not in _LOCKS and not p.name.startswith(PREVIOUS) and p.resolve() not in inputs
     ]
     return 0, moved
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """Whether a run wrote into run_dir (its config, metrics or checkpoints), which a fresh start sets aside."""
+    return any((run_dir / name).exists() for name in (CONFIG_FILE, METRICS_FILE, "checkpoints"))
 
 
 def outputs_in_the_way(

@@ -182,6 +182,24 @@ def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(t
         plan_resume(config(run_dir, block_size=32))
 
 
+def test_a_resume_path_of_another_model_into_an_empty_folder_says_nothing_is_moved_aside(tmp_path):
+    """--resume PATH of another model's checkpoint: "start afresh there with --resume never (the run is moved into
+    previous-<time>/ first)" where the out_dir held no run, and nothing would be moved: said only where one is."""
+    other_run, run_dir = tmp_path / "other", tmp_path / "run"
+    checkpoint = fake_checkpoint(other_run, 2)  # tiny-cpu, block_size 64
+    ask = config(run_dir, block_size=32, resume=str(checkpoint))
+    with pytest.raises(ConfigError) as err:
+        plan_resume(ask)
+    assert str(err.value).endswith(", start afresh there with --resume never, or choose another --out-dir")
+    fake_checkpoint(run_dir, 4)
+    with pytest.raises(ConfigError) as err:
+        plan_resume(ask)
+    assert str(err.value).endswith(
+        ", start afresh there with --resume never (the run is moved into previous-<time>/ first), or choose another "
+        "--out-dir"
+    )
+
+
 def test_a_checkpoint_of_the_other_optimizer_stops_with_the_launch_that_resumes_it(tmp_path):
     """The advice follows where this launch's optimizer came from: the user's --optimizer, or a sharding engine
     that trains AdamW for the default Muon (loop.optimizer_for_engine), where --optimizer muon would not help."""
