@@ -169,11 +169,14 @@ def prepare(
                 shutil.rmtree(build)
                 raise
             except KeyboardInterrupt:
-                if key is not None:
-                    again = f"the books prepared so far are kept in {build}, and the same command resumes from there"
-                else:  # a streamed source is read from its start again: nothing here could be used
+                if key is None:  # a streamed source is read from its start again: nothing here could be used
                     shutil.rmtree(build)
                     again = "a streamed source cannot resume, so the same command starts over"
+                elif _progress(build, key) is None:  # before its first batch of books (or in a build drawn again)
+                    shutil.rmtree(build)
+                    again = "no book was finished yet, so the same command starts from the first"
+                else:
+                    again = f"the books prepared so far are kept in {build}, and the same command resumes from there"
                 raise PreparationInterrupted(f"interrupted: {out} is unchanged; {again}") from None
             if _same_output(out, manifest):  # e.g. files touched but not changed: keep the dataset as it is
                 _write_json(out / MANIFEST_NAME, {**json.loads((out / MANIFEST_NAME).read_text()), "source_key": key})

@@ -190,6 +190,24 @@ def _stopped_at_book(n: int, monkeypatch: pytest.MonkeyPatch, source: str, out: 
         prepare(source, out, **args)
 
 
+def test_ctrl_c_before_a_book_is_finished_says_so_and_leaves_no_build(tmp_path, monkeypatch):
+    """Stopped in its first batch of books, a build has nothing to resume from: the line said "the books prepared so
+    far are kept ... and the same command resumes from there" over an empty folder."""
+    library = _write_books(tmp_path / "library", n=3)
+
+    def ctrl_c(records: list) -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "tokenize_records", ctrl_c)
+    with pytest.raises(prepare_module.PreparationInterrupted) as interrupted:
+        prepare(f"files:{library}", tmp_path / "data")
+    assert str(interrupted.value) == (
+        f"interrupted: {tmp_path / 'data'} is unchanged; no book was finished yet, so the same command starts from the "
+        "first"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "library"]
+
+
 def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tmp_path, monkeypatch, caplog):
     """One book saved under two names: it was trained on twice, and the hash could put one copy in train and the
     other in val, where the val loss would score text the model had learned. The later copy is left out, saying
