@@ -354,8 +354,12 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     if rows:
         kept = [row for row, s in zip(rows, steps) if s is not None and s <= step]
         if len(kept) < len(rows):
+            said = f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now"
+            if moved and not garbled:  # the checkpoints of those steps went aside: their rows go with them, whole
+                shutil.copy2(metrics, previous / METRICS_FILE)
+                said += f"; the file as it was is in {previous}"
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
-            lines.append(f"dropped the {len(rows) - len(kept)} rows of {metrics} after step {step} (logged again now)")
+            lines.append(f"{said})")
     return "; ".join(lines) or None
 
 

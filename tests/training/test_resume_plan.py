@@ -257,20 +257,25 @@ def test_a_fresh_start_leaves_its_own_data_dir_inside_the_folder_where_it_is(tmp
 
 def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_path):
     """Resumed from step 4 while steps up to 8 were logged (and a row cut by a kill): rows 5.. go, step 6's
-    checkpoint (resumed past, or damaged) moves aside, so neither auto-resume nor pruning can prefer it."""
+    checkpoint (resumed past, or damaged) moves aside, so neither auto-resume nor pruning can prefer it, and the
+    metrics file as it was goes with it (the rows of its steps were deleted, a finished run's final val loss among
+    them where an earlier checkpoint was resumed)."""
     run_dir = tmp_path / "run"
     for step in (2, 4, 6):
         fake_checkpoint(run_dir, step)
     rows = [{"step": s, "train_loss": 10.0 - s} for s in range(1, 9)] + [{"step": 4, "val_loss": 5.0}]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
+    before = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr'
+    (run_dir / "metrics.jsonl").write_text(before)
     line = set_aside(run_dir, 4, run_dir / "checkpoints" / "step-00000004")
     [previous] = run_dir.glob("previous-*")
     assert line == (
         f"moved checkpoints/step-00000006 into {previous} (saved after step 4, where this run continues); dropped "
-        f"the 5 rows of {run_dir / 'metrics.jsonl'} after step 4 (logged again now)"
+        f"the 5 rows of {run_dir / 'metrics.jsonl'} after step 4 (logged again now; the file as it was is in "
+        f"{previous})"
     )
     kept = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert kept == rows[:4] + rows[-1:]
+    assert (previous / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert checkpoint_damage(previous / "checkpoints" / "step-00000006") is None  # moved whole
 
