@@ -303,10 +303,14 @@ def grad_accum_steps(total_batch_tokens: int, micro_batch_size: int, block_size:
     tokens_per_micro_step = micro_batch_size * block_size * world_size
     if total_batch_tokens % tokens_per_micro_step:
         nearest = max(1, round(total_batch_tokens / tokens_per_micro_step)) * tokens_per_micro_step
+        sequences, whole = divmod(total_batch_tokens, block_size * world_size)  # a step's sequences per process
+        # the largest micro-batch below the one asked for that divides them: the batch (the recipe) unchanged
+        fits = next((m for m in range(micro_batch_size, 0, -1) if not sequences % m), None) if not whole else None
+        keep = f"--micro-batch-size {fits} (the same batch), or " if fits else ""
         raise ConfigError(
             f"total_batch_tokens={total_batch_tokens} is not a multiple of micro_batch_size × block_size × "
             f"processes = {micro_batch_size} × {block_size} × {world_size} = {tokens_per_micro_step}; "
-            f"use e.g. total_batch_tokens={nearest}"
+            f"use e.g. {keep}--total-batch-tokens {nearest}"
         )
     return total_batch_tokens // tokens_per_micro_step
 

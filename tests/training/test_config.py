@@ -215,6 +215,10 @@ def test_grad_accum_from_token_budget():
     assert grad_accum_steps(524_288, 16, 1024, 4) == 8
     with pytest.raises(ConfigError, match=r"not a multiple of .* 16 × 1024 × 3 = 49152"):
         grad_accum_steps(524_288, 16, 1024, 3)
+    # a micro-batch that divides the step's sequences keeps the batch (the recipe): said first, as a flag
+    with pytest.raises(ConfigError) as err:
+        grad_accum_steps(1024, 3, 64, 1)  # tiny_cpu.yaml's step: 16 sequences of 64
+    assert str(err.value).endswith("= 192; use e.g. --micro-batch-size 2 (the same batch), or --total-batch-tokens 960")
 
 
 def test_every_run_config_in_repo_loads_and_holds_only_what_differs_from_the_defaults():
