@@ -569,9 +569,10 @@ class TrainMetrics:
             return
         self.window_s += self.last_step_s
         self.window_steps += 1
+        # kept by a save, with or without a time budget: one given on a resume counts the steps before it too
+        self.run.progress.train_seconds += self.last_step_s
         if self.run.cfg.time_budget_minutes:
             self.step_seconds.append(self.last_step_s)
-            self.run.progress.train_seconds += self.last_step_s  # kept by a save between decisions too
 
     def decide_budget(self) -> None:
         """Set the run's step count from the time budget: the train time spent and the median step since the last

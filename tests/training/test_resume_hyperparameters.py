@@ -54,3 +54,25 @@ def test_a_resume_trains_with_this_launchs_hyperparameters(prepared_books, tmp_p
         if muon:
             assert group["initial_momentum"] == 0.9 and group["momentum"] == pytest.approx(0.85 + 0.05 * 2 / 4)
     assert changed.progress.step == 2
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_time_budget_given_on_a_resume_counts_the_train_time_before_it(prepared_books, tmp_path):
+    """A run without a time budget, resumed with one: the checkpoint held no train time (0.0), so the budget's
+    minutes went to the new steps alone, and its "time budget: ... N steps in M min" line counted the earlier
+    steps as free. The train-step time is kept whatever the budget: the first step's (which compiles) left out."""
+    out = tmp_path / "run"
+    first = setup(config(prepared_books, out))
+    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
+    for _ in range(3):
+        metrics.step_started()
+        trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(first.progress.step)
+    assert first.progress.train_seconds == pytest.approx(metrics.window_s) and metrics.window_s > 0  # steps 2 and 3
+    save_checkpoint(first.accelerator, first.run_dir, 3, 3, {"step": 3}, first.checkpoint_bytes)
+    spent = first.progress.train_seconds
+    first.lock.release()
+    resumed = setup(config(prepared_books, out, time_budget_minutes=1.0))
+    assert resumed.progress.step == 3 and resumed.progress.train_seconds == spent
+    resumed.lock.release()
