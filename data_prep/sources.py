@@ -336,15 +336,21 @@ def _plan_default(arg: str) -> Plan:
     return Plan([r.id for r in records], key, lambda skip: iter(records[skip:]), text_bytes)
 
 
+def _visible_files(folder: Path) -> Iterator[Path]:
+    """The files in a folder's tree, hidden files and folders left out as a glob (and `datasets`) leaves them:
+    editors' and notebooks' copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version
+    control."""
+    for p in folder.rglob("*"):
+        if not any(part.startswith(".") for part in p.relative_to(folder).parts) and p.is_file():
+            yield p
+
+
 def _other_files(folder: Path) -> str:
-    """What a folder without .txt books holds instead (hidden files left out, as the listing leaves them), e.g. " (it
-    holds 3 .md, 1 .epub: books are read from .txt files only)", of its first 10,000 entries; "" for an empty folder
-    or a pattern."""
+    """What a folder without .txt books holds instead, as the listing sees it, e.g. " (it holds 3 .md, 1 .epub: books
+    are read from .txt files only)", of its first 10,000 files; "" for an empty folder or a pattern."""
     if not folder.is_dir():
         return ""
-    files = (p for p in itertools.islice(folder.rglob("*"), 10_000) if p.is_file())
-    visible = (p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts))
-    suffixes = Counter(p.suffix.lower() or "no suffix" for p in visible)
+    suffixes = Counter(p.suffix.lower() or "no suffix" for p in itertools.islice(_visible_files(folder), 10_000))
     if not suffixes:
         return ""
     held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
@@ -357,14 +363,8 @@ def _plan_files(arg: str) -> Plan:
         paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         base = Path(*path.parts[: _first_magic(path.parts)])
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
-        # hidden files and folders left out, as a glob (and `datasets`) leaves them: editors' and notebooks'
-        # copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version control
-        visible = (  # .txt in any case: book.TXT from a Windows or DOS archive is a book too
-            p
-            for p in path.rglob("*")
-            if p.suffix.lower() == ".txt" and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        paths, base = sorted(p for p in visible if p.is_file()), path
+        # .txt in any case: book.TXT from a Windows or DOS archive is a book too
+        paths, base = sorted(p for p in _visible_files(path) if p.suffix.lower() == ".txt"), path
     elif path.is_file():
         paths, base = [path], path.parent
     else:
