@@ -8,7 +8,8 @@ at GPT-2's 50,304 x 256 in fp32 that zero-fills and rereads 51 MB it did not nee
 small-cpu step on an AMX Xeon. The pass rewrites add(dense, scatter_add(zeros, rows)) into scatter_add(dense, rows):
 the same sum, the rows added after the dense part rather than before (fp32, each entry's few adds in another order);
 the kernel then takes 7 ms, the step ~2% less there (BENCHMARKS.md, "The tied gradient in one buffer").
-modeling.runtime.set_up_compute installs it in every process that computes.
+training.compile_cache.set_up_compile_cache installs it before a process's first compile (its import brings
+inductor and torch._dynamo, 1.1 s, which processes that do not compile are spared).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from modeling import inductor_passes
 from modeling.malloc import keep_freed_memory
 from modeling.vector_math import warm_up_vector_math
 
@@ -26,12 +25,10 @@ PRINTED = "printed"  # an extraInfo key of torchelastic's error file: this rank 
 def set_up_compute(device: torch.device) -> None:
     """Before a process computes on `device` (its threads set): on the CPU, MKL's vector math warmed up on every
     thread, so that its first step or batch is the one any other process computes, and glibc's malloc keeping
-    freed memory, so that the big buffers each step or eval batch allocates afresh are not faulted in every time;
-    on any device, inductor's pass that sums the tied embedding's gradient in one buffer (modeling.inductor_passes),
-    for whatever this process compiles."""
+    freed memory, so that the big buffers each step or eval batch allocates afresh are not faulted in every time.
+    (A process that compiles also sets up its compiles: training.compile_cache.set_up_compile_cache.)"""
     warm_up_vector_math(device)
     keep_freed_memory(device)
-    inductor_passes.install()
 
 
 def joined(accelerator: Accelerator) -> Accelerator:

@@ -57,13 +57,17 @@ def set_up_compile_cache(device: torch.device) -> Path | None:
     and return it; elsewhere, and where no C++ compiler works (dynamo's eager backends build no kernels; an inductor
     launch stops first: check_build_tools), leave it as it is and return None. Call before the first compile.
     Idempotent; a child process that inherits the variable but compiles for another ISA moves to the sibling
-    subfolder."""
+    subfolder. Also installs inductor's pass for the tied embedding's gradient (modeling.inductor_passes), on any
+    device."""
     import torch._functorch.config
 
+    # imported here, for a compile: an eager process is spared inductor's and torch._dynamo's imports (1.1 s)
+    from modeling import inductor_passes
+
+    inductor_passes.install()
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     if device.type != "cpu" or cpp_compiler() is None:  # no compiler: no C++ kernels to keep apart
         return None
-    # inductor is imported here, for a compile: an eager process is spared its import of torch._dynamo (1.9 s)
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 

@@ -258,8 +258,8 @@ def test_generate_with_the_cache_scores_as_the_whole_context_does():
 
 @pytest.fixture
 def tied_gradient_pass():
-    """inductor's pass for the tied embedding's gradient, as every process that computes installs it
-    (modeling.runtime.set_up_compute), here for this test's compiles only."""
+    """inductor's pass for the tied embedding's gradient, as every process that compiles installs it
+    (training.compile_cache.set_up_compile_cache), here for this test's compiles only."""
     tied_sum = TiedGradientSum()
     with torch._inductor.config.patch(post_grad_custom_post_pass=tied_sum):
         yield tied_sum

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testkit import copy_isa_probes, run
+from testkit import REPO, copy_isa_probes, run
 from training.compile_cache import (
     PREFIX,
     c_compiler,
@@ -58,6 +59,25 @@ def test_a_gpu_process_keeps_the_cache_and_picks_no_isa(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert set_up_compile_cache(torch.device("cuda")) is None
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+# A fresh process: imports the entry points a user starts, then sets up a GPU compile (no C++, no ISA to pick)
+FIRST_COMPILE = textwrap.dedent("""
+    import sys, torch
+    import train_accel, evals.__main__, evals.generate, bench.ladder
+    print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+    from training.compile_cache import set_up_compile_cache
+    set_up_compile_cache(torch.device("cuda"))
+    print(type(torch._inductor.config.post_grad_custom_post_pass).__name__)
+""")
+
+
+def test_inductor_is_imported_for_a_compile_and_brings_the_tied_gradient_pass():
+    """Training, evals and the benchmarks import neither inductor nor torch._dynamo at start-up, which a launch that
+    stops on bad input would pay for (1.1 s of its 2.9); the compile's set-up installs inductor's pass for the tied
+    embedding's gradient, on a GPU too."""
+    out = subprocess.run([sys.executable, "-c", FIRST_COMPILE], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "TiedGradientSum"], out.stdout + out.stderr[-2000:]
 
 
 def test_without_a_cpp_compiler_a_cpu_compile_is_one_line_and_the_cache_is_left_alone(tmp_path, monkeypatch, capsys):
@@ -130,6 +150,9 @@ PROBE = textwrap.dedent("""
     if sys.argv[1] == "isolate":
         from training.compile_cache import set_up_compile_cache
         set_up_compile_cache(torch.device('cpu'))
+    else:  # the rest of the set-up: its graph pass is part of the cache's key
+        from modeling import inductor_passes
+        inductor_passes.install()
     f = lambda x: torch.nn.functional.gelu(x * 2 + 1).sum(-1)
     x = torch.randn(37, 40)  # ragged against every vector width
     torch.testing.assert_close(torch.compile(f)(x), f(x))
