@@ -89,7 +89,10 @@ class TrainConfig:
         default=200,
         metadata={"help": "optimizer steps to train (200 × 131,072 tokens: ~15 epochs of the default train split)"},
     )
-    max_tokens: int | None = field(default=None, metadata={"help": "token budget; when set it overrides max_steps"})
+    max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "token budget; when set it overrides max_steps (a --max-steps flag replaces a run config's)"},
+    )
     time_budget_minutes: float = field(
         default=0.0,
         metadata={
@@ -476,7 +479,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     config_path = overrides.pop("config")
     print_only = overrides.pop("print_config")
     values = load_yaml(config_path) if config_path else {}
-    values.update({_current_name(key, None): value for key, value in overrides.items()})
+    flags = {_current_name(key, None): value for key, value in overrides.items()}
+    # max_tokens, where set, decides the run's length over max_steps: a --max-steps flag on a run config that gives
+    # max_tokens (the PG-19 configs) would otherwise be ignored, where every other flag replaces the file's value
+    if "max_steps" in flags and "max_tokens" not in flags:
+        values.pop("max_tokens", None)
+    values.update(flags)
     cfg = TrainConfig(**values)
     cfg.explicit = frozenset(values)
     return cfg, print_only

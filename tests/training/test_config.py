@@ -75,6 +75,20 @@ def test_a_local_init_from_is_kept_absolute(tmp_path, monkeypatch):
     assert TrainConfig(init_from="gpt2").init_from == "gpt2"  # a Hub id stays one
 
 
+def test_a_max_steps_flag_replaces_the_run_configs_max_tokens(tmp_path):
+    """max_tokens decides the length over max_steps; a --max-steps flag on a run config that gives max_tokens (a
+    short try of a PG-19 config) trained max_tokens' steps, where every other flag replaces the file's value."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("max_tokens: 20480\ntotal_batch_tokens: 1024\n")
+    assert parse_config(["--config", str(run_config)])[0].total_steps() == 20
+    cfg, _ = parse_config(["--config", str(run_config), "--max-steps", "3"])
+    assert (cfg.total_steps(), cfg.max_tokens, cfg.explicit) == (3, None, {"max_steps", "total_batch_tokens"})
+    pg19, _ = parse_config(["--config", str(REPO / "configs" / "gpt2_124m_pg19.yaml"), "--max-steps", "10"])
+    assert pg19.total_steps() == 10
+    both, _ = parse_config(["--config", str(run_config), "--max-steps", "3", "--max-tokens", "4096"])
+    assert both.total_steps() == 4  # both as flags: max_tokens decides, as its help says
+
+
 def test_token_budget_sets_steps():
     assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps() == 3
     assert TrainConfig(max_steps=7).total_steps() == 7
