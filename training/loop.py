@@ -149,6 +149,32 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
     )
 
 
+# The settings that one optimizer or schedule reads alone -> (the field that chooses it, its value).
+READ_ONLY_UNDER = {
+    "muon_lr": ("optimizer", "muon"),
+    "muon_momentum": ("optimizer", "muon"),
+    "muon_momentum_warmup_steps": ("optimizer", "muon"),
+    "decay_fraction": ("lr_schedule", "wsd"),
+}
+
+
+def unused_settings_warning(cfg: TrainConfig) -> str | None:
+    """One warning line naming what the run config or flags set that this run's optimizer or schedule never reads
+    (--muon-lr under adamw, --decay-fraction under cosine): such a run trained as if they were not given, with no
+    word. None otherwise."""
+    unused = [
+        f"{name} ({key} {value} only)"
+        for name, (key, value) in READ_ONLY_UNDER.items()
+        if name in cfg.explicit and getattr(cfg, key) != value
+    ]
+    if not unused:
+        return None
+    return (
+        f"warning: set but never read by this run's optimizer {cfg.optimizer} and lr_schedule {cfg.lr_schedule}: "
+        f"{', '.join(unused)}; they change nothing"
+    )
+
+
 def due(interval: int, step: int, last: bool) -> bool:
     """The one cadence test: every `interval` optimizer steps and at the last one; interval 0 turns it off."""
     return bool(interval) and (step % interval == 0 or last)
@@ -285,7 +311,12 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
-    for warning in (memorization_warning(cfg, manifest.num_tokens("train")), warmup_warning(cfg)):
+    warnings = (
+        memorization_warning(cfg, manifest.num_tokens("train")),
+        warmup_warning(cfg),
+        unused_settings_warning(cfg),
+    )
+    for warning in warnings:
         if warning:
             accelerator.print(warning)
     startup.lap("data")

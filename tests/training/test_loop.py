@@ -23,6 +23,7 @@ from training.loop import (
     optimizer_for_engine,
     setup,
     trainer_for,
+    unused_settings_warning,
     warmup_warning,
     window_loss_sum,
 )
@@ -81,6 +82,27 @@ def test_a_warmup_as_long_as_the_run_is_warned():
         "give --warmup-steps below 20, or more steps"
     )
     assert "not below the run's 2 steps" in warmup_warning(TrainConfig(max_tokens=2, total_batch_tokens=1))
+
+
+def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):
+    """--muon-lr under --optimizer adamw, --decay-fraction under --lr-schedule cosine: the run trained as if they were
+    not given, with no word. Only what the run config or flags set is named; the defaults never are."""
+    assert unused_settings_warning(parse_config(["--optimizer", "adamw", "--lr-schedule", "cosine"])[0]) is None
+    assert unused_settings_warning(parse_config(["--muon-lr", "0.01", "--decay-fraction", "0.3"])[0]) is None
+    cfg, _ = parse_config(
+        ["--optimizer", "adamw", "--lr-schedule", "cosine", "--muon-lr", "0.01", "--decay-fraction", "0.3"]
+    )
+    assert unused_settings_warning(cfg) == (
+        "warning: set but never read by this run's optimizer adamw and lr_schedule cosine: muon_lr (optimizer muon "
+        "only), decay_fraction (lr_schedule wsd only); they change nothing"
+    )
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("muon_momentum_warmup_steps: 100\n")
+    cfg, _ = parse_config(["--config", str(run_config), "--optimizer", "adamw"])
+    assert "muon_momentum_warmup_steps (optimizer muon only); they change nothing" in unused_settings_warning(cfg)
+    # a sharding engine's AdamW in place of the default Muon (its note says so) leaves a given Muon lr unread too
+    engine_cfg, _ = optimizer_for_engine(parse_config(["--muon-lr", "0.01"])[0], "FSDP")
+    assert "muon_lr (optimizer muon only)" in unused_settings_warning(engine_cfg)
 
 
 def test_setup_prints_each_warning_once(prepared_books, tmp_path, capsys):
