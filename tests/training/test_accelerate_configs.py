@@ -442,15 +442,22 @@ def test_fsdp_answers_this_project_does_not_run_stop_before_anything_is_written(
 
 
 @pytest.mark.parametrize(
-    "left_out",
-    [("fsdp_transformer_layer_cls_to_wrap",), ("fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap")],
-    ids=["no class", "no wrap policy"],
+    "answers",
+    [
+        {"fsdp_transformer_layer_cls_to_wrap": None},
+        {"fsdp_transformer_layer_cls_to_wrap": ""},
+        {"fsdp_auto_wrap_policy": None, "fsdp_transformer_layer_cls_to_wrap": None},
+    ],
+    ids=["no class", "class answered with Enter", "no wrap policy"],
 )
-def test_fsdp2_shards_each_block_when_the_launch_names_no_class_or_policy(monkeypatch, tmp_path, left_out):
-    """`accelerate config` leaves the wrap class out unless one is typed: accelerate then wraps the model's
-    _no_split_modules (the transformers attribute), and without it wrapped none, sharding the model as one unit.
-    `accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy names no policy either (accelerate: NO_WRAP)."""
-    yaml_file = fsdp_yaml(tmp_path, **dict.fromkeys(left_out))
+def test_fsdp2_shards_each_block_when_the_launch_names_no_class_or_policy(monkeypatch, tmp_path, answers):
+    """`accelerate config` leaves the wrap class out where its `_no_split_modules` question is answered yes: accelerate
+    then wraps the model's _no_split_modules (the transformers attribute), and without it wrapped none, sharding the
+    model as one unit. Answered with Enter (no), its class question, answered with Enter, writes '': the run stopped
+    with "fsdp_transformer_layer_cls_to_wrap: ; ... (or leave the class out)", and accelerate would have looked for
+    a class named ''. `accelerate launch --use_fsdp` without --fsdp_auto_wrap_policy names no policy either
+    (accelerate: NO_WRAP)."""
+    yaml_file = fsdp_yaml(tmp_path, **answers)
     launch_as(monkeypatch, str(yaml_file))
     check_launch()
     plugin, model = fsdp_plugin(), GPT(get_preset("tiny-cpu"))
