@@ -450,7 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # a typo must be an error, not a silent prefix match
     )
-    parser.add_argument("--config", help="run-config YAML of TrainConfig fields (applied before the flags)")
+    # appended, so that a second --config is refused rather than silently replacing the first
+    parser.add_argument(
+        "--config", action="append", help="run-config YAML of TrainConfig fields (applied before the flags)"
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     types_ = _field_types()
     # the flags' own default is SUPPRESS (only what was given overrides the run-config), so the help states the field's
@@ -476,7 +479,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
         flag = unknown[0].split("=")[0]
         raise _unknown_key(flag.lstrip("-"), "the command line")
     overrides = vars(args)
-    config_path = overrides.pop("config")
+    config_paths = overrides.pop("config") or []
+    if len(config_paths) > 1:
+        raise ConfigError(
+            f"--config is given {len(config_paths)} times ({', '.join(config_paths)}); a run takes one run config: "
+            "merge them into one file, or give the values that differ as flags"
+        )
+    config_path = config_paths[0] if config_paths else None
     print_only = overrides.pop("print_config")
     values = load_yaml(config_path) if config_path else {}
     flags = {_current_name(key, None): value for key, value in overrides.items()}

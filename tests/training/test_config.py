@@ -89,6 +89,16 @@ def test_a_max_steps_flag_replaces_the_run_configs_max_tokens(tmp_path):
     assert both.total_steps() == 4  # both as flags: max_tokens decides, as its help says
 
 
+def test_a_second_run_config_is_refused_not_silently_taken_instead_of_the_first(tmp_path):
+    """`--config a.yaml --config b.yaml` trained b alone (argparse keeps the last), with no word about a."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("lr: 1e-3\n")
+    second.write_text("preset: tiny-cpu\n")
+    with pytest.raises(ConfigError, match=rf"^--config is given 2 times \({first}, {second}\); a run takes one run"):
+        parse_config(["--config", str(first), f"--config={second}"])
+    assert parse_config(["--config", str(second)])[0].preset == "tiny-cpu"
+
+
 def test_token_budget_sets_steps():
     assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps() == 3
     assert TrainConfig(max_steps=7).total_steps() == 7
