@@ -357,6 +357,16 @@ def _unknown_key(key: str, source: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}' in {source}{hint}")
 
 
+def _unknown_flag(arg: str) -> ConfigError:
+    """A command-line argument no flag takes, with the flag it resembles as it is typed (--max-steps, not the
+    YAML key max_steps)."""
+    flag = arg.split("=")[0]
+    names = [f.name for f in fields(TrainConfig)]
+    close = difflib.get_close_matches(flag.lstrip("-").replace("-", "_"), names, n=1)
+    hint = f"did you mean --{close[0].replace('_', '-')}?" if close else "`python train_accel.py --help` lists them"
+    return ConfigError(f"unknown flag {flag!r} on the command line; {hint}")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
 
@@ -476,8 +486,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     parser = build_parser()
     args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
-        flag = unknown[0].split("=")[0]
-        raise _unknown_key(flag.lstrip("-"), "the command line")
+        raise _unknown_flag(unknown[0])
     overrides = vars(args)
     config_paths = overrides.pop("config") or []
     if len(config_paths) > 1:

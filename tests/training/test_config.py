@@ -111,9 +111,16 @@ def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
         load_yaml(run_config)
 
 
-def test_unknown_flag_names_it_and_suggests():
-    with pytest.raises(ConfigError, match=r"'warmup-step'.*did you mean 'warmup_steps'"):
-        parse_config(["--warmup-step", "3"])
+def test_unknown_flag_names_it_and_suggests_the_flag_to_type():
+    """A mistyped flag is answered with the flag as typed on the command line, not the YAML key's spelling."""
+    for argv, said in (
+        (["--warmup-step", "3"], "'--warmup-step' on the command line; did you mean --warmup-steps?"),
+        (["--max-step=30"], "'--max-step' on the command line; did you mean --max-steps?"),
+        (["--zzz", "1"], "'--zzz' on the command line; `python train_accel.py --help` lists them"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse_config(argv)
+        assert str(err.value) == f"unknown flag {said}"
 
 
 def test_a_run_config_that_is_no_file_says_which(tmp_path):
