@@ -13,6 +13,7 @@ Each engine's checkpoints are read back on one process by evals, generate and tr
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 from collections.abc import Sequence
@@ -337,6 +338,43 @@ def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_b
         "(check --data-dir); prepare your books into it (--source default: the embedded corpus of Shakespeare and "
         "Milton) with:",
     )
+
+
+def test_a_stop_on_one_machine_saves_and_says_so_on_every_machine(prepared_books, tmp_path):
+    """SIGTERM to machine 0's launcher alone (docker stop there, a drained node): the ranks save one checkpoint
+    together and each machine ends with the line naming it and how to continue. Machine 1's log ended on the save's
+    timing line, exit status 0, as if its run had finished."""
+    run_dir = tmp_path / "run"
+    port = ["-q", "--main_process_port", str(free_port())]
+    args = ["--max-steps", "1000", "--log-interval", "1"]  # far more steps than run before the signal
+    cmds = [
+        through_training_launch(
+            launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, prepared_books, *args, launch_args=port)
+        )
+        for rank in (0, 1)
+    ]
+    machines = [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
+    ]
+    try:
+        seen = []
+        for line in machines[0].stderr:  # the progress lines (no terminal): stop once a step has run
+            seen.append(line)
+            if line.startswith("step 2/"):
+                break
+        machines[0].send_signal(signal.SIGTERM)
+        ended = [(m.communicate(timeout=120), m.returncode) for m in machines]
+    finally:
+        for m in machines:
+            if m.poll() is None:
+                m.kill()
+                m.communicate()
+    [saved] = sorted((run_dir / "checkpoints").iterdir())
+    step = int(saved.name.removeprefix("step-"))
+    stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
+    for rank, ((out, err), _) in enumerate(ended):
+        assert err.splitlines()[-1] == stopped, f"machine {rank}:\n{''.join(seen)}{out[-3000:]}\n{err[-3000:]}"
+    assert [returncode for _, returncode in ended] == [143, 0]  # training.launch: 143 where the signal came
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
