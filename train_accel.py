@@ -22,7 +22,7 @@ from tqdm.contrib import DummyTqdmFile
 from data_prep import DataPrepError
 from evals import EvalError
 from modeling.disk import DiskFull
-from modeling.runtime import exit_process, finish, report_error
+from modeling.runtime import exit_process, finish, lost_peer, report_error
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.compile_cache import compile_disk_full_reported
 from training.config import ConfigError, config_to_yaml, parse_config
@@ -206,8 +206,16 @@ def run_main() -> None:
         plain = f"{said}: nothing more was saved; the same command continues from the run's last checkpoint, if any"
         report_error(str(err) or plain)
         exit_process(143 if terminated else 130)  # 128 + the signal's number, as a shell reports it
-    except RuntimeError as err:  # out of memory where one process could not halve its micro-batch (training.step)
-        if not is_out_of_memory(err):
+    except RuntimeError as err:
+        # another machine's process gone mid-collective: gloo's traceback on this one named neither what nor what next
+        if gone := lost_peer(err):
+            report_error(
+                f"error: lost the connection to another process of this run ({gone}): its machine's output says why it "
+                "stopped; once every machine is up again, run the same command on each to continue from the newest "
+                "checkpoint"
+            )
+            exit_process(1)
+        if not is_out_of_memory(err):  # where one process could not halve its micro-batch (training.step)
             raise
         report_error(
             f"error: out of memory ({str(err).splitlines()[0]}); lower --micro-batch-size (total_batch_tokens stays, "

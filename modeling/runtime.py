@@ -74,6 +74,18 @@ def exit_process(status: int, on_gloo: bool | None = None) -> NoReturn:
     sys.exit(status)
 
 
+# What gloo's collectives raise when another process of the run is gone (killed, crashed, its machine down)
+GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """How a collective failed because another process of the run went away (gloo's words, or a DistNetworkError's
+    first line), or None for any other error."""
+    if isinstance(err, torch.distributed.DistNetworkError):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return next((words for words in GLOO_PEER_GONE if words in str(err)), None)
+
+
 def report_error(line: str) -> None:
     """Print `line` once per machine and leave it in this process's torchelastic error file (set by torchrun for
     each rank) for the launcher's summary. Under torchrun the first rank to report prints; without it, rank 0."""

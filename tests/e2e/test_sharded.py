@@ -13,12 +13,14 @@ Each engine's checkpoints are read back on one process by evals, generate and tr
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -375,6 +377,44 @@ def test_a_stop_on_one_machine_saves_and_says_so_on_every_machine(prepared_books
     for rank, ((out, err), _) in enumerate(ended):
         assert err.splitlines()[-1] == stopped, f"machine {rank}:\n{''.join(seen)}{out[-3000:]}\n{err[-3000:]}"
     assert [returncode for _, returncode in ended] == [143, 0]  # training.launch: 143 where the signal came
+
+
+def test_a_machine_whose_peer_died_says_so_in_one_line(prepared_books, tmp_path):
+    """Machine 1's training process killed (kill -9, a crashed node): machine 0 ended with a 20-line traceback and
+    gloo's "Connection reset by peer ... GLHF!" line, naming neither what happened nor how to go on. Now its last
+    line says so and what to do, with no traceback."""
+    run_dir = tmp_path / "run"
+    port = ["-q", "--main_process_port", str(free_port())]
+    args = ["--max-steps", "1000", "--log-interval", "1"]
+    cmds = [
+        through_training_launch(
+            launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, prepared_books, *args, launch_args=port)
+        )
+        for rank in (0, 1)
+    ]
+    machines = [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
+    ]
+    try:
+        for line in machines[1].stderr:
+            if line.startswith("step 2/"):
+                break
+        [trainer] = psutil.Process(machines[1].pid).children()  # torchrun's one training process on machine 1
+        trainer.kill()
+        out, err = machines[0].communicate(timeout=120)
+    finally:
+        for m in machines:
+            if m.poll() is None:
+                m.kill()
+            m.communicate()
+    assert machines[0].returncode == 1 and "Traceback" not in err, err[-3000:]
+    last = err.splitlines()[-1]
+    assert re.fullmatch(
+        r"error: lost the connection to another process of this run \(Connection (reset|closed) by peer\): its "
+        r"machine's output says why it stopped; once every machine is up again, run the same command on each to "
+        r"continue from the newest checkpoint",
+        last,
+    ), err[-3000:]
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp2.yaml", "cpu_fsdp2.yaml"])
