@@ -381,7 +381,12 @@ def check_ranks_agree(accelerator: Accelerator, config: dict[str, Any], run_dir:
             f"the launch on {_hosts(differ)} runs another config than the main process on {main_host} ({there}): "
             "give every machine the same command"
         )
-    blind = [(rank, host, seen) for rank, host, (_, seen) in other if not seen]
+    # a rank given another out_dir is named above: here its folder's path would be this rank's, not the one it uses
+    blind = [
+        (rank, host, seen)
+        for rank, host, (theirs, seen) in other
+        if not seen and theirs["out_dir"] == main_config["out_dir"]
+    ]
     if blind:
         problems.append(
             f"out_dir {run_dir} on {_hosts(blind)} is not the folder the main process writes on {main_host}: put "

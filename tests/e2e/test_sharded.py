@@ -308,6 +308,20 @@ def test_machines_launched_with_another_command_or_a_node_local_out_dir_stop_at_
     assert sorted(p.name for p in (cwds[0] / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # the lock alone
 
 
+def test_a_machine_launched_with_another_out_dir_is_named_with_its_own(prepared_books, tmp_path):
+    """Machine 1 given another --out-dir: the line names both folders once; it also said that machine 0's folder, on
+    machine 1, was not the main process's, a path machine 1 never used."""
+    runs = [tmp_path / "run", tmp_path / "other"]
+    machines = two_machines([[], []], [REPO, REPO], [prepared_books] * 2, runs)
+    host = socket.gethostname()
+    want = (
+        f"error: the launch on {host} (rank 1) runs another config than the main process on {host} (out_dir "
+        f"'{runs[1]}' against '{runs[0]}'): give every machine the same command"
+    )
+    for returncode, _, err in machines:
+        assert returncode == 1 and want in err.splitlines(), err[-3000:]
+
+
 def test_each_machine_prepares_the_default_corpus_and_one_with_other_data_stops_the_run(prepared_books, tmp_path):
     """The bare command on machines whose data/default is node-local: each machine's first process prepares the
     default corpus where it is missing (machine 1 here). A machine whose data differs from the main process's
