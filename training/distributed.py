@@ -149,7 +149,8 @@ def _check_fsdp_yaml() -> None:
             "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
         )
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP).upper()  # fsdp_plugin's default
-    classes = wrap_classes()
+    # none, or '' (`accelerate config` writes it where its class question is answered with Enter): our Block
+    classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").strip() or Block.__name__
     said = None
     if wrap != "TRANSFORMER_BASED_WRAP":
         said = f"fsdp_auto_wrap_policy: {wrap}"
@@ -173,13 +174,6 @@ def _check_fsdp_yaml() -> None:
             "the launch YAML's fsdp_config says fsdp_offload_params: true, which keeps the parameters in CPU memory "
             "while a GPU computes; there is no GPU here, so they are there already: set fsdp_offload_params: false"
         )
-
-
-def wrap_classes() -> str:
-    """The launch's fsdp_transformer_layer_cls_to_wrap; none (GPT._no_split_modules) is our Block. `accelerate config`
-    writes '' where its class question is answered with Enter: no class too (accelerate would look for a class
-    named '')."""
-    return os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").strip() or Block.__name__
 
 
 def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
@@ -296,7 +290,9 @@ def fsdp_plugin() -> FullyShardedDataParallelPlugin:
 
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
-    plugin = dict(auto_wrap_policy=wrap, activation_checkpointing=False, transformer_cls_names_to_wrap=[wrap_classes()])
+    # named, not read from the launch: _check_fsdp_yaml lets only Block (or no class, or '') through, and accelerate
+    # would look for a class named '' where `accelerate config` wrote an empty one
+    plugin = dict(auto_wrap_policy=wrap, activation_checkpointing=False, transformer_cls_names_to_wrap=[Block.__name__])
     if low is None:
         return FullyShardedDataParallelPlugin(**plugin)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
