@@ -17,7 +17,8 @@ import re
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -356,71 +357,56 @@ def test_a_machine_without_the_data_stops_every_machine_with_its_line(prepared_b
     )
 
 
-def test_a_stop_on_one_machine_saves_and_says_so_on_every_machine(prepared_books, tmp_path):
-    """SIGTERM to machine 0's launcher alone (docker stop there, a drained node): the ranks save one checkpoint
-    together and each machine ends with the line naming it and how to continue. Machine 1's log ended on the save's
-    timing line, exit status 0, as if its run had finished."""
-    run_dir = tmp_path / "run"
+@contextmanager
+def two_training_machines(run_dir: Path, data_dir: Path, watched: int) -> Iterator[list[subprocess.Popen]]:
+    """Machines 0 and 1 (`python -m training.launch`, one process each) on a run of far more steps than a test waits
+    for, handed over once machine `watched` has logged step 2 (its stderr read up to there); killed on the way out
+    where still running."""
     port = ["-q", "--main_process_port", str(free_port())]
-    args = ["--max-steps", "1000", "--log-interval", "1"]  # far more steps than run before the signal
+    args = ["--max-steps", "1000", "--log-interval", "1"]
     cmds = [
-        through_training_launch(
-            launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, prepared_books, *args, launch_args=port)
-        )
+        through_training_launch(launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, data_dir, *args, launch_args=port))
         for rank in (0, 1)
     ]
     machines = [
         subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
     ]
     try:
-        seen = []
-        for line in machines[0].stderr:  # the progress lines (no terminal): stop once a step has run
-            seen.append(line)
+        for line in machines[watched].stderr:  # the progress lines (no terminal)
             if line.startswith("step 2/"):
                 break
-        machines[0].send_signal(signal.SIGTERM)
-        ended = [(m.communicate(timeout=120), m.returncode) for m in machines]
+        yield machines
     finally:
         for m in machines:
             if m.poll() is None:
                 m.kill()
-                m.communicate()
+            m.communicate()
+
+
+def test_a_stop_on_one_machine_saves_and_says_so_on_every_machine(prepared_books, tmp_path):
+    """SIGTERM to machine 0's launcher alone (docker stop there, a drained node): the ranks save one checkpoint
+    together and each machine ends with the line naming it and how to continue. Machine 1's log ended on the save's
+    timing line, exit status 0, as if its run had finished."""
+    run_dir = tmp_path / "run"
+    with two_training_machines(run_dir, prepared_books, watched=0) as machines:
+        machines[0].send_signal(signal.SIGTERM)
+        ended = [(*m.communicate(timeout=120), m.returncode) for m in machines]
     [saved] = sorted((run_dir / "checkpoints").iterdir())
     step = int(saved.name.removeprefix("step-"))
     stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
-    for rank, ((out, err), _) in enumerate(ended):
-        assert err.splitlines()[-1] == stopped, f"machine {rank}:\n{''.join(seen)}{out[-3000:]}\n{err[-3000:]}"
-    assert [returncode for _, returncode in ended] == [143, 0]  # training.launch: 143 where the signal came
+    for rank, (out, err, _) in enumerate(ended):
+        assert err.splitlines()[-1] == stopped, f"machine {rank}:\n{out[-3000:]}\n{err[-3000:]}"
+    assert [returncode for *_, returncode in ended] == [143, 0]  # training.launch: 143 where the signal came
 
 
 def test_a_machine_whose_peer_died_says_so_in_one_line(prepared_books, tmp_path):
     """Machine 1's training process killed (kill -9, a crashed node): machine 0 ended with a 20-line traceback and
     gloo's "Connection reset by peer ... GLHF!" line, naming neither what happened nor how to go on. Now its last
     line says so and what to do, with no traceback."""
-    run_dir = tmp_path / "run"
-    port = ["-q", "--main_process_port", str(free_port())]
-    args = ["--max-steps", "1000", "--log-interval", "1"]
-    cmds = [
-        through_training_launch(
-            launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, prepared_books, *args, launch_args=port)
-        )
-        for rank in (0, 1)
-    ]
-    machines = [
-        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
-    ]
-    try:
-        for line in machines[1].stderr:
-            if line.startswith("step 2/"):
-                break
+    with two_training_machines(tmp_path / "run", prepared_books, watched=1) as machines:
         [trainer] = psutil.Process(machines[1].pid).children()  # torchrun's one training process on machine 1
         trainer.kill()
         out, err = machines[0].communicate(timeout=120)
-    finally:
-        for m in machines:
-            if m.poll() is None:
-                m.kill()
-            m.communicate()
     assert machines[0].returncode == 1 and "Traceback" not in err, err[-3000:]
     last = err.splitlines()[-1]
     assert re.fullmatch(
