@@ -35,6 +35,7 @@ from bench.measure import (
     at_least,
     cannot_compile,
     checked_inputs,
+    device_arg,
     largest_micro_batch,
     measure_ladder_rung,
     unless_out_of_memory,
@@ -172,7 +173,9 @@ def parse_rungs(text: str) -> set[int]:
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
     p.add_argument(
         "--micro-batch-size", type=at_least(1), default=8, help="sequences per step (rung 10 searches above it)"
     )

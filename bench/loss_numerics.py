@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.measure import check_can_compile
+from bench.measure import check_can_compile, device_arg
 from modeling.fused_ce import fused_linear_cross_entropy
 from training.compile_cache import set_up_compile_cache
 
@@ -83,12 +83,29 @@ def relative_errors(got: list[Tensor], want: list[Tensor]) -> list[float]:
     return [((g.cpu() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--p-target", type=float, nargs="+", default=[0.5, 0.94, 0.99995, 1 - 1e-8])
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)")
-    args = parser.parse_args()
+def probability(text: str) -> float:
+    """An argparse type for --p-target: a mean probability strictly between 0 and 1 (at 1 or above the bisection's
+    inputs give a table of nan errors, below 0 one of uniform predictions under the asked-for label)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.loss_numerics", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--p-target", type=probability, nargs="+", default=[0.5, 0.94, 0.99995, 1 - 1e-8])
+    # loss_and_grads autocasts to bf16 and fp16 only: any other name would time fp32 under its own label
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16", "fp16"), default=["fp32", "bf16", "fp16"])
+    parser.add_argument(
+        "--device", type=device_arg, default="cpu", choices=("cpu", "cuda"), help="where the losses run (fp64: CPU)"
+    )
+    args = parser.parse_args(argv)
     check_can_compile(torch.device(args.device), "inductor")
     set_up_compile_cache(torch.device(args.device))
     fns = {

@@ -31,6 +31,7 @@ from bench.measure import (
     at_least,
     check_can_compile,
     checked_inputs,
+    device_arg,
     peak_memory_gib,
     reset_peak_memory,
     synchronize,
@@ -80,7 +81,9 @@ def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpt2-124m", help="model shape (modeling.config presets)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
     p.add_argument("--micro-batch-size", type=at_least(1), default=16, help="sequences of block_size tokens")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"), help="autocast dtype (fp32: none)")
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed calls (the first one compiles)")

@@ -151,6 +151,14 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def device_arg(name: str) -> str:
+    """An argparse type for the benchmarks' --device: cuda on a torch that sees no GPU (a CPU-only build, no driver)
+    is argparse's one line naming the flag, not CUDA's AssertionError traceback at the first peak probe or tensor."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"cuda, but torch {torch.__version__} sees no CUDA GPU here; give cpu")
+    return name
+
+
 def cannot_compile(device: torch.device, backend: str) -> str | None:
     """What a compile with `backend` lacks here, and how to install it (None where it can run): inductor builds its
     kernels with a compiler (training.compile_cache.missing_build_tools); dynamo's other backends build nothing."""

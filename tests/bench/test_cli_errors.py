@@ -1,6 +1,6 @@
-"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed, bench.attention_speed) and a machine
-they cannot compile on: one `error:` line (in the benchmark's own flags), before anything is built, prepared or timed;
-a disk that fills up by the report: one line below the results."""
+"""The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed, bench.attention_speed,
+bench.loss_numerics) and a machine they cannot compile on: one `error:` line (in the benchmark's own flags), before
+anything is built, prepared or timed; a disk that fills up by the report: one line below the results."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.attention_speed import main as attention_speed_main
 from bench.ladder import main as ladder_main
+from bench.loss_numerics import main as loss_numerics_main
 from bench.loss_speed import main as loss_speed_main
 from bench.profile import main as profile_main
 from bench.time_to_loss import main as time_to_loss_main
@@ -219,3 +221,33 @@ def test_a_peer_script_it_cannot_read_is_one_error_before_the_measuring(
         "give a checkout of karpathy/build-nanogpt, whose train_gpt2.py this benchmark reads"
     )
     assert not out.exists()  # nothing measured, no report folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a torch that sees a GPU runs --device cuda")
+@pytest.mark.parametrize("cli", ["ladder", "loss_speed", "loss_numerics"])
+def test_device_cuda_without_a_gpu_is_argparses_line_naming_the_flag(tmp_path: Path, capsys, cli: str):
+    """On a CPU-only torch --device cuda was CUDA's AssertionError traceback ("Torch not compiled with CUDA
+    enabled") at the first peak probe or tensor."""
+    main = {"ladder": ladder_main, "loss_speed": loss_speed_main, "loss_numerics": loss_numerics_main}[cli]
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cuda"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    why = f"cuda, but torch {torch.__version__} sees no CUDA GPU here; give cpu"
+    assert last.endswith(f"error: argument --device: {why}")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--precisions", "fp8", "invalid choice: 'fp8' (choose from 'fp32', 'bf16', 'fp16')"),
+        ("--p-target", "1.5", "must be between 0 and 1 (exclusive), got 1.5"),
+        ("--p-target", "0", "must be between 0 and 1 (exclusive), got 0"),
+    ],
+)
+def test_a_loss_numerics_row_it_cannot_measure_is_argparses_line(capsys, flag: str, value: str, why: str):
+    """--precisions fp8 printed fp32's errors in rows labelled fp8, and --p-target 1.5 a table of nan errors."""
+    with pytest.raises(SystemExit) as exc:
+        loss_numerics_main([flag, value])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument {flag}: {why}")
