@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from itertools import islice
 from pathlib import Path
 
 from data_prep.tokenizer import get_encoding
+from modeling.device import cpu_model
 
 BOOK_CHARS = 400_000  # ~120k GPT-2 tokens: the size of a long novel
 SHELF = 100  # books per sub-folder, as a library tree (PG-19's layout) has them
@@ -110,13 +110,30 @@ def _loader_child(data_dir: str) -> None:
     print(json.dumps(result | {"shards": len(loader.manifest.shards)}))
 
 
+def _millions(tokens: float) -> str:
+    """A library's size as the tables name it: whole millions from 10M, else to 0.01M (a 0.1M and a 0.2M library
+    were both '0M')."""
+    return f"{tokens / 1e6:,.{0 if tokens >= 10e6 else 2}f}M"
+
+
+def _tokens(text: str) -> float:
+    """An argparse type for --tokens: a library of at least one token (below, a traceback from the empty library)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 50e6, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def _du_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=float, nargs="+", default=[50e6, 500e6], help="library sizes, in tokens")
+    parser.add_argument("--tokens", type=_tokens, nargs="+", default=[50e6, 500e6], help="library sizes, in tokens")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bookgpt-data-bench"), help="scratch folder")
     parser.add_argument("--prepare-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--loader-child", help=argparse.SUPPRESS)
@@ -126,6 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.loader_child:
         return _loader_child(args.loader_child)
 
+    try:  # before the first library is built, not as mkdir's traceback
+        args.work.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        why = "a file is there" if isinstance(err, FileExistsError) else err.strerror
+        parser.error(f"--work {args.work}: {why}; give a scratch folder")
     rows, loader_rows = [], []
     for tokens in args.tokens:
         library = build_library(args.work / f"library-{tokens / 1e6:g}M", tokens)
@@ -135,10 +157,11 @@ def main(argv: list[str] | None = None) -> None:
             out = args.work / f"prepared-{tokens / 1e6:g}M-{num_proc}"
             shutil.rmtree(out, ignore_errors=True)
             got = _child(["--prepare-child", str(library), str(out), str(num_proc)])
+            size = _millions(got["tokens"])  # what was built: at least one whole book, whatever --tokens asked
             rate = got["tokens"] / got["seconds"]
             worker_rss = f"{got['rss_worker']:,.0f}" if num_proc > 1 else "-"
             rows.append(
-                f"| {got['tokens'] / 1e6:,.0f}M ({got['books']:,} books, {text_mb:,.0f} MB text) | {num_proc} "
+                f"| {size} ({got['books']:,} books, {text_mb:,.0f} MB text) | {num_proc} "
                 f"| {raw / 1e6:.2f}M | {rate / 1e6:.2f}M | {rate / raw:.0%} | {got['seconds']:.0f} "
                 f"| {got['rss_main']:,.0f} | {worker_rss} | {_du_mb(out):,.0f} |"
             )
@@ -146,11 +169,11 @@ def main(argv: list[str] | None = None) -> None:
             if num_proc == 2:
                 got = _child(["--loader-child", str(out)])
                 loader_rows.append(
-                    f"| {tokens / 1e6:,.0f}M | {got['shards']} | {got['seconds']:.2f} | {got['rss']:,.0f} "
+                    f"| {size} | {got['shards']} | {got['seconds']:.2f} | {got['rss']:,.0f} "
                     f"| {got['tokens_per_s'] / 1e6:.1f}M |"
                 )
             shutil.rmtree(out)
-    print(f"Data preparation, {platform.processor() or platform.machine()}, files: source, default shards\n")
+    print(f"Data preparation, CPU: {cpu_model()}, files: source, default shards\n")
     print(
         "| library | num_proc | raw tiktoken tokens/s | prepare tokens/s | prepare / raw | prepare s "
         "| peak RSS main (MB) | peak RSS per worker (MB) | shards + index (MB) |"
