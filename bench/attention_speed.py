@@ -227,7 +227,7 @@ def plot(rows: list[dict], title: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.attention_speed", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.attention_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
     p.add_argument("--micro-batch-size", type=at_least(1), default=8, help="sequences per call")
     p.add_argument("--precision", default="bf16", choices=tuple(DTYPES), help="bf16: cpu_bf16.yaml, fp32: cpu.yaml")

@@ -79,7 +79,7 @@ def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.loss_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2-124m", help="model shape (modeling.config presets)")
     p.add_argument(
         "--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")

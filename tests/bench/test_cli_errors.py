@@ -251,3 +251,15 @@ def test_a_loss_numerics_row_it_cannot_measure_is_argparses_line(capsys, flag: s
         loss_numerics_main([flag, value])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument {flag}: {why}")
+
+
+@pytest.mark.parametrize("cli", ["loss_speed", "attention_speed"])
+def test_help_says_what_the_benchmark_compares_whole_and_names_its_command(capsys, cli: str):
+    """--help's description was the docstring's first line, which ends mid-sentence ("... against"), and
+    bench.loss_speed's usage line read 'loss_speed.py'."""
+    with pytest.raises(SystemExit):
+        ALL_CLIS[cli](["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(f"usage: python -m bench.{cli} ")
+    whole = {"loss_speed": "against modeling.fused_ce, eager", "attention_speed": "against modeling.cpu_attention's"}
+    assert whole[cli] in out
