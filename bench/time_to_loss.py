@@ -29,6 +29,7 @@ import os
 import shlex
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -285,6 +286,9 @@ def markdown(rows: list[dict], key: str, target: float, budget: int) -> str:
     return "\n".join(lines)
 
 
+TITLE_CHARS = 150  # of the plot's 9-point title: what its 12-inch width holds, with a margin
+
+
 def plot(curves: list[Curve], target: float, title: str) -> bytes:
     """Val loss against tokens and against train-step seconds, one color per recipe, as PNG bytes."""
     import matplotlib
@@ -303,7 +307,9 @@ def plot(curves: list[Curve], target: float, title: str) -> bytes:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("val loss")
     axes[0].legend()
-    fig.suptitle(title, fontsize=9)
+    # the command, wrapped at its spaces: a long --set or --peer-dir ran past both edges of the figure
+    wrapped = (textwrap.fill(line, TITLE_CHARS, break_on_hyphens=False) for line in title.split("\n"))
+    fig.suptitle("\n".join(wrapped), fontsize=9)
     fig.tight_layout()
     return png_bytes(fig)
 

@@ -3,13 +3,16 @@ seed, a few steps) leaving a table, curves.json and curves.png whose curves are 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from bench.time_to_loss import Curve, at, crossing, main, parse_recipe, spread, val_targets
+from bench.time_to_loss import Curve, at, crossing, main, parse_recipe, plot, spread, val_targets
 from modeling.config import PADDED_VOCAB_SIZE
 from testkit import run
 
@@ -151,3 +154,12 @@ def test_cli_writes_table_json_and_plot_with_sane_curves(prepared_books, tmp_pat
             (reached,) = row["tokens_to_target"]
             assert reached is None or 0 < reached <= 4096
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_plot_title_keeps_a_long_command_inside_the_figure():
+    """The title is the command line: one with a long --set ran past both edges of curves.png, cut at each."""
+    curve = Curve("today", 0, [0, 1024], [0.0, 1.0], [10.8, 10.2], [10.8, 10.2], 512, 0.0)
+    command = "python -m bench.time_to_loss" + " --set '--preset tiny-cpu'" * 12
+    gray = np.asarray(Image.open(io.BytesIO(plot([curve], 10.5, f"{command}\nCPU: X"))).convert("L"))
+    title_band = gray[:40]
+    assert title_band[:, :3].min() == 255 and title_band[:, -3:].min() == 255  # no ink at either edge
