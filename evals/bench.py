@@ -20,6 +20,7 @@ from evals import EvalError
 from evals.data import TASK_DATA
 from evals.runner import DEFAULT_BATCH_SIZE, run_task
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE, get_preset
+from modeling.device import device_name
 from modeling.gpt import GPT
 from modeling.runtime import set_up_compute
 
@@ -42,7 +43,9 @@ def time_generation(model: GPT, prompt_tokens: int, new_tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--limit", type=int, default=200, help="HellaSwag examples to score")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
@@ -74,7 +77,8 @@ def run_bench(args: argparse.Namespace) -> None:
     model = GPT(config).to(device).eval()
     precision = "bf16" if args.bf16 else "fp32"
     autocast = torch.autocast(device, torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-    where = f"{args.preset} on {device} ({torch.get_num_threads()} threads, {precision})"
+    # the CPU by its model, as the other benchmarks name it: its rates differ by CPU far more than by thread count
+    where = f"{args.preset} on {device_name(torch.device(device))} ({torch.get_num_threads()} threads, {precision})"
     if args.generate is not None:
         with autocast:
             time_generation(model, min(args.prompt_tokens, 8), 2)  # warm-up

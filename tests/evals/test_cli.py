@@ -19,6 +19,7 @@ from evals.loading import load_model
 from evals.plot import main as plot_main
 from evals.plot import plot_evals
 from evals.runner import run_task
+from modeling.device import device_name
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
@@ -86,7 +87,8 @@ def test_a_tiny_temperature_samples_the_greedy_text(tiny_run):
 def test_bench_times_generation_as_the_generate_cli_samples(prompt_tokens, capsys):
     bench_main(["--preset", "tiny-cpu", "--generate", "6", "--prompt-tokens", str(prompt_tokens)])
     line = capsys.readouterr().out.strip()
-    assert re.fullmatch(rf"tiny-cpu on cpu \(\d+ threads, fp32\): 6 tokens after {prompt_tokens} in [\d.]+ s = "
+    cpu = re.escape(device_name(torch.device("cpu")))  # the CPU's model, not "cpu"
+    assert re.fullmatch(rf"tiny-cpu on {cpu} \(\d+ threads, fp32\): 6 tokens after {prompt_tokens} in [\d.]+ s = "
                         r"[\d.]+ tokens/s", line), line  # fmt: skip
 
 
