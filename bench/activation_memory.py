@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 
 import torch
 
+from bench.measure import at_least
 from modeling.config import GPTConfig
+from modeling.device import cpu_model
 from modeling.gpt import GPT
 from training.metrics import peak_rss_bytes
 from training.optim import build_optimizer
 
 MIB = 2**20
+HEADS = 4  # --width is split over them
 
 
 def one_step(shape: GPTConfig, micro_batch_size: int, checkpointed: bool) -> dict[str, float]:
@@ -46,14 +48,20 @@ def one_step(shape: GPTConfig, micro_batch_size: int, checkpointed: bool) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.activation_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--layers", type=at_least(1), default=12)
+    parser.add_argument("--width", type=at_least(HEADS), default=256, help=f"a multiple of {HEADS}, the heads")
+    parser.add_argument("--context", type=at_least(1), default=512)
+    parser.add_argument("--micro-batch-size", type=at_least(1), default=16)
     parser.add_argument("--child", choices=["plain", "checkpointed"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    shape = GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=args.context)
+    if args.width % HEADS:  # else GPTConfig's ValueError traceback, in each child's output
+        parser.error(f"argument --width: must be a multiple of {HEADS} (the heads), got {args.width}")
+    shape = GPTConfig(n_layer=args.layers, n_head=HEADS, n_embd=args.width, block_size=args.context)
     if args.child:
         print(json.dumps(one_step(shape, args.micro_batch_size, args.child == "checkpointed")))
         return
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         rows[mode] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     print(
         f"L{args.layers} C{args.width} T{args.context} micro-batch {args.micro_batch_size}, fp32, torch "
-        f"{torch.__version__}, {platform.processor() or platform.machine()}\n"
+        f"{torch.__version__}, CPU: {cpu_model()}\n"
     )
     print("| activation checkpointing | peak RSS before the step (MiB) | peak RSS of the step (MiB) | step (s) |")
     print("|---|---:|---:|---:|")
