@@ -170,6 +170,18 @@ def parse_rungs(text: str) -> set[int]:
     return picked
 
 
+def tflops(text: str) -> float:
+    """An argparse type for --peak-tflops: a positive rate (0 was a ZeroDivisionError traceback at the first row, a
+    negative one negative MFUs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of TFLOP/s, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of TFLOP/s, got {text}")
+    return value
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small-cpu", help="model shape (modeling.config presets)")
@@ -194,7 +206,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--dynamo-backend", choices=STEP_BACKENDS, help="every compiled row's compile backend, the peer's too"
     )
-    p.add_argument("--peak-tflops", type=float, default=None, help="MFU peak; default: datasheet or measured")
+    p.add_argument("--peak-tflops", type=tflops, default=None, help="MFU peak; default: datasheet or measured")
     p.add_argument(
         "--profile-steps", type=at_least(0), default=0, help="profile rung 11 and the compiled peer over N steps"
     )

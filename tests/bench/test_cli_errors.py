@@ -263,3 +263,14 @@ def test_help_says_what_the_benchmark_compares_whole_and_names_its_command(capsy
     assert out.startswith(f"usage: python -m bench.{cli} ")
     whole = {"loss_speed": "against modeling.fused_ce, eager", "attention_speed": "against modeling.cpu_attention's"}
     assert whole[cli] in out
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_ladder_peak_that_is_no_positive_rate_is_argparses_line(tmp_path: Path, capsys, value: str):
+    """--peak-tflops 0 was a ZeroDivisionError traceback after the corpus was prepared; -1 printed negative MFUs."""
+    with pytest.raises(SystemExit) as exc:
+        ladder_main(["--preset", "tiny-cpu", "--peak-tflops", value, "--data-dir", str(tmp_path / "data")])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"error: argument --peak-tflops: must be a positive number of TFLOP/s, got {value}")
+    assert list(tmp_path.iterdir()) == []
