@@ -21,7 +21,7 @@ from modeling.cpu_linear import matmul
 from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import METRICS_FILE, read_metrics
 from modeling.runtime import dtype_name
-from training.compile_cache import cpp_compiler
+from training.compile_cache import EAGER_YAML, cpp_compiler
 from training.config import ConfigError
 
 # Dense peak TFLOP/s per GPU product (vendor datasheets, no sparsity): bf16 (fp16 runs at the same rate), tf32
@@ -307,18 +307,29 @@ def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
     return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}
 
 
+def runnable_cpu_yamls() -> dict[str, str]:
+    """The one-process CPU launch YAML of each precision that runs here, by mixed_precision value: CPU_YAML's, which
+    compile, where a C++ compiler works; else fp32's that does not compile (there is no bf16 one)."""
+    return CPU_YAML if cpp_compiler() is not None else {"no": EAGER_YAML}
+
+
 def cpu_precision_hint(mixed_precision: str) -> str | None:
     """On CPU, a one-line hint when the other CPU precision's matmuls are clearly faster than those of the launch
     YAML's: bf16 is 2-4x fp32 on AMX or Zen 4/5 cores, ~0.5x on AVX-512-bf16 Xeons and ~1/100 on AVX2-only cores
-    (no native bf16). None when the YAML's choice is right (or not a CPU one), or where the YAML it would name
-    cannot run (both compile: no C++ compiler). Measures both (~1 s)."""
-    if mixed_precision not in CPU_YAML or cpp_compiler() is None:
+    (no native bf16). None when the YAML's choice is right (or not a CPU one), or where no YAML of the other
+    precision runs here (bf16 without a C++ compiler). Measures both (~1 s)."""
+    if mixed_precision not in CPU_YAML:
         return None
-    return precision_advice(mixed_precision, cpu_matmul_speeds())
+    (other,) = set(CPU_YAML) - {mixed_precision}
+    yamls = runnable_cpu_yamls()
+    if other not in yamls:
+        return None
+    return precision_advice(mixed_precision, cpu_matmul_speeds(), yamls)
 
 
-def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | None:
-    """cpu_precision_hint's verdict, one line, from matmul TFLOP/s by mixed_precision value ('no', 'bf16')."""
+def precision_advice(mixed_precision: str, tflops: dict[str, float], yamls: dict[str, str] = CPU_YAML) -> str | None:
+    """cpu_precision_hint's verdict, one line, from matmul TFLOP/s by mixed_precision value ('no', 'bf16'), naming
+    the other precision's YAML in yamls."""
     (other,) = set(CPU_YAML) - {mixed_precision}
     if tflops[other] < FASTER_BY * tflops[mixed_precision]:
         return None
@@ -328,12 +339,12 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float]) -> str | No
     if mixed_precision == "bf16" and ratio >= NO_NATIVE_BF16:
         return (
             f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here ({speeds}); "
-            f"set mixed_precision: '{other}' (fp32) in the launch YAML instead ({CPU_YAML[other]} for one process)"
+            f"set mixed_precision: '{other}' (fp32) in the launch YAML instead ({yamls[other]} for one process)"
         )
     # said as the YAML's setting: the launch may be the user's own, or one of several processes (cpu_ddp2.yaml)
     return (
         f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): "
-        f"mixed_precision: '{other}' in the launch YAML ({CPU_YAML[other]} for one process) should train faster (a "
+        f"mixed_precision: '{other}' in the launch YAML ({yamls[other]} for one process) should train faster (a "
         "step gains less than its matmuls)"
     )
 

@@ -1,12 +1,15 @@
 """metrics.jsonl tracker, resumed-run de-duplication, loss plot, peak-FLOPs lookup."""
 
 import json
+import os
+import sys
 import time
 
 import pytest
 import torch
 
-from testkit import REPO
+from modeling.device import X86
+from testkit import REPO, run
 from training.config import ConfigError, TrainConfig
 from training.loop import setup
 from training.metrics import (
@@ -89,6 +92,23 @@ def test_cpu_precision_hint_measures_both_dtypes_here():
     assert speeds.keys() == {"no", "bf16"} and min(speeds.values()) > 0
     hints = {mp: cpu_precision_hint(mp) for mp in ("no", "bf16")}
     assert sum(hint is not None for hint in hints.values()) <= 1  # one of the two is the faster, never both
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="AVX2 emulation: x86 only")
+def test_bf16_without_a_cpp_compiler_on_a_cpu_without_native_bf16_is_told_the_eager_fp32_yaml():
+    """A bf16 launch where no C++ compiler works runs eagerly (a compiling one stops at start-up): on an AVX2-only
+    CPU (emulated on any x86 one) its steps crawl, so it is warned, naming the YAML that runs there. It was told
+    nothing, as both YAMLs the hint knew compile."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "CXX": "/nowhere/g++"}
+    code = "from training.metrics import cpu_precision_hint as h; print(h('bf16')); print(h('no'))"
+    bf16, fp32 = run([sys.executable, "-c", code], env=env).stdout.splitlines()
+    assert bf16.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs ")
+    assert bf16.endswith(
+        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu_eager.yaml"
+        " for one process)"
+    )
+    assert fp32 == "None"  # no bf16 YAML runs without a compiler
 
 
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
