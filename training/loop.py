@@ -396,7 +396,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         )
         if hint:
             accelerator.print(hint)
-    if device.type == "cpu" and cfg.peak_tflops is None and accelerator.is_main_process:
+    # a given MFU peak spares the ~1 s probe (quiet runs), but not under bf16, which crawls where it is not native
+    probe = cfg.peak_tflops is None or accelerator.mixed_precision == "bf16"
+    if device.type == "cpu" and probe and accelerator.is_main_process:
         hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
         if hint:
             accelerator.print(hint)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import testkit
 from modeling.config import REAL_VOCAB_SIZE
+from modeling.device import X86
 from testkit import copy_isa_probes, launch, train_cmd
 from training.metrics import read_metrics
 from training.optim import lr_multiplier
@@ -117,6 +118,23 @@ def test_cpu_bf16_yaml_autocasts_with_fp32_master_weights(prepared_books, tmp_pa
     # bf16 rounding (8 mantissa bits) moves the curve by well under 2%; a wrong cast or skipped steps would not
     torch.testing.assert_close(torch.tensor(losses(bf16)), fp32_losses, rtol=0.02, atol=0.0)
     assert fp32_losses[-1] < fp32_losses[0] - 0.5
+
+
+@pytest.mark.skipif(not X86, reason="AVX2 emulation: x86 only")
+def test_bf16_on_a_cpu_without_native_bf16_is_warned_whatever_mfu_peak_is_given(prepared_books, tmp_path):
+    """An AVX2-only CPU (emulated on any x86 one), where bf16 matmuls are 30-300x slower than fp32: the start-up
+    warning names the fp32 YAML though the run gives its MFU peak (train_cmd's --peak-tflops), which spares fp32
+    runs the probe. Eager: under emulation a bf16 compile takes a minute."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    cmd = train_cmd(
+        "cpu_bf16.yaml", tmp_path / "run", prepared_books, "--max-steps", "1", "--warmup-steps", "0",
+        "--total-batch-tokens", "512", "--micro-batch-size", "8", "--eval-interval", "0", "--eval-windows", "8",
+        launch_args=["--dynamo_backend", "no"],
+    )  # fmt: skip
+    assert "--peak-tflops" in cmd
+    stdout = testkit.run(cmd, env=env, timeout=300).stdout
+    assert "warning: this CPU has no native bf16 matmuls: bf16 runs " in stdout
+    assert "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one" in stdout
 
 
 @pytest.fixture(scope="module")
