@@ -350,10 +350,15 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
     return value
 
 
+def _closest_field(name: str) -> str | None:
+    """The TrainConfig field a mistyped key or flag (either spelling: max-steps, max_steps) most resembles."""
+    close = difflib.get_close_matches(name.replace("-", "_"), [f.name for f in fields(TrainConfig)], n=1)
+    return close[0] if close else None
+
+
 def _unknown_key(key: str, source: str) -> ConfigError:
-    names = [f.name for f in fields(TrainConfig)]
-    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    close = _closest_field(key)
+    hint = f"; did you mean '{close}'?" if close else f"; valid keys: {', '.join(f.name for f in fields(TrainConfig))}"
     return ConfigError(f"unknown config key '{key}' in {source}{hint}")
 
 
@@ -361,9 +366,8 @@ def _unknown_flag(arg: str) -> ConfigError:
     """A command-line argument no flag takes, with the flag it resembles as it is typed (--max-steps, not the
     YAML key max_steps)."""
     flag = arg.split("=")[0]
-    names = [f.name for f in fields(TrainConfig)]
-    close = difflib.get_close_matches(flag.lstrip("-").replace("-", "_"), names, n=1)
-    hint = f"did you mean --{close[0].replace('_', '-')}?" if close else "`python train_accel.py --help` lists them"
+    close = _closest_field(flag.lstrip("-"))
+    hint = f"did you mean --{close.replace('_', '-')}?" if close else "`python train_accel.py --help` lists them"
     return ConfigError(f"unknown flag {flag!r} on the command line; {hint}")
 
 
