@@ -1,6 +1,7 @@
 """The benchmark CLIs' bad input (bench.ladder, bench.profile, bench.loss_speed, bench.attention_speed,
-bench.loss_numerics) and a machine they cannot compile on: one `error:` line (in the benchmark's own flags), before
-anything is built, prepared or timed; a disk that fills up by the report: one line below the results."""
+bench.loss_numerics, bench.activation_memory) and a machine they cannot compile on: one `error:` line (in the
+benchmark's own flags), before anything is built, prepared or timed; a disk that fills up by the report: one line
+below the results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.activation_memory import main as activation_memory_main
 from bench.attention_speed import main as attention_speed_main
 from bench.ladder import main as ladder_main
 from bench.loss_numerics import main as loss_numerics_main
@@ -21,6 +23,14 @@ from testkit import REPO, fill_disk
 
 CLIS: dict[str, Callable[[list[str]], None]] = {"ladder": ladder_main, "profile": profile_main}  # on a corpus
 ALL_CLIS = {**CLIS, "loss_speed": loss_speed_main, "attention_speed": attention_speed_main}
+
+
+def argparse_line(cli: Callable[[list[str]], None], argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The last line `cli`'s argparse printed refusing argv (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        cli(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("cli", ALL_CLIS)
@@ -103,10 +113,7 @@ def test_a_step_backend_train_accel_does_not_train_with_is_refused_by_the_flags(
     was accelerate's ValueError traceback at the step, after bench.attention_speed had timed its layers; the
     ladder's refusal blamed its --accelerate-config YAML."""
     out = ["--out", str(tmp_path / "report")] if cli == "attention_speed" else []
-    with pytest.raises(SystemExit) as exc:
-        ALL_CLIS[cli](["--preset", "tiny-cpu", "--dynamo-backend", "cudagraphs", *out])
-    assert exc.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    last = argparse_line(ALL_CLIS[cli], ["--preset", "tiny-cpu", "--dynamo-backend", "cudagraphs", *out], capsys)
     assert ": error: argument --dynamo-backend: invalid choice: 'cudagraphs'" in last
     assert list(tmp_path.iterdir()) == []  # no report folder
 
@@ -125,10 +132,7 @@ def test_a_count_out_of_range_is_argparses_line_naming_the_flag(
     benchmark's: 1 where the first step compiles inside the timed rows' process (ladder, profile), else 0."""
     argv = ["--preset", "tiny-cpu", flag, value]
     argv += ["--data-dir", str(tmp_path / "data")] if cli in CLIS else ["--out", str(tmp_path / "report")]
-    with pytest.raises(SystemExit) as exc:
-        ALL_CLIS[cli](argv)
-    assert exc.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    last = argparse_line(ALL_CLIS[cli], argv, capsys)
     if value == "ten":
         assert last.endswith(f"error: argument {flag}: expected a whole number, got 'ten'")
     else:
@@ -229,10 +233,7 @@ def test_device_cuda_without_a_gpu_is_argparses_line_naming_the_flag(tmp_path: P
     """On a CPU-only torch --device cuda was CUDA's AssertionError traceback ("Torch not compiled with CUDA
     enabled") at the first peak probe or tensor."""
     main = {"ladder": ladder_main, "loss_speed": loss_speed_main, "loss_numerics": loss_numerics_main}[cli]
-    with pytest.raises(SystemExit) as exc:
-        main(["--device", "cuda"])
-    assert exc.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    last = argparse_line(main, ["--device", "cuda"], capsys)
     why = f"cuda, but torch {torch.__version__} sees no CUDA GPU here; give cpu"
     assert last.endswith(f"error: argument --device: {why}")
 
@@ -247,10 +248,7 @@ def test_device_cuda_without_a_gpu_is_argparses_line_naming_the_flag(tmp_path: P
 )
 def test_a_loss_numerics_row_it_cannot_measure_is_argparses_line(capsys, flag: str, value: str, why: str):
     """--precisions fp8 printed fp32's errors in rows labelled fp8, and --p-target 1.5 a table of nan errors."""
-    with pytest.raises(SystemExit) as exc:
-        loss_numerics_main([flag, value])
-    assert exc.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument {flag}: {why}")
+    assert argparse_line(loss_numerics_main, [flag, value], capsys).endswith(f"error: argument {flag}: {why}")
 
 
 @pytest.mark.parametrize("cli", ["loss_speed", "attention_speed"])
@@ -268,9 +266,21 @@ def test_help_says_what_the_benchmark_compares_whole_and_names_its_command(capsy
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_a_ladder_peak_that_is_no_positive_rate_is_argparses_line(tmp_path: Path, capsys, value: str):
     """--peak-tflops 0 was a ZeroDivisionError traceback after the corpus was prepared; -1 printed negative MFUs."""
-    with pytest.raises(SystemExit) as exc:
-        ladder_main(["--preset", "tiny-cpu", "--peak-tflops", value, "--data-dir", str(tmp_path / "data")])
-    assert exc.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    argv = ["--preset", "tiny-cpu", "--peak-tflops", value, "--data-dir", str(tmp_path / "data")]
+    last = argparse_line(ladder_main, argv, capsys)
     assert last.endswith(f"error: argument --peak-tflops: must be a positive number of TFLOP/s, got {value}")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--layers", "0", "must be at least 1, got 0"),
+        ("--micro-batch-size", "0", "must be at least 1, got 0"),
+        ("--width", "65", "must be a multiple of 4 (the heads), got 65"),
+    ],
+)
+def test_an_activation_memory_shape_it_cannot_build_is_argparses_line(capsys, flag: str, value: str, why: str):
+    """--layers 0 and --width 65 were GPTConfig's ValueError traceback, --micro-batch-size 0 a child's: now refused
+    before any child process runs."""
+    assert argparse_line(activation_memory_main, [flag, value], capsys).endswith(f"error: argument {flag}: {why}")
