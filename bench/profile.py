@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print_matmul_bound(matmul_calls(prof, args.steps), by_kind[KINDS[0][0]] * step_ms / total, step_ms)
     # the peak train_accel.py and bench.ladder judge MFU by (one thread's matmul rate x threads, the run's dtype and
-    # kernels), measured within a few seconds whatever the CPU: bf16 without native kernels (AVX2) is 100x slower
+    # kernels), measured within a few seconds whatever the CPU: bf16 without native kernels (AVX2) is 30-300x slower
     peak, source = peak_tflops(torch.device("cpu"), "bf16" if args.precision == "bf16" else "no")
     step_tflops = step_gflop / step_ms
     threads = torch.get_num_threads()

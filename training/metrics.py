@@ -113,7 +113,7 @@ def _best_tflops(device: torch.device, dtype: torch.dtype, n: int | None, second
 def _grow_cpu_matmul(dtype: torch.dtype, seconds: float) -> tuple[int, float]:
     """The CPU matmul size to time within `seconds`, and the best TFLOP/s seen on the way there: n starts at 128
     and doubles up to 2048 while the next size (8x the work) is predicted to take under a tenth of the budget, as a
-    CPU without native kernels for dtype (bf16 on AVX2-only cores) is 100x slower than one with them."""
+    CPU without native kernels for dtype (bf16 on AVX2-only cores) is 30-300x slower than one with them."""
     n, t = 128, _time_one_matmul(dtype, 128)
     best = 2 * n**3 / t
     while n < 2048 and 8 * t < seconds / 10:

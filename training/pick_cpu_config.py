@@ -3,7 +3,7 @@
 Prints the YAML's path on stdout, for `accelerate launch --config_file` (`make train` uses it this way), and one
 line on stderr saying which precision and why. It times fp32 and bf16 matmuls as the start-up hint does (~1 s):
 bf16 (cpu_bf16.yaml) where bf16 is clearly faster (AMX, Zen 4/5), fp32 (cpu.yaml) elsewhere, including CPUs
-without native bf16 (AVX2-only, where bf16 is ~100x slower; AVX-512 without its bf16 instructions, ~5x). Both
+without native bf16 (AVX2-only, where bf16 is 30-300x slower; AVX-512 without its bf16 instructions, ~5x). Both
 compile; where no C++ compiler works (a container without build tools), fp32 without compile (cpu_eager.yaml). The
 YAML stays the one place precision is set.
 """

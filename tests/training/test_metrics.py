@@ -69,7 +69,7 @@ def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     assert hint.startswith("hint:") and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
     # the setting named, whichever YAML launched: the user's own, or a two-process one (cpu_ddp2.yaml)
     assert "mixed_precision: 'bf16' in the launch YAML (accelerate_configs/cpu_bf16.yaml for one process)" in hint
-    # an AVX2-only core (Zen 3, most laptops): no native bf16, ~100x slower; one line that says so
+    # an AVX2-only core (Zen 3, most laptops): no native bf16, 30-300x slower; one line that says so
     warning = precision_advice("bf16", {"bf16": 0.0011, "no": 0.15})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 136x slower than fp32")
     assert warning.endswith(

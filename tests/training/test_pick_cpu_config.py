@@ -26,7 +26,7 @@ def test_bf16_only_where_its_matmuls_are_clearly_faster():
     # an AVX-512 Xeon without its bf16 instructions (Cascade Lake): emulated, 4.6x slower, said as such
     mixed_precision, why = choose({"bf16": 0.050, "no": 0.231})
     assert mixed_precision == "no" and why.startswith("this CPU has no native bf16 matmuls: bf16 runs 5x slower")
-    # an AVX2-only core (Zen 3, most laptops): no native bf16, ~100x slower
+    # an AVX2-only core (Zen 3, most laptops): no native bf16, 30-300x slower
     mixed_precision, why = choose({"bf16": 0.0011, "no": 0.15})
     assert mixed_precision == "no" and why.startswith("this CPU has no native bf16 matmuls: bf16 runs 136x slower")
 
@@ -43,7 +43,7 @@ def test_prints_the_yaml_it_picks_here_and_one_line_why(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="AVX2 emulation: x86 only")
 def test_a_cpu_without_native_bf16_gets_fp32():
-    """AVX2-only emulated on any x86 CPU: oneDNN and ATen kept to AVX2, where bf16 matmuls are ~100x slower."""
+    """AVX2-only emulated on any x86 CPU: oneDNN and ATen kept to AVX2, where bf16 matmuls are 30-300x slower."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     result = run([sys.executable, "-m", "training.pick_cpu_config"], env=env)
     assert result.stdout == "accelerate_configs/cpu.yaml\n"
