@@ -66,7 +66,6 @@ from training.export import ExportError
 from training.export_check import ExportCheck, export_failure, export_problem
 from training.hub import check_model_card, check_push, push, write_model_card
 from training.metrics import (
-    JSONLTracker,
     StartupClock,
     check_trackers,
     cpu_precision_hint,
@@ -75,6 +74,7 @@ from training.metrics import (
     peak_tflops,
     plot_losses,
     precision_name,
+    run_trackers,
     startup_line,
 )
 from training.micro_batch import resolve_micro_batch
@@ -277,7 +277,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     accelerator = build_accelerator(
         grad_clip=cfg.grad_clip,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, not micro-steps × processes
-        log_with=[JSONLTracker(run_dir), *trackers],
+        log_with=run_trackers(trackers, run_dir),
         project_dir=str(run_dir),
     )
     check_ranks_agree(accelerator, dataclasses.asdict(cfg), run_dir)

@@ -1,10 +1,11 @@
-"""Throughput, MFU, memory, the metrics.jsonl tracker and the loss-curve plot."""
+"""Throughput, MFU, memory, the metrics.jsonl and TensorBoard trackers and the loss-curve plot."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import secrets
 import sys
 import threading
 import time
@@ -12,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.tracking import GeneralTracker, get_available_trackers
+from accelerate.tracking import (
+    GeneralTracker,
+    TensorBoardTracker,
+    WandBTracker,
+    get_available_trackers,
+    on_main_process,
+)
 from accelerate.utils import LoggerType
 
 from data_prep.loader import MANIFEST_NAME
@@ -453,6 +460,71 @@ class JSONLTracker(GeneralTracker):
         kept = f"{self.path.name} keeps every complete row, the checkpoints are untouched"
         with disk_full_reported(self.path, kept):
             append_bytes(self.path, (json.dumps({"step": step, **values}) + "\n").encode())
+
+
+class RunTensorBoardTracker(TensorBoardTracker):
+    """accelerate's TensorBoard tracker, with the run's event files in the run folder itself, so that `tensorboard
+    --logdir runs/` lists each run by its folder's name, as one run however often it is resumed (accelerate's writes
+    into a `<project>/` subfolder, and each launch's hyperparameters into a run of their own)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__(run_name="", logging_dir=run_dir)
+
+    def start(self) -> None:
+        """Nothing yet: the writer opens in store_init_configuration, which knows the step this launch starts from."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict) -> None:
+        """Open the writer and log the run's config as its hyperparameters, in the run itself: the HPARAMS tab then
+        sets each run's config beside its losses. A launch that continues after step N hides whatever an earlier one
+        logged after N (a kill between checkpoints), as metrics.jsonl drops those rows: one curve, no step twice."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+        except ModuleNotFoundError:  # accelerate's fallback
+            from tensorboardX import SummaryWriter
+            from tensorboardX.summary import hparams
+
+        self.logging_dir = str(self.logging_dir_param)
+        self.writer = SummaryWriter(self.logging_dir, purge_step=values["start_step"] + 1, **self.init_kwargs)
+        # TensorBoard takes numbers, strings and booleans; anything else as its text
+        scalars = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()}
+        for summary in hparams(scalars, metric_dict=dict.fromkeys(("train_loss", "val_loss"), 0.0)):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+
+class RunWandBTracker(WandBTracker):
+    """accelerate's W&B tracker (project "bookgpt"), with the run named after its folder, its files in the folder's
+    wandb/ (beside metrics.jsonl, not in the working folder), and one W&B run per run folder: a resumed launch
+    continues it, a fresh start in the folder (which sets wandb/ aside with the rest of the run) begins another."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__(run_name="bookgpt")
+        self.run_dir = Path(run_dir)
+
+    @on_main_process
+    def start(self) -> None:
+        import wandb
+
+        folder = self.run_dir / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "bookgpt-run-id"
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4))  # W&B's own ids: 8 lowercase letters and digits
+        self.run = wandb.init(
+            project=self.run_name, name=self.run_dir.resolve().name, dir=self.run_dir,
+            id=id_file.read_text().strip(), resume="allow", **self.init_kwargs,
+        )  # fmt: skip
+
+
+def run_trackers(names: list[str], run_dir: Path) -> list[GeneralTracker | str]:
+    """The trackers a run logs to: metrics.jsonl, then the checked --trackers names ("all": every one installed
+    here), TensorBoard's and W&B's writing into the run folder."""
+    if "all" in names:
+        names = [str(getattr(t, "value", t)) for t in get_available_trackers()]
+    ours = {"tensorboard": RunTensorBoardTracker, "wandb": RunWandBTracker}
+    return [JSONLTracker(run_dir), *(ours[n](run_dir) if n in ours else n for n in dict.fromkeys(names))]
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:
