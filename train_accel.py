@@ -29,7 +29,7 @@ from training.config import ConfigError, config_to_yaml, parse_config
 from training.export import ExportError
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
-from training.metrics import StartupClock
+from training.metrics import StartupClock, close_trackers
 from training.runlock import RunFolderInUse
 from training.signals import (
     StopRequest,
@@ -151,6 +151,7 @@ def fit(run: Run) -> bool:
     # After the bar's last refresh and on its stream, so this line stays the last on screen: a launcher may pipe
     # stderr through itself while stdout goes straight out (accelerate >= 1.16's one-process launcher does). On every
     # machine: one whose launcher got no signal would otherwise end on the save's line, as if the run had finished.
+    close_trackers(accelerator)
     if accelerator.is_local_main_process:
         stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
         print(stopped, file=sys.stderr, flush=True)
@@ -170,8 +171,12 @@ def main() -> None:
         print(config_to_yaml(cfg), end="")
         return
     run = setup(cfg, startup)  # accelerator, data, model, optimizer, schedule, prepare(), resume
-    if fit(run):
-        write_outputs(run)  # loss.png, export/ with its model card, the Hub push
+    try:
+        if fit(run):
+            write_outputs(run)  # loss.png, export/ with its model card, the Hub push
+    except BaseException:
+        close_trackers(run.accelerator)  # before the error's line, which stays the last on screen
+        raise
     finish(run.accelerator)
 
 

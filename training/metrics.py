@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from accelerate.tracking import (
     GeneralTracker,
     TensorBoardTracker,
@@ -525,6 +526,13 @@ def run_trackers(names: list[str], run_dir: Path) -> list[GeneralTracker | str]:
         names = [str(getattr(t, "value", t)) for t in get_available_trackers()]
     ours = {"tensorboard": RunTensorBoardTracker, "wandb": RunWandBTracker}
     return [JSONLTracker(run_dir), *(ours[n](run_dir) if n in ours else n for n in dict.fromkeys(names))]
+
+
+def close_trackers(accelerator: Accelerator) -> None:
+    """Finish the run's trackers now, before its last line: W&B prints its summary as it finishes, which would
+    otherwise follow an error's one line or a stop's. accelerator.end_training() finishing them again does nothing."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:

@@ -1,12 +1,14 @@
 """--trackers: TensorBoard and W&B write their run into the run folder, one run however often it is resumed."""
 
 import math
+import os
+import subprocess
 
 import pytest
 from accelerate import PartialState
 
 from modeling.runs import read_metrics
-from testkit import launch
+from testkit import REPO, launch, train_cmd
 from training.metrics import run_trackers
 
 
@@ -82,3 +84,21 @@ def test_wandb_keeps_the_run_in_its_folder_named_after_it_and_a_resume_continues
     assert ids[0] == ids[1]
     assert len(list((run_dir / "wandb").glob(f"offline-run-*-{ids[0]}"))) == 2
     assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_wandb_summary_comes_before_the_error_line_that_ends_a_run(prepared_books, tmp_path):
+    """W&B prints its run's summary as it finishes, which it did at the interpreter's exit, after the run's one
+    `error:` line: the trackers now finish first, and the error line stays the last on screen."""
+    pytest.importorskip("wandb")
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    cmd = train_cmd(None, tmp_path / "run1", prepared_books, "--trackers", "wandb", "--lr", "1e30", "--muon-lr",
+                    "1e30", "--max-steps", "10", "--eval-interval", "0", "--micro-batch-size", "4",
+                    "--total-batch-tokens", "256")  # fmt: skip
+    # a fresh interpreter, as a user's (the tests' warm launches end without running wandb's exit hook), its two
+    # streams in one, as a terminal shows them
+    result = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "wandb sync" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("error: non-finite loss/gradients in 5 consecutive steps")
