@@ -148,10 +148,10 @@ def fit(run: Run) -> bool:
             # the handler stays: a stop from here on lets the outputs be written whole, which the last save allows
             stop.then = "training is done and saved; writing its outputs (export, model card, Hub push), then exiting"
             return True
+    close_trackers(accelerator)  # W&B's closing summary before the line below
     # After the bar's last refresh and on its stream, so this line stays the last on screen: a launcher may pipe
     # stderr through itself while stdout goes straight out (accelerate >= 1.16's one-process launcher does). On every
     # machine: one whose launcher got no signal would otherwise end on the save's line, as if the run had finished.
-    close_trackers(accelerator)
     if accelerator.is_local_main_process:
         stopped = f"stopped at step {step} by a signal; checkpoint {saved}. To continue, run the same command"
         print(stopped, file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory, the metrics.jsonl and TensorBoard trackers and the loss-curve plot."""
+"""Throughput, MFU, memory, the run's trackers (metrics.jsonl, TensorBoard, W&B) and the loss-curve plot."""
 
 from __future__ import annotations
 
