@@ -34,12 +34,23 @@
 
 set -euo pipefail
 
-cd "${SLURM_SUBMIT_DIR:-.}"
+# The job starts where sbatch was run (or in its --chdir): the repository's root, which holds .venv.
+if [[ ! -f .venv/bin/activate ]]; then
+  echo "error: no .venv/bin/activate in $PWD: submit the job from the repository's root (or sbatch --chdir ROOT)," \
+    "after \`make install\` made .venv there" >&2
+  exit 1
+fi
 # shellcheck source=/dev/null
 source .venv/bin/activate
 
 export CONFIG=${CONFIG:-accelerate_configs/2x8xh100.yaml}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+# One process per GPU: SLURM says how many this node has; a job without GPUs (on CPUs) must say how many processes.
+if [[ -z ${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}} ]]; then
+  echo "error: job $SLURM_JOB_ID has no GPUs, so the processes per node are unknown: set GPUS_PER_NODE, e.g." \
+    "CONFIG=accelerate_configs/cpu_ddp2.yaml GPUS_PER_NODE=2 sbatch --gpus-per-node=0 --cpus-per-task=CORES ..." >&2
+  exit 1
+fi
+export GPUS_PER_NODE=${GPUS_PER_NODE:-$SLURM_GPUS_ON_NODE}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MAIN_PROCESS_IP=${NODES[0]}
 export MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
