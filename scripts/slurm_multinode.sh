@@ -13,9 +13,10 @@
 #
 # Never lose the job: a run continues from its newest intact checkpoint in --out-dir when launched again (--resume
 # auto is the default), so a requeued job, which runs this script again with the same arguments, continues it.
-# - Preempted (or a node failed): --requeue puts the job back in the queue. SLURM sends SIGTERM to every process,
-#   the runs finish their step and save, and after the partition's GraceTime SIGKILL: that grace must exceed the
-#   one the run prints at its first checkpoint ("set your grace period above N s"); see `scontrol show partition`.
+# - Preempted (or a node failed): --requeue puts the job back in the queue. SLURM sends SIGTERM to every process
+#   of the step, the runs finish their step and save, and after the partition's GraceTime SIGKILL: that grace must
+#   exceed the one the run prints at its first checkpoint ("set your grace period above N s"); see `scontrol show
+#   partition`. The runs end before the grace does, so this script requeues the job itself (SLURM would not).
 # - The time limit: 5 minutes before it SLURM sends USR1 to this script, which stops the run the same way and
 #   requeues the job (for more lead, when a step plus a save takes longer: sbatch --signal=B:USR1@600 ...).
 # torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a SIGTERM before it kills them: set here
@@ -82,4 +83,14 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${CPUS[@]}" bash -c '
     train_accel.py "$@"
 ' bash "$@" &
 SRUN_PID=$!
-wait "$SRUN_PID"  # in the background and waited for, so the USR1 trap runs at once, not after srun ends
+status=0
+wait "$SRUN_PID" || status=$?  # in the background and waited for, so the USR1 trap runs at once, not after srun ends
+# Preempted (PreemptMode=REQUEUE): SLURM sends SIGTERM to the step and, after the partition's GraceTime, requeues the
+# job; but a job that ends within its grace, as one whose runs saved and stopped does, is not requeued (it ends
+# FAILED with the step's status): requeue it here.
+if ((status != 0)) && scontrol show job "$SLURM_JOB_ID" | grep -q 'PreemptTime=[0-9]'; then
+  echo "job $SLURM_JOB_ID was preempted: the run saved a checkpoint; requeueing"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"

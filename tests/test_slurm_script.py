@@ -1,6 +1,7 @@
-"""scripts/slurm_multinode.sh under a stand-in SLURM (no scheduler runs here): the time-limit warning (USR1) stops the
-run with SIGTERM to the job's step (not to srun, which would kill it), waits for it to save, then requeues the job;
-the job asks SLURM for requeueing and the warning."""
+"""scripts/slurm_multinode.sh under a stand-in SLURM (CI has no scheduler; what the stand-ins do is what SLURM 22.05
+did with this script, see BENCHMARKS.md): the time-limit warning (USR1) stops the run with SIGTERM to the job's step
+(not to srun, which would kill it), waits for it to save, then requeues the job; a preempted job, whose step SLURM
+stops, is requeued by the script too; the job asks SLURM for requeueing and the warning."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from testkit import REPO
 
 SCRIPT = REPO / "scripts" / "slurm_multinode.sh"
 
-# The stand-ins log what the script asked of them. srun: one step whose tasks, signalled by scancel (USR2 here),
-# "save" for a second (the script must wait for that) before the step ends; a SIGTERM to srun itself makes it
-# SIGKILL its tasks, as the real one does, so nothing is saved.
+# The stand-ins log what the script asked of them. srun: one step whose tasks, signalled by scancel or by SLURM's
+# preemption (USR2 here), "save" for a second (the script must wait for that) before the step ends with the launcher's
+# status after a SIGTERM; a SIGTERM to srun itself makes it SIGKILL its tasks, as the real one does, so nothing is
+# saved. scontrol shows the job's PreemptTime (None unless the job is being preempted).
 SRUN = """#!/bin/bash
 echo $$ > "$LOG.srun_pid"
-trap 'echo "the step got TERM"; sleep 1; echo "the step saved and ended"; exit 0' USR2
+trap 'echo "the step got TERM"; sleep 1; echo "the step saved and ended"; exit 143' USR2
 trap 'echo "srun got TERM: forcing job termination (SIGKILL to the tasks)"; exit 137' TERM
 echo "srun $*" >> "$LOG"
 exec >> "$LOG"
@@ -34,7 +36,9 @@ echo "scancel $*" >> "$LOG"
 kill -USR2 "$(cat "$LOG.srun_pid")"
 """
 SCONTROL = """#!/bin/bash
-if [ "$1" = "show" ]; then echo node1; echo node2; else echo "scontrol $*" >> "$LOG"; fi
+if [ "$1 $2" = "show hostnames" ]; then echo node1; echo node2
+elif [ "$1 $2" = "show job" ]; then echo "   PreemptEligibleTime=2026-12-06T05:23:19 PreemptTime=$PREEMPT_TIME"
+else echo "scontrol $*" >> "$LOG"; fi
 """
 
 
@@ -50,7 +54,7 @@ def _job(tmp_path, cwd, unset=(), **env):
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "SLURM_SUBMIT_DIR": str(cwd), **SLURM, **env}
+    env = {**os.environ, "SLURM_SUBMIT_DIR": str(cwd), "PREEMPT_TIME": "None", **SLURM, **env}
     env = {k: v for k, v in env.items() if k not in unset} | {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "LOG": str(log),
@@ -103,6 +107,25 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
 
 
 @needs_bash
+@pytest.mark.parametrize("preempted", [True, False])
+def test_a_preempted_job_whose_run_saved_is_requeued(tmp_path, preempted):
+    """Preempted with a GraceTime, SLURM sends SIGTERM to the step only; the runs save and end before the grace does,
+    and SLURM then records the job FAILED (exit 143), not requeued: the script requeues it. A step stopped otherwise
+    (`scancel --signal=TERM` by its user) ends the job with the step's status."""
+    job, log = _job(tmp_path, _repo(tmp_path), PREEMPT_TIME="2026-12-06T05:23:44" if preempted else "None")
+    with _cleanup(job):
+        _wait_for_srun(job, log)
+        os.kill(int((tmp_path / "log.srun_pid").read_text()), signal.SIGUSR2)  # SLURM's SIGTERM to the step
+        out, _ = job.communicate(timeout=30)
+    lines = log.read_text().splitlines()
+    if preempted:
+        assert job.returncode == 0 and lines[-2:] == ["the step saved and ended", "scontrol requeue 4242"]
+        assert "job 4242 was preempted: the run saved a checkpoint; requeueing" in out
+    else:
+        assert job.returncode == 143 and lines[-1] == "the step saved and ended"
+
+
+@needs_bash
 def test_the_job_runs_in_its_working_directory_not_always_the_submit_one(tmp_path):
     """`sbatch --chdir ROOT` (a job submitted from elsewhere) starts the script in ROOT: the repository it runs."""
     elsewhere = tmp_path / "elsewhere"
@@ -130,3 +153,38 @@ def test_what_the_job_lacks_ends_it_with_one_line_before_any_step(tmp_path, case
         assert last.startswith("error: job 4242 has no GPUs") and "GPUS_PER_NODE=2" in last, err
     else:
         assert last.startswith(f"error: no .venv/bin/activate in {tmp_path / 'empty'}:") and "--chdir" in last, err
+
+
+def _slurm_runs_here() -> bool:
+    if shutil.which("sbatch") is None:
+        return False
+    return subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP") > 0
+
+
+@pytest.mark.skipif(not _slurm_runs_here(), reason="needs a running SLURM (sbatch, and scontrol ping says UP)")
+def test_under_real_slurm_a_job_without_gpus_says_what_to_set(tmp_path):
+    """What the stand-ins assume, checked against the real scheduler: a job given no GPUs has no SLURM_GPUS_ON_NODE,
+    so the script ends it at once with its one line, and SLURM records that job as FAILED with exit code 1."""
+    _repo(tmp_path)
+    out = tmp_path / "job.out"
+    submit = ["sbatch", "--parsable", "--chdir", str(tmp_path), "--output", str(out), "--nodes=1", "--gpus-per-node=0",
+              "--cpus-per-task=1", "--time=10", str(SCRIPT), "--out-dir", str(tmp_path / "run")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "GPUS_PER_NODE"}  # sbatch passes the job this environment
+    job_id = (
+        subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .split(";")[0]
+    )
+    deadline, state = time.monotonic() + 30, ""
+    while time.monotonic() < deadline:
+        state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)", state):
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job_id])
+        if "JobState=PENDING" in state:
+            pytest.skip(f"job {job_id} waited in the queue for 30 s (a busy cluster)")
+    out_text = out.read_text() if out.exists() else "(no output)"
+    assert "JobState=FAILED" in state and "ExitCode=1:0" in state, state + out_text
+    assert out_text.splitlines()[-1].startswith(f"error: job {job_id} has no GPUs"), out_text
