@@ -75,8 +75,12 @@ trap requeue USR1
 # The CPUs asked of sbatch, given to the step: srun does not take them from the job in SLURM 22.05 to 23.02.
 CPUS=()
 [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && CPUS=(--cpus-per-task "$SLURM_CPUS_PER_TASK")
+# Each machine's run prints its own log, and the job's one output file holds them all: on several nodes each line says
+# which node's it is ("1: step 120/4769 ...").
+LABEL=()
+((SLURM_NNODES > 1)) && LABEL=(--label)
 # shellcheck disable=SC2016
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${CPUS[@]}" bash -c '
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${LABEL[@]}" "${CPUS[@]}" bash -c '
   python -m training.launch -q --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes "$NUM_PROCESSES" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \

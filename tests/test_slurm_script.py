@@ -101,7 +101,7 @@ def test_the_time_limit_warning_stops_the_run_then_requeues_the_job(tmp_path):
         "scancel --signal=TERM 4242", "the step got TERM", "the step saved and ended", "scontrol requeue 4242"
     ]  # fmt: skip
     assert "python -m training.launch -q --config_file" in log.read_text()  # the launch without tracebacks
-    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task 64 bash -c" in log.read_text()
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label --cpus-per-task 64 bash -c" in log.read_text()
     header = SCRIPT.read_text()
     assert re.search(r"^#SBATCH --requeue$", header, re.M) and re.search(r"^#SBATCH --signal=B:USR1@\d+$", header, re.M)
 
@@ -123,6 +123,18 @@ def test_a_preempted_job_whose_run_saved_is_requeued(tmp_path, preempted):
         assert "job 4242 was preempted: the run saved a checkpoint; requeueing" in out
     else:
         assert job.returncode == 143 and lines[-1] == "the step saved and ended"
+
+
+@needs_bash
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_on_several_nodes_each_line_of_the_job_output_names_its_node(tmp_path, nodes):
+    """Each machine's run prints its log (under SLURM 22.05 a 2-node job's output had every line twice, unlabelled):
+    srun --label prefixes each line with its task, one per node; a one-node job's lines stay as they are."""
+    job, log = _job(tmp_path, _repo(tmp_path), SLURM_NNODES=str(nodes))
+    with _cleanup(job):
+        _wait_for_srun(job, log)
+    srun = next(line for line in log.read_text().splitlines() if line.startswith("srun "))
+    assert ("--label" in srun.split()) == (nodes > 1), srun
 
 
 @needs_bash
