@@ -35,6 +35,11 @@
 
 set -euo pipefail
 
+if [[ -z ${SLURM_JOB_ID:-} ]]; then  # run by hand: the machines, the rank and the requeue all come from the job
+  echo "error: this is a SLURM batch script: submit it with \`sbatch scripts/slurm_multinode.sh ARGS\` (on one" \
+    "machine without SLURM, run \`accelerate launch ... train_accel.py ARGS\` instead)" >&2
+  exit 1
+fi
 # The job starts where sbatch was run (or in its --chdir): the repository's root, which holds .venv.
 if [[ ! -f .venv/bin/activate ]]; then
   echo "error: no .venv/bin/activate in $PWD: submit the job from the repository's root (or sbatch --chdir ROOT)," \

@@ -148,6 +148,16 @@ def test_the_job_runs_in_its_working_directory_not_always_the_submit_one(tmp_pat
 
 
 @needs_bash
+def test_run_by_hand_outside_slurm_it_says_to_use_sbatch(tmp_path):
+    names = (*SLURM, "SLURM_SUBMIT_DIR")
+    job, log = _job(tmp_path, _repo(tmp_path), unset=names)
+    with _cleanup(job):
+        _, err = job.communicate(timeout=30)
+    assert job.returncode == 1 and not log.exists()
+    assert err.strip().splitlines()[-1].startswith("error: this is a SLURM batch script: submit it with `sbatch"), err
+
+
+@needs_bash
 @pytest.mark.parametrize("case", ["no GPUs", "no .venv"])
 def test_what_the_job_lacks_ends_it_with_one_line_before_any_step(tmp_path, case):
     """A job on CPUs (sbatch --gpus-per-node=0: SLURM sets no SLURM_GPUS_ON_NODE) must say its processes per node, not
