@@ -79,7 +79,7 @@ def grace_period_line(save_s: float, step_s: float) -> str:
     line = (
         f"checkpoint saved in {save_s:.1f} s (a step takes {step_s:.1f} s): a stop (SIGTERM) finishes the step and "
         f"saves, so set your grace period above {grace} s before SIGKILL (docker stop -t, Kubernetes "
-        "terminationGracePeriodSeconds, SLURM --signal)"
+        "terminationGracePeriodSeconds, SLURM's GraceTime and KillWait)"
     )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun SIGKILLs its workers a while after passing the signal on
         line += _torchrun_clause(grace)

@@ -27,13 +27,13 @@ def test_the_grace_period_covers_the_step_and_the_save_twice(no_launcher):
     line = grace_period_line(save_s=3.2, step_s=1.1)
     assert line.startswith("checkpoint saved in 3.2 s (a step takes 1.1 s): ")
     assert line.endswith("set your grace period above 14 s before SIGKILL (docker stop -t, Kubernetes "
-                         "terminationGracePeriodSeconds, SLURM --signal)")  # fmt: skip
+                         "terminationGracePeriodSeconds, SLURM's GraceTime and KillWait)")  # fmt: skip
 
 
 @pytest.mark.skipif(not torchrun_reads_shutdown_timeout(), reason="torch < 2.12's torchrun waits a fixed 30 s")
 def test_under_torchrun_its_shutdown_timeout_is_named_when_shorter(no_launcher):
     no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")
-    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("terminationGracePeriodSeconds, SLURM --signal)")
+    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("SLURM's GraceTime and KillWait)")
     no_launcher.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "10")
     assert grace_period_line(save_s=3.2, step_s=1.1).endswith(" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT above 14 (now 10)")
 
@@ -47,7 +47,7 @@ def test_under_a_torchrun_that_kills_after_a_fixed_30_s_a_longer_grace_says_so(n
     no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")
     no_launcher.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")  # torch 2.11's torchrun does not read it
     no_launcher.setattr(signals, "torchrun_reads_shutdown_timeout", lambda: False)
-    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("SLURM --signal)")  # 14 s: within the 30
+    assert grace_period_line(save_s=3.2, step_s=1.1).endswith("SLURM's GraceTime and KillWait)")  # 14 s: within the 30
     slow = grace_period_line(save_s=20.0, step_s=1.5)
     assert slow.endswith(f"; but torchrun in torch {torch.__version__} kills the run 30 s after passing the signal "
                          "on, a wait torch >= 2.12 reads from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: upgrade torch and set it "
@@ -58,7 +58,7 @@ def test_under_a_torchrun_that_kills_after_a_fixed_30_s_a_longer_grace_says_so(n
 def test_under_accelerates_one_process_launcher_its_kill_is_named_when_the_save_needs_longer(no_launcher):
     no_launcher.setenv("ACCELERATE_USE_CPU", "True")
     quick = grace_period_line(save_s=0.5, step_s=0.5)  # twice over: 2 s, within the launcher's 5
-    assert quick.endswith("SLURM --signal)"), quick
+    assert quick.endswith("SLURM's GraceTime and KillWait)"), quick
     slow = grace_period_line(save_s=3.2, step_s=1.1)
     assert slow.endswith(f"kills the run {ACCELERATE_KILL_S} s after passing the signal on: signal this process "
                          f"(pid {os.getpid()}) instead")  # fmt: skip
