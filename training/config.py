@@ -329,6 +329,9 @@ def _field_types() -> dict[str, tuple[type, bool]]:
     return out
 
 
+COMMA_LISTS = ("eval_tasks", "trackers")  # str fields that hold a comma list of names
+
+
 def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
     """Check a YAML value's type (ints are fine where floats are expected)."""
     if value is None:
@@ -337,6 +340,8 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
         raise ConfigError(f"{name} may not be empty (null)")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if name in COMMA_LISTS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # `trackers: [tensorboard, wandb]`, as YAML writes a list, is the flag's comma list
     if kind is float and isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string, not as the float it is
         try:
             return float(value)

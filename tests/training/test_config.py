@@ -152,6 +152,17 @@ def test_wrong_type_in_yaml(tmp_path):
         load_yaml(run_config)
 
 
+def test_a_yaml_list_of_trackers_or_eval_tasks_is_their_comma_list(tmp_path):
+    """`trackers: [tensorboard, wandb]` was `trackers must be str, got [...] (list)`; another text field still takes
+    one string."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("trackers: [tensorboard, wandb]\neval_tasks:\n  - hellaswag\n  - lambada\n")
+    assert load_yaml(run_config) == {"trackers": "tensorboard,wandb", "eval_tasks": "hellaswag,lambada"}
+    run_config.write_text("sample_prompt: [ROMEO, JULIET]\n")
+    with pytest.raises(ConfigError, match=r"^sample_prompt must be str, got \['ROMEO', 'JULIET'\] \(list\)$"):
+        load_yaml(run_config)
+
+
 def test_a_float_yaml_reads_as_a_string_is_the_float_written(tmp_path):
     """YAML 1.1 reads 3e-4 (no dot) as a string; it was `lr must be float, got '3e-4' (str)`."""
     run_config = tmp_path / "run.yaml"
