@@ -4,7 +4,8 @@
 The parameter names are the same on both sides; two things differ:
 - GPT-2's Conv1D stores its weight as (in, out), the transpose of nn.Linear's (out, in);
 - our embedding/head is padded to vocab_size (50,304) rows, GPT-2 has the 50,257 real ids. Export drops the
-  padded rows; import fills them with zeros (their logit is then 0, and generate() never samples them).
+  padded rows; import keeps the folder's 50,257 (load_hf_config), as nanoGPT's from_pretrained does, so the loss is
+  the folder model's: a padded row's logit would enter the softmax too.
 Every conversion checks every key and shape against the model it feeds, so a silent mismatch is impossible.
 """
 
@@ -197,12 +198,15 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
     differ = [f"{key} {found[key]!r} (ours: {value!r})" for key, value in wanted.items() if found[key] != value]
     if differ:
         raise ValueError(f"{folder}: a GPT-2 our GPT cannot compute: {', '.join(differ)}")
-    # dropout stays the recipe's 0, as nanoGPT's init_from keeps it, not the 0.1 of the Hub's gpt2 config
-    return GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions)
+    # dropout stays the recipe's 0, as nanoGPT's init_from keeps it, not the 0.1 of the Hub's gpt2 config; no padded
+    # vocab rows: zeros have logit 0, far above GPT-2's own (around -100 for gpt2), and would take most of the softmax
+    return GPTConfig(
+        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, vocab_size=REAL_VOCAB_SIZE
+    )
 
 
 def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
-    """A GPT (vocab padded to 50,304) from a transformers GPT-2 folder or Hub id, such as export_hf writes.
+    """A GPT (of GPT-2's 50,257 ids, unpadded) from a transformers GPT-2 folder or Hub id, such as export_hf writes.
     config (default: load_hf_config's) may shorten block_size: the position table keeps its first rows. A ValueError
     says what is wrong with the folder (another model, weights that do not load)."""
     saved = load_hf_config(folder)

@@ -1,5 +1,6 @@
 """modeling.hf_export: a round trip through a transformers GPT-2 folder keeps the logits and the tokenizer."""
 
+import dataclasses
 import json
 import re
 import sys
@@ -53,9 +54,26 @@ def test_transformers_gives_the_same_logits_and_load_hf_round_trips(tiny_gpt: GP
         assert hf.config.vocab_size == REAL_VOCAB_SIZE and hf.lm_head.weight is hf.transformer.wte.weight
         assert (hf(ids()).logits - ours).abs().max() < 1e-4
         back = load_hf(export).eval()
-        assert back.config == tiny_gpt.config
-        assert torch.equal(back(ids())[0][..., :REAL_VOCAB_SIZE], ours)
-        assert back.lm_head.weight[REAL_VOCAB_SIZE:].abs().max() == 0  # padded rows come back as zeros
+        assert back.config == dataclasses.replace(tiny_gpt.config, vocab_size=REAL_VOCAB_SIZE)  # no padded rows
+        assert torch.equal(back(ids())[0], ours)
+
+
+def test_load_hf_trains_from_the_folders_loss_where_its_logits_are_far_below_zero(tmp_path: Path):
+    """GPT-2's logits sit around -100 (its final LayerNorm's bias along a direction every embedding shares): a padded
+    row of zeros (logit 0) beside them would take most of the softmax, and the first train loss would be ~100, not
+    the folder model's. Built so here: a uniform -100 shift that leaves transformers' loss as it was."""
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16)).eval()
+    with torch.no_grad():
+        hf.transformer.ln_f.weight[0], hf.transformer.ln_f.bias[0] = 0.0, -10.0
+        hf.transformer.wte.weight[:, 0] += 10.0
+    hf.save_pretrained(tmp_path)
+    x, y = ids(), ids().roll(1, dims=1)
+    with torch.no_grad():
+        assert hf(x).logits.max() < -50
+        theirs = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+        _, ours = load_hf(tmp_path)(x, y)
+    assert abs(ours.item() - theirs.item()) < 1e-4, (ours.item(), theirs.item())
 
 
 def test_auto_tokenizer_encodes_like_tiktoken(tiny_gpt: GPT, export: Path):
@@ -118,7 +136,9 @@ def test_load_hf_config_names_what_our_gpt_cannot_compute(tmp_path: Path, field:
 
 def test_load_hf_config_takes_the_shape_and_leaves_dropout_at_the_recipes(tmp_path: Path):
     GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=64, resid_pdrop=0.1).save_pretrained(tmp_path)  # as gpt2's
-    assert load_hf_config(tmp_path) == GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=64, dropout=0.0)
+    assert load_hf_config(tmp_path) == GPTConfig(
+        n_layer=2, n_head=2, n_embd=16, block_size=64, dropout=0.0, vocab_size=REAL_VOCAB_SIZE
+    )
 
 
 @pytest.mark.parametrize("config", [{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 12}, {}])
