@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from accelerate.utils.other import compile_regions
+from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from modeling.config import get_preset
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT
-from modeling.runs import model_shape, plain_state_dict
+from modeling.runs import CONFIG_FILE, checkpoint_dir, load_checkpoint, model_shape, plain_state_dict
 
 
 @pytest.fixture
@@ -67,3 +69,20 @@ def test_a_run_folder_given_to_init_from_names_its_export(tmp_path):
     with pytest.raises(ValueError) as err:
         model_shape("gpt2-124m", init_from=str(run))
     assert str(err.value) == f"init_from {run} is a run folder: give its export, {run / 'export'}"
+
+
+def test_a_run_started_from_a_folder_with_its_vocab_padded_still_reads(tmp_path):
+    """Runs started with --init-from before it kept the folder's 50,257 ids saved 50,304 rows; evals, generate and
+    training.export read them still (the padded ids are never tokens), so such a run can be exported and started
+    from again."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32)).save_pretrained(tmp_path / "hf")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / CONFIG_FILE).write_text(f"preset: tiny-cpu\ninit_from: {tmp_path / 'hf'}\n")
+    padded = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=PADDED_VOCAB_SIZE))
+    checkpoint = checkpoint_dir(tmp_path / "run", 2)
+    checkpoint.mkdir(parents=True)
+    save_file({k: v.clone() for k, v in padded.state_dict().items()}, checkpoint / "model.safetensors")
+    model, _ = load_checkpoint(tmp_path / "run", "step-00000002")
+    assert model.config.vocab_size == REAL_VOCAB_SIZE
+    assert torch.equal(model.lm_head.weight, padded.lm_head.weight[:REAL_VOCAB_SIZE])
