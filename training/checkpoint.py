@@ -564,7 +564,17 @@ def load_resume_state(
     if saved == now == "DeepSpeed":
         check_zero_resume(checkpoint, accelerator.state.deepspeed_plugin.zero_stage, accelerator.num_processes)
     if saved == now or saved is None:  # None: accelerate names the missing file
-        accelerator.load_state(str(checkpoint))
+        try:
+            accelerator.load_state(str(checkpoint))
+        except RuntimeError as err:  # the model's load_state_dict: a run started with --init-from before it kept
+            if "size mismatch" not in str(err):  # the folder's 50,257 ids saved them padded to 50,304
+                raise
+            mismatch = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
+            raise ConfigError(
+                f"--resume {checkpoint}: its weights do not fit this run's model ({mismatch}); export them (python -m "
+                f"training.export {checkpoint.parent.parent} --checkpoint {checkpoint.name}) and start a new run "
+                "from the export with --init-from, or start afresh with --resume never"
+            ) from None
         return None
     if (saved, now) != ("FSDP", "DDP"):
         raise ConfigError(

@@ -12,13 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from data_prep.tokenizer import gpt2_vocab_and_merges
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
 from testkit import REPO, TINY_MODEL, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
-from training.checkpoint import list_checkpoints
+from training.checkpoint import list_checkpoints, write_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -255,3 +258,24 @@ def test_a_folder_where_the_run_writes_a_file_stops_it_at_start_up(prepared_book
     (run_dir / "samples.txt").rmdir()
     done = run(cmd)
     assert "--- step 2 ---" in (run_dir / "samples.txt").read_text() and (run_dir / "loss.png").is_file(), done.stdout
+
+
+def test_a_run_started_from_a_folder_with_its_vocab_padded_stops_its_resume_in_one_line(workspace, tmp_path):
+    """Runs started with --init-from before it kept the folder's 50,257 ids saved 50,304 vocab rows; resumed now, the
+    checkpoint no longer fits the model: one line that says how to go on from its weights, not a traceback."""
+    data, run_dir = workspace
+    folder = export_hf(GPT(TINY_MODEL), tmp_path / "folder", gpt2_vocab_and_merges())
+    args = ["--init-from", str(folder), "--max-steps", "2", "--checkpoint-interval", "2", "--eval-interval", "0"]
+    run(train_cmd(None, run_dir, data, "--resume", "never", *args), timeout=300)
+    checkpoint = list_checkpoints(run_dir)[-1]
+    weights = load_file(checkpoint / "model.safetensors")  # as such a run saved it: the tied matrix padded
+    key = next(k for k in weights if k.endswith("wte.weight"))
+    padding = weights[key].new_zeros(PADDED_VOCAB_SIZE - REAL_VOCAB_SIZE, TINY_MODEL.n_embd)
+    weights[key] = torch.cat([weights[key], padding])
+    save_file(weights, checkpoint / "model.safetensors")
+    write_manifest(checkpoint)
+    result = run(train_cmd(None, run_dir, data, *args, "--max-steps", "4"), expect_rc=1, timeout=300)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: .*step-00000002: its weights do not fit this run's model \(.*50304.*\).*python -m "
+                    r"training\.export", last), last  # fmt: skip
