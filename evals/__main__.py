@@ -23,6 +23,7 @@ from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
+from modeling.cpu_linear import NO_NATIVE_BF16, cpu_matmul_speeds
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.disk import DiskFull, cannot_write, disk_full_reported
 from modeling.runtime import dtype_name, exit_process, finish, joined, report_error, set_up_compute
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                 "fp16 (--mixed-precision or the launch config) does not apply on a CPU: accelerate autocasts to fp16 "
                 "on GPUs only; pass --mixed-precision bf16 or no"
             )
+        if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16" and accelerator.is_main_process:
+            print_bf16_warning()
         model, source = load_model_from_args(args)
         # VML warmed up (1 and 2 processes score alike only with no sloppier first exp), freed memory kept (each
         # batch's logits, far over glibc's mmap limit, reuse the last batch's pages)
@@ -92,6 +95,21 @@ def main(argv: list[str] | None = None) -> None:
             status = save_json(Path(args.json), to_json(source, runs))
     # on gloo (2+ CPU processes) this skips a teardown that can abort after the work is done
     finish(accelerator, status)
+
+
+def print_bf16_warning() -> None:
+    """One `warning:` line on stderr where this CPU emulates bf16 matmuls (AVX2-only cores run them 30-300x slower
+    than fp32): the eval would take many times fp32's time for nothing. Measures both (~1 s), as training does."""
+    speeds = cpu_matmul_speeds()
+    ratio = speeds["no"] / speeds["bf16"]
+    if ratio >= NO_NATIVE_BF16:
+        print(
+            f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here (fp32 "
+            f"{speeds['no'] * 1e3:.3g} GFLOP/s, bf16 {speeds['bf16'] * 1e3:.3g} GFLOP/s); evaluate in fp32 with "
+            "--mixed-precision no",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def save_json(path: Path, report: dict) -> int:

@@ -10,9 +10,15 @@ CPUs, which MKL is tuned for. bf16 matmuls already go to oneDNN on every CPU.
 Training only: inference keeps torch's kernels, as code outside the model computes with the same weights (the evals
 score a bare GPT's head with F.linear and a wrapped one through lm_head, and must agree to the bit on 1 or 2
 processes: tests/e2e/test_evals_cli.py). The two kernels' sums differ in the last bits (~3e-7 relative).
+
+cpu_matmul_speeds times fp32 against bf16 matmuls here: the probe behind training's precision hints and the evals'
+warning where bf16 is not native.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 import torch
 import torch.nn as nn
@@ -101,3 +107,32 @@ class Linear(nn.Linear):
         if torch.is_grad_enabled() and self.weight.requires_grad and takes(x, self.weight):
             return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+# bf16 this many times slower than fp32 is emulated, not native (>= ~0.5x fp32 without AMX): AVX2-only cores run it
+# 30-300x slower, AVX-512 cores without its bf16 instructions (Intel Cascade Lake) 4.5-7x (BENCHMARKS.md)
+NO_NATIVE_BF16 = 3.0
+
+
+def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
+    """TFLOP/s of an n x n CPU matmul by mixed_precision value ('no': fp32, 'bf16'), to compare the two: one
+    thread's best single matmul times the threads torch uses (as measure_matmul_tflops), the dtypes taking turns
+    for about `seconds`. On a busy machine some short matmuls still run undisturbed and both dtypes meet the same
+    load, so the ratio holds where peak_tflops of each dtype in turn swings with the load each one met
+    (BENCHMARKS.md, "`make train`'s precision"). n = 512: a small model's matmul, done between preemptions."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mats = {mp: torch.randn(n, n, dtype=torch.bfloat16 if mp == "bf16" else torch.float32) for mp in ("no", "bf16")}
+        for a in mats.values():
+            matmul(a, a)  # warm-up: oneDNN builds its kernel on the first call
+        best: dict[str, float] = {}
+        deadline = time.perf_counter() + seconds
+        while not best or time.perf_counter() < deadline:
+            for mp, a in mats.items():
+                start = time.perf_counter()
+                matmul(a, a)
+                best[mp] = min(best.get(mp, math.inf), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 import sys
@@ -25,7 +24,7 @@ from accelerate.utils import LoggerType
 
 from data_prep.loader import MANIFEST_NAME
 from evals.plot import save_png
-from modeling.cpu_linear import matmul
+from modeling.cpu_linear import NO_NATIVE_BF16, cpu_matmul_speeds, matmul
 from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import METRICS_FILE, read_metrics
 from modeling.runtime import dtype_name
@@ -286,33 +285,6 @@ def precision_name(mixed_precision: str) -> str:
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
-# bf16 this many times slower than fp32 is emulated, not native (>= ~0.5x fp32 without AMX): AVX2-only cores run it
-# 30-300x slower, AVX-512 cores without its bf16 instructions (Intel Cascade Lake) 4.5-7x (BENCHMARKS.md)
-NO_NATIVE_BF16 = 3.0
-
-
-def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
-    """TFLOP/s of an n x n CPU matmul by mixed_precision value ('no': fp32, 'bf16'), to compare the two: one
-    thread's best single matmul times the threads torch uses (as measure_matmul_tflops), the dtypes taking turns
-    for about `seconds`. On a busy machine some short matmuls still run undisturbed and both dtypes meet the same
-    load, so the ratio holds where peak_tflops of each dtype in turn swings with the load each one met
-    (BENCHMARKS.md, "`make train`'s precision"). n = 512: a small model's matmul, done between preemptions."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        mats = {mp: torch.randn(n, n, dtype=torch.bfloat16 if mp == "bf16" else torch.float32) for mp in CPU_YAML}
-        for a in mats.values():
-            matmul(a, a)  # warm-up: oneDNN builds its kernel on the first call
-        best: dict[str, float] = {}
-        deadline = time.perf_counter() + seconds
-        while not best or time.perf_counter() < deadline:
-            for mp, a in mats.items():
-                start = time.perf_counter()
-                matmul(a, a)
-                best[mp] = min(best.get(mp, math.inf), time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}
 
 
 def runnable_cpu_yamls() -> dict[str, str]:
