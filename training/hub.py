@@ -9,6 +9,7 @@ model card and loss plot written into its export/ folder.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -310,7 +311,7 @@ Accelerate, MIT-licensed).
 ## Training
 | | |
 |---|---|
-| model | {model} (context {config["block_size"] or "the model's"}) |
+| model | {model} (context {_context(run_dir, config)}) |
 | optimizer | {_optimizer_line(config)} |
 | lr schedule | {_schedule_line(config)} |
 | optimizer steps | {last["step"]:,} |
@@ -330,6 +331,15 @@ print(tok.decode(out[0]))
 ```
 """
     return str(ModelCard(content))
+
+
+def _context(run_dir: Path, config: dict) -> int | str:
+    """The model's context in tokens: its export's n_positions (the model the card describes, also where its shape
+    came from an --init-from folder), else the run's block_size."""
+    export_config = run_dir / EXPORT_DIR / "config.json"
+    if export_config.is_file():
+        return json.loads(export_config.read_text())["n_positions"]
+    return config["block_size"] or "the model's"
 
 
 def _started_from(init_from: str) -> tuple[str, bool]:

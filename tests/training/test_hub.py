@@ -12,6 +12,7 @@ import time
 import pytest
 import yaml
 from huggingface_hub import ModelCard, constants
+from transformers import GPT2Config
 
 from data_prep.prepare import prepare
 from data_prep.tokenizer import gpt2_vocab_and_merges
@@ -436,3 +437,13 @@ def test_a_hub_out_of_reach_stops_at_start_up(monkeypatch):
         with pytest.raises(HubError, match=r"^cannot reach the Hub \(.*: no answer in 0.5 s\) .*" + later):
             check_push("you/x", "runs/x", timeout=0.5)
         assert time.monotonic() - start < 5
+
+
+def test_the_card_gives_the_context_of_a_model_started_from_a_folder(tmp_path, prepared_books):
+    """A run started from a folder (no --block-size) trains at the folder's n_positions: the card said "(context the
+    model's)" where the export beside it says how many tokens."""
+    parent = tmp_path / "weights"
+    GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=128).save_pretrained(parent)
+    write_run(tmp_path / "run", prepared_books, ROWS, init_from=str(parent))
+    GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=128).save_pretrained(tmp_path / "run" / "export")
+    assert "| model | weights (continued) (context 128) |" in render_model_card(tmp_path / "run")
