@@ -139,9 +139,20 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
         raise RunError(f"{path} is missing, so the model shape is unknown; is {run_dir} a run folder?")
     try:
         config = yaml.safe_load(path.read_text())
-        return model_shape(config["preset"], config.get("block_size"), config.get("init_from") or "")
-    except (yaml.YAMLError, TypeError, KeyError, ValueError) as err:  # unreadable, no preset, or a bad shape
+        preset, block_size, init_from = config["preset"], config.get("block_size"), config.get("init_from") or ""
+        return model_shape(preset, block_size, init_from)
+    except (yaml.YAMLError, TypeError, KeyError) as err:  # unreadable, or no preset
         raise RunError(f"{path}: {err}") from None
+    except ValueError as err:  # a bad shape, or the folder the run started from moved or deleted since
+        export = Path(run_dir) / EXPORT_DIR
+        if not init_from:
+            raise RunError(f"{path}: {err}") from None
+        if (export / "config.json").is_file():  # the run's own export: the same shape
+            return model_shape(preset, None, str(export))
+        raise RunError(
+            f"{path}: {str(err).split('; ')[0]}: the run's model shape comes from there; put it back (or, once the "
+            "run has finished, its export/ stands in for it)"
+        ) from None
 
 
 def checkpoint_engine(checkpoint: str | Path) -> str | None:

@@ -12,7 +12,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.gpt import GPT
-from modeling.runs import CONFIG_FILE, checkpoint_dir, load_checkpoint, model_shape, plain_state_dict
+from modeling.runs import (
+    CONFIG_FILE,
+    RunError,
+    checkpoint_dir,
+    load_checkpoint,
+    model_shape,
+    plain_state_dict,
+    run_model_config,
+)
 
 
 @pytest.fixture
@@ -86,3 +94,18 @@ def test_a_run_started_from_a_folder_with_its_vocab_padded_still_reads(tmp_path)
     model, _ = load_checkpoint(tmp_path / "run", "step-00000002")
     assert model.config.vocab_size == REAL_VOCAB_SIZE
     assert torch.equal(model.lm_head.weight, padded.lm_head.weight[:REAL_VOCAB_SIZE])
+
+
+def test_a_run_whose_starting_folder_is_gone_reads_its_shape_from_its_export(tmp_path):
+    """The folder a run started from (--init-from) gives its shape; deleted after the run (a download in /tmp), evals,
+    evals.generate and training.export stopped, saying to give a folder they take no flag for. The run's own export
+    has the same shape; without one, the line says to put the folder back."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text(f"preset: tiny-cpu\ninit_from: {tmp_path / 'deleted'}\n")
+    gone = r"init_from .*deleted: no such folder: the run's model shape comes from there; put it back"
+    with pytest.raises(RunError, match=gone):
+        run_model_config(run)
+    GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32).save_pretrained(run / "export")
+    shape = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=REAL_VOCAB_SIZE)
+    assert run_model_config(run) == shape
