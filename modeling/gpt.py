@@ -233,8 +233,8 @@ class GPT(nn.Module):
             else:  # the context slides past the learned positions' end: every position shifts, so all is recomputed
                 x = self.hidden_states(idx[:, -block_size:])
             # Only the last position is sampled from, so only it goes through the (big) head.
-            logits = self.lm_head(x[:, -1, :]).float()  # (B, vocab_size)
-            logits[:, REAL_VOCAB_SIZE:] = float("-inf")
+            # the real ids only: padded or not (a model from --init-from is not), the same model samples alike
+            logits = self.lm_head(x[:, -1, :]).float()[:, :REAL_VOCAB_SIZE]  # (B, 50,257)
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
