@@ -238,7 +238,7 @@ class Bench:
 
 
 # A bf16 run on a CPU whose bf16 matmuls are this many times slower than its fp32 ones is not timed. Past
-# training.metrics.NO_NATIVE_BF16 (3x) bf16 is not native; AVX2-only cores run it 30-300x slower (a small-cpu step
+# modeling.cpu_linear.NO_NATIVE_BF16 (3x) bf16 is not native; AVX2-only cores run it 30-300x slower (a small-cpu step
 # takes minutes there), while Cascade Lake's 4.5-7x is still timed.
 UNTIMED_BF16_SLOWDOWN = 20.0
 

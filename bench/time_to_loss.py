@@ -44,11 +44,11 @@ from bench.report import report_folder, save_report
 from bench.rungs import REPO, checked_launch
 from data_prep import DataPrepError
 from evals.plot import png_bytes
+from modeling.cpu_linear import cpu_matmul_speeds
 from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache
 from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import Run, evaluate, setup, trainer_for
-from training.metrics import cpu_matmul_speeds
 from training.pick_cpu_config import pick
 
 # The recipe `make train` ran before this benchmark chose a new one (configs/cpu_small.yaml at that time).

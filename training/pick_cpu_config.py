@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from modeling.cpu_linear import NO_NATIVE_BF16, cpu_matmul_speeds
 from training.compile_cache import EAGER_YAML, cpp_compiler, no_cpp_compiler
-from training.metrics import CPU_YAML, FASTER_BY, NO_NATIVE_BF16, cpu_matmul_speeds, dtype_name
+from training.metrics import CPU_YAML, FASTER_BY, dtype_name
 
 
 def choose(tflops: dict[str, float]) -> tuple[str, str]:

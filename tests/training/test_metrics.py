@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from modeling.cpu_linear import cpu_matmul_speeds
 from modeling.device import X86
 from testkit import REPO, run
 from training.config import ConfigError, TrainConfig
@@ -16,7 +17,6 @@ from training.metrics import (
     PEAK_TFLOPS,
     JSONLTracker,
     check_trackers,
-    cpu_matmul_speeds,
     cpu_matmul_tflops_at_once,
     cpu_precision_hint,
     cuda_matmul_kind,
