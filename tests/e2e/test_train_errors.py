@@ -265,7 +265,8 @@ def test_a_run_started_from_a_folder_with_its_vocab_padded_stops_its_resume_in_o
     checkpoint no longer fits the model: one line that says how to go on from its weights, not a traceback."""
     data, run_dir = workspace
     folder = export_hf(GPT(TINY_MODEL), tmp_path / "folder", gpt2_vocab_and_merges())
-    args = ["--init-from", str(folder), "--max-steps", "2", "--checkpoint-interval", "2", "--eval-interval", "0"]
+    args = ["--init-from", str(folder), "--max-steps", "2", "--checkpoint-interval", "2", "--eval-interval", "0",
+            "--micro-batch-size", "4", "--total-batch-tokens", "128"]  # fmt: skip
     run(train_cmd(None, run_dir, data, "--resume", "never", *args), timeout=300)
     checkpoint = list_checkpoints(run_dir)[-1]
     weights = load_file(checkpoint / "model.safetensors")  # as such a run saved it: the tied matrix padded
