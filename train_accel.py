@@ -8,6 +8,7 @@ training.config.TrainConfig (defaults < --config file < flags; `--print-config` 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from training.signals import (
     Terminated,
     grace_period_line,
     ignore_further_stops,
+    pid1_drops_sigterm_line,
     stop_at_once_on_sigterm,
     stop_with_the_launcher,
 )
@@ -170,6 +172,9 @@ def main() -> None:
     if print_only:
         print(config_to_yaml(cfg), end="")
         return
+    pid1_drops_sigterm = pid1_drops_sigterm_line()
+    if pid1_drops_sigterm and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per machine (each its container)
+        print(pid1_drops_sigterm, file=sys.stderr, flush=True)
     run = setup(cfg, startup)  # accelerator, data, model, optimizer, schedule, prepare(), resume
     try:
         if fit(run):

@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import save_model
@@ -270,6 +271,18 @@ def rendered(screen: str, columns: int) -> list[str]:
             line.append(ch)
         col += 1
     return ["".join(line).rstrip() for line in lines]
+
+
+def _unshare_pid_permitted() -> bool:
+    try:
+        unshare = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+        return unshare.returncode == 0
+    except OSError:  # no unshare (macOS)
+        return False
+
+
+# A command as PID 1 of a new PID namespace, as in a container: `unshare --pid` (root, or user namespaces allowed)
+NEEDS_UNSHARE_PID = pytest.mark.skipif(not _unshare_pid_permitted(), reason="needs `unshare --pid --fork`")
 
 
 def free_port() -> int:

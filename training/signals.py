@@ -28,6 +28,35 @@ def stop_with_the_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+SHELLS = {"sh", "dash", "bash", "ash", "zsh", "ksh"}
+
+
+def pid1_drops_sigterm_line() -> str | None:
+    """A warning where PID 1 of this PID namespace is a shell that does not catch SIGTERM: a container's command in
+    shell form (`CMD accelerate launch ...`, `command: [sh, -c, ...]`). docker stop and Kubernetes signal PID 1
+    alone, and the kernel drops a signal for a PID 1 that has no handler for it, so the run would train on until
+    the SIGKILL that ends the grace period, losing the steps since its last checkpoint. None elsewhere (Linux only;
+    PID 1 is this process, a launcher or an init that passes the signal on, or cannot be read)."""
+    if sys.platform != "linux" or os.getpid() == 1:
+        return None
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open("/proc/1/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    name = os.path.basename(argv[0].decode(errors="replace")).lstrip("-")  # "-bash": a login shell
+    if name not in SHELLS or caught >> (signal.SIGTERM - 1) & 1:
+        return None
+    return (
+        f"warning: PID 1 here is {name}, which does not pass a SIGTERM on: `docker stop` or a Kubernetes pod deletion "
+        "would not reach this run, which would be killed without saving once the grace period ends. Start the run as "
+        'the container\'s command in exec form (`CMD ["accelerate", "launch", ...]`), or put `exec` before it in '
+        "the shell command (`sh -c 'cd /app && exec accelerate launch ...'`)"
+    )
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM during the start-up: the run stops at once, as at a Ctrl-C there (no step to finish, nothing to save),
     with one line, where the signal's default action ended the process without a word."""

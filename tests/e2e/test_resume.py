@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from evals.data import provision
 from testkit import (
+    NEEDS_UNSHARE_PID,
     REPO,
     copy_isa_probes,
     fill_disk,
@@ -365,6 +366,19 @@ def test_sigterm_to_the_launcher_saves_and_the_run_resumes(prepared_books, tmp_p
     assert f"stopped at step {step} by a signal" in out
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", str(step + 1), "--resume", "auto"))
     assert f"resumed from {list_checkpoints(run_dir)[0]} at step {step}" in resumed.stdout
+
+
+@NEEDS_UNSHARE_PID
+def test_a_shell_form_container_command_is_warned_at_start_up(prepared_books, tmp_path):
+    """A Dockerfile's `CMD accelerate launch ...` runs `/bin/sh -c` as PID 1, which drops docker stop's SIGTERM (the
+    kernel delivers a signal to a PID 1 only through a handler): the run trained on until SIGKILL, without a word."""
+    cmd = shlex.join(tiny_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "1"))
+    shell = f"cd {REPO} && {cmd}; exit $?"  # a command after it: sh (dash or bash) does not exec the run
+    shell_form = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", shell],
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert shell_form.returncode == 0, shell_form.stderr[-3000:]
+    assert "warning: PID 1 here is sh, which does not pass a SIGTERM on: " in shell_form.stderr
+    assert "warning: PID 1" not in run(tiny_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "2")).stderr
 
 
 def ctrl_c_when(ready: Callable[[], bool], script: str, cwd: Path) -> tuple[int, str]:

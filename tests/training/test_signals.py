@@ -4,12 +4,16 @@ kills the run sooner than that. The stop a signal requests, said once."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from accelerate.utils import compare_versions
 
+from testkit import NEEDS_UNSHARE_PID, REPO
 from training import signals
 from training.signals import ACCELERATE_KILL_S, StopRequest, grace_period_line, torchrun_reads_shutdown_timeout
 
@@ -83,3 +87,23 @@ def test_a_sigterm_behind_a_ctrl_c_is_the_same_stop_said_once(restored_handlers,
     assert capsys.readouterr().out == "SIGINT received: finishing this step, then saving a checkpoint\n"
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
+
+
+def as_pid1(shell_command: str) -> str:
+    """What `sh -c shell_command` prints as PID 1 of a new PID namespace: a container's command in shell form."""
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", shell_command],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@NEEDS_UNSHARE_PID
+def test_a_shell_that_would_drop_docker_stops_sigterm_as_pid_1_is_named():
+    """docker stop and Kubernetes signal PID 1 alone, and the kernel drops a SIGTERM for a PID 1 without a handler: a
+    shell-form CMD (`sh -c`, which does not exec its last command) leaves the run to train on until SIGKILL."""
+    probe = f"{shlex.quote(sys.executable)} -c 'from training.signals import pid1_drops_sigterm_line as f; print(f())'"
+    line = as_pid1(f"{probe}; true").strip()
+    assert line.startswith("warning: PID 1 here is sh, which does not pass a SIGTERM on: "), line
+    assert "exec form" in line and "exec accelerate launch" in line
+    assert as_pid1(f"exec {probe}").strip() == "None"  # the run is PID 1 itself
+    assert as_pid1(f"trap 'kill $!' TERM; {probe} & wait").strip() == "None"  # a shell that passes the signal on
