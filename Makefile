@@ -22,13 +22,15 @@ install: $(VENV)/.installed
 # to continue, so its launcher ignores the key (accelerate's one-process launcher would die at once with a traceback
 # and give the prompt back while the run still saves). The run inherits the ignore and takes the key back in main(),
 # after its imports: a press in those first seconds is lost.
+# exec: make passes a SIGTERM (timeout, systemd, docker stop) to its recipe's process alone, so that is the launcher,
+# which passes it to the run (a shell there would die of it, leaving the launcher and the run training on).
 # ARGS: more train_accel.py flags, e.g. make train ARGS="--resume never" (a finished run's folder starts afresh).
 # The threads: OMP_NUM_THREADS if set, else one per physical core, as accelerate picks for one CPU process, but named,
 # so that accelerate does not print its "values were not passed" warning about having picked it.
 train: install
 	@yaml=$$($(PY) -m training.pick_cpu_config) && \
 	threads=$${OMP_NUM_THREADS:-$$($(PY) -c "import psutil; print(psutil.cpu_count(logical=False) or 1)")} && \
-	trap '' INT && $(VENV)/bin/accelerate launch -q --config_file $$yaml --num_cpu_threads_per_process $$threads \
+	trap '' INT && exec $(VENV)/bin/accelerate launch -q --config_file $$yaml --num_cpu_threads_per_process $$threads \
 	train_accel.py --config configs/cpu_small.yaml $(ARGS)
 
 # One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once,

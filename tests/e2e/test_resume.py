@@ -415,6 +415,28 @@ def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_p
     assert lines[-1].startswith(f"stopped at step {step} by a signal; checkpoint {checkpoint}"), "\n".join(lines)
 
 
+def test_sigterm_to_make_train_reaches_the_run_which_saves(prepared_books, tmp_path):
+    """`timeout`, systemd or `docker stop` signal `make train` alone, and make passes a SIGTERM on to its recipe's
+    shell only: the shell died of it and the launcher and the run, orphaned, trained on (as a container's PID 1, make
+    then spun until SIGKILL). The recipe execs the launcher, so make signals the launcher, which signals the run."""
+    run_dir = tmp_path / "run"
+    args = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
+                    "--time-budget-minutes", "0")[2:]  # fmt: skip
+    venv = Path(sys.executable).parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not a sub-make
+    make = ["make", "--no-print-directory", "-o", "install", "train", f"VENV={venv}", f"ARGS={shlex.join(args)}"]
+    proc = start_until(make, lambda: logged_steps(run_dir) >= 3, env=env)
+    try:
+        proc.send_signal(signal.SIGTERM)  # make alone, not its process group
+        out, _ = proc.communicate(timeout=120)  # EOF once the run, which shares the pipe, exits
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # an orphaned launcher and run stay in make's group
+    step = logged_steps(run_dir)
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"], out[-3000:]
+    assert f"stopped at step {step} by a signal" in out, out[-3000:]
+
+
 def test_ctrl_c_at_start_up_ends_with_one_line_even_where_the_launcher_ignores_it(tmp_path):
     """`make train`'s launcher ignores Ctrl-C and its children inherit that: the run takes the key back, so Ctrl-C
     during its start-up (here the default corpus's first preparation, in a fresh folder) stops it with the
