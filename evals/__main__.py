@@ -23,7 +23,7 @@ from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
-from modeling.cpu_linear import NO_NATIVE_BF16, cpu_matmul_speeds
+from modeling.cpu_linear import cpu_matmul_speeds, emulated_bf16
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.disk import DiskFull, cannot_write, disk_full_reported
 from modeling.runtime import dtype_name, exit_process, finish, joined, report_error, set_up_compute
@@ -100,16 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 def print_bf16_warning() -> None:
     """One `warning:` line on stderr where this CPU emulates bf16 matmuls (AVX2-only cores run them 30-300x slower
     than fp32): the eval would take many times fp32's time for nothing. Measures both (~1 s), as training does."""
-    speeds = cpu_matmul_speeds()
-    ratio = speeds["no"] / speeds["bf16"]
-    if ratio >= NO_NATIVE_BF16:
-        print(
-            f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here (fp32 "
-            f"{speeds['no'] * 1e3:.3g} GFLOP/s, bf16 {speeds['bf16'] * 1e3:.3g} GFLOP/s); evaluate in fp32 with "
-            "--mixed-precision no",
-            file=sys.stderr,
-            flush=True,
-        )
+    if emulated := emulated_bf16(cpu_matmul_speeds()):
+        print(f"warning: {emulated}; evaluate in fp32 with --mixed-precision no", file=sys.stderr, flush=True)
 
 
 def save_json(path: Path, report: dict) -> int:

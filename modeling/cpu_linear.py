@@ -136,3 +136,15 @@ def cpu_matmul_speeds(seconds: float = 1.0, n: int = 512) -> dict[str, float]:
     finally:
         torch.set_num_threads(threads)
     return {mp: threads * 2 * n**3 / t / 1e12 for mp, t in best.items()}
+
+
+def emulated_bf16(tflops: dict[str, float]) -> str | None:
+    """What a warning says where bf16 matmuls are emulated here, from cpu_matmul_speeds' TFLOP/s; None where they are
+    native (faster than NO_NATIVE_BF16 times slower than fp32)."""
+    ratio = tflops["no"] / tflops["bf16"]
+    if ratio < NO_NATIVE_BF16:
+        return None
+    return (
+        f"this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here (fp32 "
+        f"{tflops['no'] * 1e3:.3g} GFLOP/s, bf16 {tflops['bf16'] * 1e3:.3g} GFLOP/s)"
+    )

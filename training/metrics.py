@@ -24,7 +24,7 @@ from accelerate.utils import LoggerType
 
 from data_prep.loader import MANIFEST_NAME
 from evals.plot import save_png
-from modeling.cpu_linear import NO_NATIVE_BF16, cpu_matmul_speeds, matmul
+from modeling.cpu_linear import cpu_matmul_speeds, emulated_bf16, matmul
 from modeling.disk import append_bytes, disk_full_reported
 from modeling.runs import METRICS_FILE, read_metrics
 from modeling.runtime import dtype_name
@@ -316,10 +316,10 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float], yamls: dict
     name, other_name = dtype_name(mixed_precision), dtype_name(other)
     speeds = f"{other_name} {tflops[other] * 1e3:.3g} GFLOP/s, {name} {tflops[mixed_precision] * 1e3:.3g} GFLOP/s"
     ratio = tflops[other] / tflops[mixed_precision]
-    if mixed_precision == "bf16" and ratio >= NO_NATIVE_BF16:
+    if mixed_precision == "bf16" and (emulated := emulated_bf16(tflops)):
         return (
-            f"warning: this CPU has no native bf16 matmuls: bf16 runs {ratio:.0f}x slower than fp32 here ({speeds}); "
-            f"set mixed_precision: '{other}' (fp32) in the launch YAML instead ({yamls[other]} for one process)"
+            f"warning: {emulated}; set mixed_precision: '{other}' (fp32) in the launch YAML instead ({yamls[other]} "
+            "for one process)"
         )
     # said as the YAML's setting: the launch may be the user's own, or one of several processes (cpu_ddp2.yaml)
     return (
