@@ -15,6 +15,7 @@ from torch import Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first with FP8 tensor cores
+DIM_MULTIPLE = 16  # torch._scaled_mm takes matrices whose dimensions are multiples of this
 
 
 def supported(device: torch.device) -> bool:

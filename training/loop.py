@@ -325,17 +325,18 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.fp8_head:
-        # torch._scaled_mm takes dimensions divisible by 16 only: not the 50,257 rows of an --init-from model
-        model.fp8_head = fp8_head.supported(device) and model_config.vocab_size % 16 == 0
-        if not fp8_head.supported(device):
+        # not the 50,257 rows of an --init-from model: torch._scaled_mm takes dimensions of a multiple of 16
+        on_device = fp8_head.supported(device)
+        model.fp8_head = on_device and model_config.vocab_size % fp8_head.DIM_MULTIPLE == 0
+        if not on_device:
             accelerator.print(
                 f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
                 f"{'.'.join(map(str, fp8_head.MIN_CAPABILITY))} or more (Ada, Hopper)"
             )
         elif not model.fp8_head:
             accelerator.print(
-                f"note: fp8_head is off: FP8 matmuls need a vocabulary divisible by 16, and {cfg.init_from}'s has "
-                f"{model_config.vocab_size:,} ids"
+                f"note: fp8_head is off: FP8 matmuls need a vocabulary divisible by {fp8_head.DIM_MULTIPLE}, and "
+                f"{cfg.init_from}'s has {model_config.vocab_size:,} ids"
             )
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
