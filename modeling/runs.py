@@ -90,9 +90,28 @@ def is_hub_id(init_from: str) -> bool:
     return not Path(init_from).exists()
 
 
-def model_shape(preset: str, block_size: int | None = None, init_from: str = "") -> GPTConfig:
-    """The model a run config names: init_from's shape (a transformers folder or Hub id) or the preset's, with
-    block_size (which may shorten the context, never lengthen it). A ValueError says what to change."""
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd")  # what a run config may set over its preset's (None: the preset's)
+
+
+def model_shape(
+    preset: str,
+    block_size: int | None = None,
+    init_from: str = "",
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    n_embd: int | None = None,
+) -> GPTConfig:
+    """The model a run config names: init_from's shape (a transformers folder or Hub id), whose block_size may only
+    shorten its context (its positions past n_positions were never trained), or the preset's with n_layer, n_head,
+    n_embd and block_size set over it (learned positions from scratch: any number of them). A ValueError says what to
+    change."""
+    given = {name: value for name, value in zip(SHAPE_FIELDS, (n_layer, n_head, n_embd)) if value is not None}
+    if init_from and given:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(
+            f"{flags} set the shape of a model trained from scratch, and init_from {init_from}'s shape is its "
+            f"config.json's: drop {flags} (or drop --init-from to train that shape from scratch)"
+        )
     if init_from:
         from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
 
@@ -106,7 +125,7 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
         if not (folder / "config.json").is_file() and (folder / EXPORT_DIR / "config.json").is_file():
             raise ValueError(f"init_from {init_from} is a run folder: give its export, {folder / EXPORT_DIR}")
         try:
-            config, source = load_hf_config(init_from), f"{init_from}'s"
+            config = load_hf_config(init_from)
         except ValueError as err:  # a GPT-2 shape our GPT cannot take
             raise ValueError(f"init_from {init_from}: {err}") from None
         except OSError as err:  # a folder without config.json, no such Hub id, or no way to the Hub
@@ -123,13 +142,38 @@ def model_shape(preset: str, block_size: int | None = None, init_from: str = "")
                 f"init_from {init_from}: its config.json does not load ({type(err).__name__}: {said}); give a "
                 "transformers GPT-2 folder such as a run's export/"
             ) from None
+        if block_size is not None and block_size > config.block_size:
+            raise ValueError(
+                f"block_size={block_size} exceeds {init_from}'s {config.block_size} positions, the context its weights "
+                f"were trained at: give --block-size {config.block_size} or less (a longer context needs a model "
+                "trained from scratch, without --init-from)"
+            )
     else:
-        config, source = get_preset(preset), f"the {preset} preset's"
-    if block_size is None:
-        return config
-    if block_size > config.block_size:
-        raise ValueError(f"block_size={block_size} exceeds {source} {config.block_size} positions")
-    return dataclasses.replace(config, block_size=block_size)
+        config = get_preset(preset)
+        heads, width = given.get("n_head", config.n_head), given.get("n_embd", config.n_embd)
+        if width % heads:
+            raise ValueError(_heads_advice(preset, heads, width, given))
+        config = dataclasses.replace(config, **given)
+    return config if block_size is None else dataclasses.replace(config, block_size=block_size)
+
+
+def _heads_advice(preset: str, heads: int, width: int, given: dict[str, int]) -> str:
+    """The line for an n_embd that n_head does not divide, naming which of the two the preset gave, and a head count
+    that fits: GPT-2's head size of 64 where the width allows it, else the divisor nearest the one asked for."""
+    whose = {name: "" if name in given else f" (the {preset} preset's)" for name in ("n_embd", "n_head")}
+    named = f"n_embd {width}{whose['n_embd']} is not divisible by n_head {heads}{whose['n_head']}"
+    divisors = [h for h in range(1, width + 1) if width % h == 0]
+    fits = width // 64 if width % 64 == 0 else min(divisors, key=lambda h: abs(h - heads))
+    return (
+        f"{named}: every head takes n_embd / n_head channels; give e.g. "
+        f"--n-head {fits} (heads of {width // fits}) or an --n-embd that {heads} divides"
+    )
+
+
+def shape_name(preset: str, n_layer: int | None = None, n_head: int | None = None, n_embd: int | None = None) -> str:
+    """A scratch run's model as its run config names it: the preset, and what it sets over the preset's shape."""
+    given = [f"{name} {value}" for name, value in zip(SHAPE_FIELDS, (n_layer, n_head, n_embd)) if value is not None]
+    return f"{preset} with {', '.join(given)}" if given else preset
 
 
 def run_model_config(run_dir: str | Path) -> GPTConfig:
@@ -140,7 +184,7 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
     try:
         config = yaml.safe_load(path.read_text())
         preset, block_size, init_from = config["preset"], config.get("block_size"), config.get("init_from") or ""
-        return model_shape(preset, block_size, init_from)
+        return model_shape(preset, block_size, init_from, *(config.get(name) for name in SHAPE_FIELDS))
     except (yaml.YAMLError, TypeError, KeyError) as err:  # unreadable, or no preset
         raise RunError(f"{path}: {err}") from None
     except ValueError as err:  # a bad shape, or the folder the run started from moved or deleted since

@@ -219,6 +219,9 @@ def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
         raise CheckpointError(f"{what[:-1]}: {err}; {mend}") from None
 
 
+SHAPE_FLAGS = "--preset/--n-layer/--n-head/--n-embd/--block-size/--init-from"  # what sets a run's model shape
+
+
 def _shape(cfg: TrainConfig) -> str:
     m = cfg.model_config()
     return (f"{cfg.init_from or cfg.preset} (n_layer {m.n_layer}, n_head {m.n_head}, n_embd {m.n_embd}, "
@@ -240,8 +243,8 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
         afresh += f" (the run is moved into {PREVIOUS}<time>/ first)"
     if _shape(theirs) != _shape(cfg):
         raise ConfigError(
-            f"{source}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume "
-            f"with the checkpoint's --preset/--block-size/--init-from, {afresh}, or choose another --out-dir"
+            f"{source}: the checkpoint is a {_shape(theirs)} model, this run's is {_shape(cfg)}; resume with the "
+            f"checkpoint's {SHAPE_FLAGS}, {afresh}, or choose another --out-dir"
         )
     if theirs.optimizer != cfg.optimizer:  # the saved optimizer state is the other optimizer's
         if "optimizer" in cfg.explicit or cfg.optimizer == "muon":
@@ -308,7 +311,7 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     if found is not None and _shape(theirs := found[1]) != _shape(cfg):
         raise ConfigError(
             f"out_dir {run_dir} holds a run of a {_shape(theirs)} model, this run's is {_shape(cfg)}; continue it with "
-            "its --preset/--block-size/--init-from, start afresh there with --resume never (the run is moved into "
+            f"its {SHAPE_FLAGS}, start afresh there with --resume never (the run is moved into "
             f"{run_dir}/{PREVIOUS}<time>/ first), or choose another --out-dir"
         )
     return None, []

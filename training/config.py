@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import yaml
 
 from modeling.config import GPTConfig, get_preset
-from modeling.runs import model_shape
+from modeling.fp8_head import DIM_MULTIPLE as FP8_DIM_MULTIPLE
+from modeling.runs import SHAPE_FIELDS, model_shape, shape_name
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 AUTO = "auto"  # micro_batch_size's value for "the largest that fits" (training.micro_batch)
@@ -41,9 +42,30 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     # --- model and data ---
-    preset: str = field(default="gpt2-124m", metadata={"help": "model preset from modeling.config.PRESETS"})
+    preset: str = field(
+        default="gpt2-124m",
+        metadata={
+            "help": "model preset from modeling.config.PRESETS: the shape a run trains, unless n_layer, n_head, "
+            "n_embd or block_size set their own over it"
+        },
+    )
+    n_layer: int | None = field(
+        default=None, metadata={"help": "transformer blocks; null: the preset's (models trained from scratch only)"}
+    )
+    n_head: int | None = field(
+        default=None,
+        metadata={"help": "attention heads, which must divide n_embd (GPT-2's heads are 64 wide); null: the preset's"},
+    )
+    n_embd: int | None = field(
+        default=None, metadata={"help": "residual stream width; null: the preset's (models trained from scratch only)"}
+    )
     block_size: int | None = field(
-        default=None, metadata={"help": "context length; defaults to the preset's and may not exceed it"}
+        default=None,
+        metadata={
+            "help": "context length (learned positions); null: the preset's, or init_from's n_positions. Any length "
+            "for a model trained from scratch; with init_from at most its n_positions (the positions past them were "
+            "never trained)"
+        },
     )
     init_from: str = field(
         default="",
@@ -216,11 +238,16 @@ class TrainConfig:
         return changed
 
     def model_config(self) -> GPTConfig:
-        """The model's shape: init_from's (a transformers folder or Hub id) or the preset's, with block_size."""
+        """The model's shape: init_from's (a transformers folder or Hub id) or the preset's with n_layer, n_head and
+        n_embd set over it; with block_size."""
         try:
-            return model_shape(self.preset, self.block_size, self.init_from)
+            return model_shape(self.preset, self.block_size, self.init_from, self.n_layer, self.n_head, self.n_embd)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+    def model_name(self) -> str:
+        """The model as the run's lines name it: init_from, or the preset and what the run sets over its shape."""
+        return self.init_from or shape_name(self.preset, self.n_layer, self.n_head, self.n_embd)
 
     def __post_init__(self) -> None:
         """Every value checked here, once, so bad input fails before any work with one line saying what to use."""
@@ -253,9 +280,18 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("block_size", "max_tokens", "eval_limit"):
+        for name in (*SHAPE_FIELDS, "block_size", "max_tokens", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (or null for the default), got {getattr(self, name)}")
+        if not self.init_from or any(getattr(self, name) is not None for name in SHAPE_FIELDS):
+            # the shape of a model trained from scratch, checked now (no file is read); an init_from run with shape
+            # fields too is refused before its folder is read
+            shape = self.model_config()
+            if self.fp8_head and shape.n_embd % FP8_DIM_MULTIPLE:
+                raise ConfigError(
+                    f"fp8_head needs an n_embd divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm's FP8 matmul "
+                    f"takes no other), got {shape.n_embd}: give another --n-embd, or --fp8-head false"
+                )
         choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))
         for name, valid in choices:
             if getattr(self, name) not in valid:

@@ -325,9 +325,11 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.fp8_head:
-        # not the 50,257 rows of an --init-from model: torch._scaled_mm takes dimensions of a multiple of 16
+        # not the 50,257 rows of an --init-from model (nor its width, where a run of its own shape exported it):
+        # torch._scaled_mm takes dimensions of a multiple of 16 (TrainConfig refuses a scratch run's other widths)
         on_device = fp8_head.supported(device)
-        model.fp8_head = on_device and model_config.vocab_size % fp8_head.DIM_MULTIPLE == 0
+        sizes = (model_config.vocab_size, model_config.n_embd)
+        model.fp8_head = on_device and not any(size % fp8_head.DIM_MULTIPLE for size in sizes)
         if not on_device:
             accelerator.print(
                 f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
@@ -335,8 +337,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
             )
         elif not model.fp8_head:
             accelerator.print(
-                f"note: fp8_head is off: FP8 matmuls need a vocabulary divisible by {fp8_head.DIM_MULTIPLE}, and "
-                f"{cfg.init_from}'s has {model_config.vocab_size:,} ids"
+                f"note: fp8_head is off: FP8 matmuls need a vocabulary and an n_embd divisible by "
+                f"{fp8_head.DIM_MULTIPLE}, and {cfg.init_from}'s has {model_config.vocab_size:,} ids, n_embd "
+                f"{model_config.n_embd}"
             )
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
@@ -487,7 +490,7 @@ def build_data(
     if manifest.vocab_size > model_config.vocab_size:
         raise ConfigError(
             f"{cfg.data_dir} was tokenized with a {manifest.vocab_size}-id vocabulary but the "
-            f"{cfg.init_from or cfg.preset} model has {model_config.vocab_size} embeddings; prepare the data with the "
+            f"{cfg.model_name()} model has {model_config.vocab_size} embeddings; prepare the data with the "
             "GPT-2 tokenizer"
         )
     block_size = model_config.block_size
@@ -530,7 +533,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         with disk_full_reported(config, "the checkpoints are untouched"):
             atomic_write_bytes(config, config_to_yaml(cfg).encode())
     accelerator.print(
-        f"{cfg.init_from or cfg.preset}: {num_params:,} params | {world_size} process(es) on {device.type}, "
+        f"{cfg.model_name()}: {num_params:,} params | {world_size} process(es) on {device.type}, "
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo}{' per block' if per_block else ''} | "
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {describe_steps(run)} | "

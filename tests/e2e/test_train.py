@@ -3,6 +3,7 @@ something (compile, precision, processes), as `python train_accel.py` for one ea
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -243,6 +244,24 @@ def test_init_from_an_export_starts_from_its_weights(readme_run, prepared_books,
     assert got[0] == pytest.approx(want.item(), rel=1e-5)
     card = (run / "export" / "README.md").read_text()  # the export's card names its run, not the folder's path
     assert f"| model | {readme_run[0].name} (continued)" in card and str(export) not in card, card
+
+
+def test_a_model_of_ones_own_shape_trains_resumes_and_exports_at_that_shape(prepared_books, tmp_path):
+    """nanoGPT's n_layer / n_head / n_embd over the preset, and a context twice the preset's from scratch: the run
+    says the model it trains, its relaunch continues at that shape (the config.yaml it reads back), and its export
+    is that shape with n_positions = block_size."""
+    run = tmp_path / "run"
+    args = ["--n-layer", "3", "--n-head", "4", "--n-embd", "48", "--block-size", "128", "--micro-batch-size", "4",
+            "--total-batch-tokens", "512", "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", "1",
+            "--export-hf", "true"]  # fmt: skip
+    first = launch(None, run, prepared_books, *args, "--max-steps", "2")
+    assert "tiny-cpu with n_layer 3, n_head 4, n_embd 48: " in first.stdout
+    assert "4 × 128 tokens × 1 accumulation" in first.stdout
+    again = launch(None, run, prepared_books, *args, "--max-steps", "3")
+    assert "resumed from" in again.stdout and len(losses(run)) == 3
+    exported = json.loads((run / "export" / "config.json").read_text())
+    shape = {k: exported[k] for k in ("n_layer", "n_head", "n_embd", "n_positions")}
+    assert shape == {"n_layer": 3, "n_head": 4, "n_embd": 48, "n_positions": 128}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -79,6 +79,11 @@ def export_cut_short(data: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:5000])
 
 
+def export_of_32_positions(data: Path) -> None:
+    """An export beside the data of a model trained at a context of 32 tokens."""
+    export_hf(GPT(TINY_MODEL), data.parent / "export_32", gpt2_vocab_and_merges())
+
+
 # Each case is a launch of its own. What the config itself rejects (a key, a value out of range: parse_config raises
 # before anything is read or written) is one path, walked here by the malformed YAML; tests/training/test_config.py
 # checks each such message.
@@ -93,7 +98,12 @@ CASES = {
     "truncated_shard": (corrupt_shard, [], r"shard .*train_000.bin is .* bytes .*truncated or altered"),
     "vocab_mismatch": (other_vocab_manifest, [], r"100277-id vocabulary but the tiny-cpu model has 50304"),
     "other_tokenizer": (other_tokenizer_manifest, [], r"tokenized with 'cl100k_base'"),
-    "block_size_over_preset": (None, ["--block-size", "128"], r"block_size=128 exceeds the tiny-cpu preset's 64"),
+    "block_size_over_init_from": (
+        export_of_32_positions,
+        ["--init-from", "{tmp}/export_32", "--block-size", "64"],
+        r"block_size=64 exceeds .*/export_32's 32 positions, the context its weights were trained at: give "
+        r"--block-size 32 or less",
+    ),
     "unwritable_out_dir": (None, ["--out-dir", "{tmp}/bad.yaml/run"], r"out_dir .* is not writable"),
     "out_dir_a_file": (None, ["--out-dir", "{tmp}/bad.yaml"], r"out_dir .*bad.yaml is a file; choose another"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from modeling.runs import (
     plain_state_dict,
     run_model_config,
 )
+from testkit import write_checkpoint
 
 
 @pytest.fixture
@@ -109,3 +112,40 @@ def test_a_run_whose_starting_folder_is_gone_reads_its_shape_from_its_export(tmp
     GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32).save_pretrained(run / "export")
     shape = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=REAL_VOCAB_SIZE)
     assert run_model_config(run) == shape
+
+
+def test_a_run_of_its_own_shape_reads_that_shape_back_and_a_checkpoint_loads_into_it(tmp_path):
+    """n_layer, n_head and n_embd set over the preset, and a context longer than its: evals, evals.generate and
+    training.export build the model a run trained from its config.yaml (they built the preset's, and its checkpoint
+    did not load)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text("preset: tiny-cpu\nn_layer: 3\nn_head: 4\nn_embd: 48\nblock_size: 128\n")
+    shape = dataclasses.replace(get_preset("tiny-cpu"), n_layer=3, n_head=4, n_embd=48, block_size=128)
+    assert run_model_config(run) == shape
+    trained = GPT(shape)
+    write_checkpoint(trained, checkpoint_dir(run, 1))
+    model, _ = load_checkpoint(run, "step-00000001")
+    assert model.config == shape and torch.equal(model.transformer.wpe.weight, trained.transformer.wpe.weight)
+
+
+def test_a_shape_set_over_a_preset_is_one_line_where_it_cannot_be(tmp_path):
+    """What no model can be (heads that do not divide the width), what the folder a run starts from decides (its
+    shape), and positions it never trained, each one line naming the flag to change."""
+    with pytest.raises(
+        ValueError, match=r"^n_embd 48 is not divisible by n_head 5: .* give e.g. --n-head 4 \(heads of 12\)"
+    ):
+        model_shape("tiny-cpu", n_head=5, n_embd=48)
+    preset_heads = r"^n_embd 101 is not divisible by n_head 2 \(the tiny-cpu preset's\)"
+    with pytest.raises(ValueError, match=preset_heads):
+        model_shape("tiny-cpu", n_embd=101)
+    folder = tmp_path / "export"
+    GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32).save_pretrained(folder)
+    its_shape = rf"^--n-layer, --n-embd set the shape of a model trained from scratch, and init_from {folder}'s shape"
+    with pytest.raises(ValueError, match=its_shape + r" is its config.json's: drop --n-layer, --n-embd \(or drop"):
+        model_shape("tiny-cpu", None, str(folder), n_layer=2, n_embd=64)
+    # from scratch, learned positions are any number of them; from a folder, its positions are all that were trained
+    assert model_shape("tiny-cpu", 2048).block_size == 2048
+    assert model_shape("tiny-cpu", 16, str(folder)).block_size == 16
+    with pytest.raises(ValueError, match=rf"^block_size=64 exceeds {folder}'s 32 positions, .*: give --block-size 32"):
+        model_shape("tiny-cpu", 64, str(folder))

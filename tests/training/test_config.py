@@ -7,7 +7,16 @@ import re
 import pytest
 
 from testkit import REPO
-from training.config import RENAMED, ConfigError, TrainConfig, build_parser, grad_accum_steps, load_yaml, parse_config
+from training.config import (
+    RENAMED,
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    config_to_yaml,
+    grad_accum_steps,
+    load_yaml,
+    parse_config,
+)
 
 
 def test_precedence_defaults_then_yaml_then_flags(tmp_path):
@@ -97,6 +106,44 @@ def test_a_second_run_config_is_refused_not_silently_taken_instead_of_the_first(
     with pytest.raises(ConfigError, match=rf"^--config is given 2 times \({first}, {second}\); a run takes one run"):
         parse_config(["--config", str(first), f"--config={second}"])
     assert parse_config(["--config", str(second)])[0].preset == "tiny-cpu"
+
+
+def test_a_shape_of_ones_own_over_the_preset_from_the_yaml_or_the_flags(tmp_path):
+    """nanoGPT's n_layer / n_head / n_embd as keys and flags, the preset giving what they leave out, and a context
+    longer than the preset's for a model trained from scratch (both were refused: unknown key, and block_size over
+    the preset's)."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("preset: gpt2-124m\nn_layer: 6\nn_embd: 384\n")
+    cfg, _ = parse_config(["--config", str(run_config), "--n-head", "6", "--block-size", "2048"])
+    shape = cfg.model_config()
+    assert (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size) == (6, 6, 384, 2048)
+    assert shape.vocab_size == TrainConfig().model_config().vocab_size  # the rest is the preset's
+    assert cfg.model_name() == "gpt2-124m with n_layer 6, n_head 6, n_embd 384"
+    cfg, _ = parse_config(["--config", str(run_config)])
+    assert cfg.model_config().n_head == 12  # the preset's: 384 / 12 = heads of 32
+    assert "n_layer: 6\n" in config_to_yaml(cfg)  # the run's config.yaml: resume, export, evals read it back
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({"n_embd": 100}, r"^n_embd 100 is not divisible by n_head 12 \(the gpt2-124m preset's\): .* --n-head 10 "),
+        ({"n_head": 7}, r"^n_embd 768 \(the gpt2-124m preset's\) is not divisible by n_head 7: .* --n-head 12 "),
+        (
+            {"n_embd": 72, "n_head": 2, "fp8_head": True},
+            r"^fp8_head needs an n_embd divisible by 16 .*, got 72: give another --n-embd, or --fp8-head false$",
+        ),
+        (
+            {"init_from": "gpt2", "n_layer": 2},
+            r"^--n-layer set the shape of a model trained from scratch, and init_from gpt2's shape is its config",
+        ),
+    ],
+)
+def test_a_shape_that_cannot_train_is_one_line_before_anything_runs(values: dict, problem: str):
+    """At config time (--print-config too), not at the model's build: each names the flags to change. The Hub id is
+    refused before it is looked up."""
+    with pytest.raises(ConfigError, match=problem):
+        TrainConfig(**values)
 
 
 def test_token_budget_sets_steps():
@@ -198,6 +245,9 @@ BAD_VALUES = {
     "keep_checkpoints": (0, r"keep_checkpoints must be >= 1, got 0: the newest checkpoint is the run's resumable"),
     "warmup_steps": (-1, r"warmup_steps must be >= 0"),
     "block_size": (0, r"block_size must be >= 1 \(or null"),
+    "n_layer": (0, r"n_layer must be >= 1 \(or null"),
+    "n_head": (-2, r"n_head must be >= 1 \(or null"),
+    "n_embd": (0, r"n_embd must be >= 1 \(or null"),
     "eval_limit": (0, r"eval_limit must be >= 1 \(or null"),
     "seed": (-1, r"seed must be in \[0, 2\*\*32\)"),
     "lr": (-1.0, r"lr must be > 0, got -1.0"),

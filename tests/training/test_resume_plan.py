@@ -182,6 +182,24 @@ def test_a_folder_holding_another_models_run_stops_unless_told_to_start_afresh(t
         plan_resume(config(run_dir, block_size=32))
 
 
+def test_a_run_of_its_own_shape_resumes_only_at_that_shape_and_the_line_names_both(tmp_path):
+    """n_layer / n_head / n_embd are part of the shape a resume compares: the same launch again continues, another
+    width stops with one line naming both shapes and the flags that set them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    own = {"n_layer": 3, "n_head": 4, "n_embd": 48}
+    (run_dir / "config.yaml").write_text(config_to_yaml(config(run_dir, **own)))
+    assert plan_resume(config(run_dir, **own)) == (None, [])
+    checkpoint = fake_checkpoint(run_dir, 2)
+    (checkpoint / "config.yaml").write_text(config_to_yaml(config(run_dir, **own)))
+    write_manifest(checkpoint)
+    assert plan_resume(config(run_dir, **own)) == (checkpoint, [])
+    theirs = r"the checkpoint is a tiny-cpu \(n_layer 3, n_head 4, n_embd 48, block_size 64, .*\) model"
+    ours = r"this run's is tiny-cpu \(n_layer 3, n_head 4, n_embd 64, block_size 64, .*\); resume with the checkpoint's"
+    with pytest.raises(ConfigError, match=rf"{theirs}, {ours} --preset/--n-layer/--n-head/--n-embd/--block-size/"):
+        plan_resume(config(run_dir, n_layer=3, n_head=4))
+
+
 def test_a_resume_path_of_another_model_into_an_empty_folder_says_nothing_is_moved_aside(tmp_path):
     """--resume PATH of another model's checkpoint: "start afresh there with --resume never (the run is moved into
     previous-<time>/ first)" where the out_dir held no run, and nothing would be moved: said only where one is."""
