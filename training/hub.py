@@ -24,7 +24,17 @@ import yaml
 
 from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES, SOURCE_START
-from modeling.runs import CONFIG_FILE, EXPORT_DIR, LOSS_PLOT, METRICS_FILE, is_hub_id, list_checkpoints, read_metrics
+from modeling.runs import (
+    CONFIG_FILE,
+    EXPORT_DIR,
+    LOSS_PLOT,
+    METRICS_FILE,
+    SHAPE_FIELDS,
+    is_hub_id,
+    list_checkpoints,
+    model_shape,
+    read_metrics,
+)
 from training.metrics import data_for_the_card, precision_name
 
 if TYPE_CHECKING:
@@ -292,7 +302,7 @@ def render_model_card(run_dir: str | Path) -> str:
         started, local = _started_from(init_from)
         model, origin = f"{started} (continued)", f"from the weights of {started}{' (a local model)' * local}"
     else:
-        model, origin = config["preset"], "from scratch"
+        model, origin = _scratch_model(config), "from scratch"
     data = card_data(run_dir.name, config, manifest, evals)
     launches = _launches(rows, last["step"])
     how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
@@ -331,6 +341,16 @@ print(tok.decode(out[0]))
 ```
 """
     return str(ModelCard(content))
+
+
+def _scratch_model(config: dict) -> str:
+    """How the card names a model trained from scratch: by its preset, or by its shape where the run set its own
+    (the preset's name would tell the card's readers another model's)."""
+    given = [config.get(name) for name in SHAPE_FIELDS]
+    if all(value is None for value in given):
+        return config["preset"]
+    shape = model_shape(config["preset"], None, "", *given)
+    return f"{shape.n_layer}-layer, {shape.n_embd}-wide, {shape.n_head}-head"
 
 
 def _context(run_dir: Path, config: dict) -> int | str:

@@ -447,3 +447,14 @@ def test_the_card_gives_the_context_of_a_model_started_from_a_folder(tmp_path, p
     write_run(tmp_path / "run", prepared_books, ROWS, init_from=str(parent))
     GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=128).save_pretrained(tmp_path / "run" / "export")
     assert "| model | weights (continued) (context 128) |" in render_model_card(tmp_path / "run")
+
+
+def test_the_card_names_a_model_of_the_runs_own_shape_by_that_shape(tmp_path, prepared_books):
+    """n_layer / n_head / n_embd set over the preset: the card named the preset (tiny-cpu: 2 layers, 64 wide), another
+    model than the one it describes."""
+    write_run(tmp_path / "run", prepared_books, ROWS, n_layer=3, n_embd=48, block_size=128)
+    card = render_model_card(tmp_path / "run")
+    assert "# run: a 3-layer, 48-wide, 2-head GPT trained with bookgpt" in card
+    assert "| model | 3-layer, 48-wide, 2-head (context 128) |" in card
+    write_run(tmp_path / "run", prepared_books, ROWS)  # the preset's own shape: named by the preset
+    assert "# run: a tiny-cpu GPT trained with bookgpt" in render_model_card(tmp_path / "run")
