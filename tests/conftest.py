@@ -25,7 +25,7 @@ from evals.data import provision
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.vector_math import warm_up_vector_math
-from testkit import NO_DATASETS, TINY_MODEL, new_run, write_checkpoint
+from testkit import NO_DATASETS, TINY_MODEL, distinct_gpt, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.compile_cache import set_up_compile_cache
 
@@ -112,15 +112,8 @@ def prepared_books(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_gpt() -> GPT:
-    """A 2-layer, 32-wide GPT (padded vocab) in eval mode whose LayerNorms and biases are non-trivial, so a
-    mis-mapped one would show in a conversion test."""
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304)).eval()
-    with torch.no_grad():
-        for p in gpt.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return gpt
+    """A 2-layer, 32-wide GPT (padded vocab) in eval mode whose LayerNorms and biases are non-trivial."""
+    return distinct_gpt(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304))
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from safetensors.torch import save_model
 from warm_exec import ask
 
 from modeling.config import GPTConfig, get_preset
+from modeling.gpt import GPT
 from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -370,6 +371,18 @@ def compiled_tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 # Eval run folders (tests/evals, tests/e2e): tiny-cpu at the block_size that new_run's config.yaml gives it.
 TINY_MODEL = dataclasses.replace(get_preset("tiny-cpu"), block_size=32)
+
+
+def distinct_gpt(config: GPTConfig) -> GPT:
+    """A GPT of this shape in eval mode whose LayerNorms and biases are non-trivial, so a mis-mapped one would show
+    in a conversion test."""
+    torch.manual_seed(0)
+    gpt = GPT(config).eval()
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return gpt
 
 
 def write_checkpoint(model: torch.nn.Module, folder: Path) -> None:

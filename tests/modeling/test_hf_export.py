@@ -22,7 +22,7 @@ from modeling.hf_export import (
     load_hf_config,
     to_hf_state_dict,
 )
-from testkit import NO_DATASETS
+from testkit import NO_DATASETS, distinct_gpt
 
 SAMPLE = (
     "It was the best of times, it was the worst of times;\n\n  ünïcödé, 1234 tabs\tand <|endoftext|> too.\r\n"
@@ -38,8 +38,8 @@ def export(tiny_gpt: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return export_hf(tiny_gpt, tmp_path_factory.mktemp("hf") / "export", gpt2_vocab_and_merges())
 
 
-def ids() -> torch.Tensor:
-    return torch.randint(0, REAL_VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+def ids(length: int = 16) -> torch.Tensor:
+    return torch.randint(0, REAL_VOCAB_SIZE, (2, length), generator=torch.Generator().manual_seed(0))
 
 
 def test_export_writes_a_transformers_folder(export: Path):
@@ -47,15 +47,32 @@ def test_export_writes_a_transformers_folder(export: Path):
         assert (export / name).is_file(), name
 
 
-def test_transformers_gives_the_same_logits_and_load_hf_round_trips(tiny_gpt: GPT, export: Path):
+# Shapes of a run's own (TrainConfig's n_layer, n_head, n_embd, block_size over a preset): 4 heads of 12, and a
+# context of 2,048 learned positions, twice GPT-2's (the logits of its last 16, where only positions past 1,024 reach)
+OWN_SHAPES = {
+    "heads_of_12": GPTConfig(n_layer=3, n_head=4, n_embd=48, block_size=16, vocab_size=50304),
+    "context_2048": GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=2048, vocab_size=50304),
+}
+
+
+@pytest.mark.parametrize("shape", [None, *OWN_SHAPES], ids=["tiny_gpt", *OWN_SHAPES])
+def test_transformers_gives_the_same_logits_and_load_hf_round_trips(
+    tiny_gpt: GPT, export: Path, tmp_path: Path, shape: str | None
+):
+    model, folder = (tiny_gpt, export)
+    if shape is not None:
+        model = distinct_gpt(OWN_SHAPES[shape])
+        folder = export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())
+    tokens, keep = ids(model.config.block_size), 16
     with torch.no_grad():
-        ours = tiny_gpt(ids())[0][..., :REAL_VOCAB_SIZE]
-        hf = GPT2LMHeadModel.from_pretrained(export).eval()
+        ours = model.lm_head(model.hidden_states(tokens)[:, -keep:])[..., :REAL_VOCAB_SIZE]
+        hf = GPT2LMHeadModel.from_pretrained(folder).eval()
         assert hf.config.vocab_size == REAL_VOCAB_SIZE and hf.lm_head.weight is hf.transformer.wte.weight
-        assert (hf(ids()).logits - ours).abs().max() < 1e-4
-        back = load_hf(export).eval()
-        assert back.config == dataclasses.replace(tiny_gpt.config, vocab_size=REAL_VOCAB_SIZE)  # no padded rows
-        assert torch.equal(back(ids())[0], ours)
+        assert hf.config.n_positions == model.config.block_size
+        assert (hf(tokens, logits_to_keep=keep).logits - ours).abs().max() < 1e-4
+        back = load_hf(folder).eval()
+        assert back.config == dataclasses.replace(model.config, vocab_size=REAL_VOCAB_SIZE)  # no padded rows
+        assert torch.equal(back.lm_head(back.hidden_states(tokens)[:, -keep:]), ours)
 
 
 def test_load_hf_trains_from_the_folders_loss_where_its_logits_are_far_below_zero(tmp_path: Path):
