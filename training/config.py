@@ -54,7 +54,10 @@ class TrainConfig:
     )
     n_head: int | None = field(
         default=None,
-        metadata={"help": "attention heads, which must divide n_embd (GPT-2's heads are 64 wide); null: the preset's"},
+        metadata={
+            "help": "attention heads, which must divide n_embd (GPT-2's heads are 64 wide); null: the preset's "
+            "(models trained from scratch only)"
+        },
     )
     n_embd: int | None = field(
         default=None, metadata={"help": "residual stream width; null: the preset's (models trained from scratch only)"}
@@ -90,7 +93,7 @@ class TrainConfig:
         metadata={
             "help": "the tied head's logits from an FP8 matmul (torch._scaled_mm: e4m3 forward, e5m2 gradients) where "
             "the loss takes the full logits (compiled, on CUDA); only on GPUs of compute capability 8.9+ (Ada, "
-            "Hopper), elsewhere it stays off and the run says so"
+            "Hopper), elsewhere it stays off and the run says so; needs an n_embd divisible by 16"
         },
     )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank (0: batches are tiny)"})
