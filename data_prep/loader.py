@@ -379,6 +379,8 @@ class TokenLoader:
     (only the epoch's dropped tail, less than one step, depends on the step's size).
     An infinite loader is one endless stream; a finite one starts a new pass (epoch) at every
     `iter()`, except right after `load_state_dict`, which resumes the saved pass.
+    A state of other data (other tokens in the shards: books added, a subset) does not load, unless
+    `restart_on_other_data`: then the loader starts at this data's beginning and `left_behind` holds that state.
     Only one iterator may be in use at a time. Do not pass it through `accelerator.prepare`:
     it already shards across ranks.
     """
@@ -398,6 +400,7 @@ class TokenLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         verify: str = "size",
+        restart_on_other_data: bool = False,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -410,6 +413,8 @@ class TokenLoader:
         self.split, self.block_size, self.micro_batch_size = split, block_size, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.infinite = shuffle, infinite
+        self.restart_on_other_data = restart_on_other_data
+        self.left_behind: dict[str, Any] | None = None  # the state of other data that load_state_dict set aside
         shards = self.manifest.shards_of(split)
         self.dataset = WindowDataset(self.manifest, split, block_size)
         per_step = world_size * micro_batch_size
@@ -485,13 +490,26 @@ class TokenLoader:
         keys = ("seed", "block_size", "shuffle", "num_windows")
         diffs = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
         saved = state.get("data_digest")  # absent from checkpoints written before it was kept
-        if saved is not None and saved != mine["data_digest"]:  # e.g. re-prepared with other books, as many windows
+        # other tokens (books added or changed, as many windows or not); num_windows tells checkpoints without a digest
+        key, now = ("data_digest", mine["data_digest"]) if saved is not None else ("num_windows", len(self.dataset))
+        other_data = state.get(key) != now
+        if other_data and state.get("block_size") == self.block_size and self.restart_on_other_data:
+            self.left_behind = state  # this data is read from its start: the position was one in other tokens
+            return
+        if saved is not None and other_data:
             diffs.append(
                 f"data {saved[:12]} (now {mine['data_digest'][:12]}: other tokens in {self.manifest.data_dir})"
             )
         if diffs:
+            # said where it applies: a changed seed or block size on the same data has no use for it
+            go_on = (
+                "to train this run on (its weights, optimizer, schedule and step kept) from the start of the new data, "
+                "add --on-new-data continue; else "
+                if other_data
+                else ""
+            )
             raise DataPrepError(
-                f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; resume with "
+                f"cannot resume the {self.split} loader: the checkpoint has {', '.join(diffs)}; {go_on}resume with "
                 f"the same data, seed and block size, or start afresh: --resume never sets this run aside (or give "
                 "another --out-dir)"
             )

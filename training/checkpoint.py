@@ -211,8 +211,8 @@ def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
         raise CheckpointError(f"{what} does not read as YAML ({' '.join(str(err).split())}); {mend}") from None
     if not isinstance(values, dict):
         raise CheckpointError(f"{what} is not a mapping of key: value; {mend}")
-    # resume is this launch's choice, not the run's (and older runs wrote '' there)
-    saved = {k: v for k, v in values.items() if k in now and k != "resume"}
+    # resume and on_new_data are this launch's choices, not the run's (and older runs wrote '' for resume)
+    saved = {k: v for k, v in values.items() if k in now and k not in ("resume", "on_new_data")}
     try:
         return saved, TrainConfig(**saved)
     except (ConfigError, TypeError) as err:

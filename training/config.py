@@ -29,6 +29,7 @@ AUTO = "auto"  # micro_batch_size's value for "the largest that fits" (training.
 INT_OR_AUTO = int | str  # micro_batch_size's type: a number or AUTO
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd")
+ON_NEW_DATA = ("stop", "continue")
 # Old names of renamed keys (YAML key or flag) -> the current name: still accepted, with one warning line.
 RENAMED = {"eval_batches": "eval_windows"}
 # A time budget is decided at the end of the warmup, from its steps after the first (which compiles): two at least.
@@ -217,6 +218,15 @@ class TrainConfig:
             "out_dir holds into out_dir/previous-<time>/; or a checkpoint folder (.../step-NNNNNNNN) to continue from"
         },
     )
+    on_new_data: str = field(
+        default="stop",
+        metadata={
+            "help": "what a resume does where --data-dir holds other tokens than the checkpoint's data (books added, "
+            "a subset for the decay): stop says so and changes nothing; continue keeps the weights, optimizer, "
+            "schedule and step and reads the new data from its start. The checkpoint's own data resumes its position "
+            "either way"
+        },
+    )
     trackers: str = field(default="", metadata={"help": "comma list of extra accelerate trackers, e.g. tensorboard"})
     peak_tflops: float | None = field(
         default=None, metadata={"help": "per-device peak TFLOP/s for MFU; default: table or measured"}
@@ -295,7 +305,7 @@ class TrainConfig:
                     f"fp8_head needs an n_embd divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm's FP8 matmul "
                     f"takes no other), got {shape.n_embd}: give another --n-embd, or --fp8-head false"
                 )
-        choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES))
+        choices = (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES), ("on_new_data", ON_NEW_DATA))
         for name, valid in choices:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")

@@ -375,9 +375,11 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
         changes = [c for c in (crossed, progress.reshape(world_size, cfg.micro_batch_size, grad_accum)) if c]
-        if changes:
+        new_data = new_data_note(train_loader)
+        if changes or new_data:
             epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
-            accelerator.print(f"resume: {', '.join(changes)}; data position {train_loader.tokens:,} tokens{epoch} kept")
+            data = new_data or f"data position {train_loader.tokens:,} tokens{epoch} kept"
+            accelerator.print(f"resume: {''.join(c + '; ' for c in changes)}{data}")
         startup.lap("resume")
     # What the end of the run writes, decided by the main process, which writes it, before this launch writes
     # anything; every rank stops alike.
@@ -472,6 +474,22 @@ def check_outputs(
     return hub_note
 
 
+def new_data_note(loader: TokenLoader) -> str | None:
+    """After a resume under --on-new-data continue on other tokens than the checkpoint's: where the checkpoint's
+    data was left and what is read now (None: the checkpoint's own data, resumed at its position, or no resume)."""
+    state = loader.left_behind
+    if state is None:
+        return None
+    digest = state.get("data_digest")  # absent from checkpoints written before it was kept
+    was = f"data {digest[:12]}" if digest else f"data of {state['num_windows']:,} windows"
+    epoch = f" of epoch {state['epoch']}" if state["epoch"] else ""
+    return (
+        f"new data (--on-new-data continue): the checkpoint's {was} was left at {int(state['tokens']):,} "
+        f"tokens{epoch}; {loader.manifest.data_dir} (data {loader.manifest.content_digest[:12]}) is read from its "
+        "start, the weights, optimizer, schedule and step go on"
+    )
+
+
 def build_data(
     cfg: TrainConfig, accelerator: Accelerator, model_config: GPTConfig
 ) -> tuple[Manifest, TokenLoader, EvalWindows]:
@@ -498,6 +516,7 @@ def build_data(
     train_loader = TokenLoader(
         cfg.data_dir, "train", block_size, cfg.micro_batch_size, **loader_args,
         num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
+        restart_on_other_data=cfg.on_new_data == "continue",
     )  # fmt: skip
     val_windows = EvalWindows(
         cfg.data_dir, "val", block_size, cfg.eval_windows, cfg.micro_batch_size,
@@ -520,6 +539,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         "device": device_name(device),
         "data_path": str(Path(cfg.data_dir).resolve()),
         "start_step": run.progress.step,  # a resumed launch's first step is the next
+        "new_data": new_data_note(run.train_loader),  # metrics.jsonl's launch row keeps where the data changed
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": dynamo,
         "dynamo_regional": per_block,

@@ -22,6 +22,7 @@ from data_prep.loader import (
     prepare_command,
     spread,
 )
+from data_prep.prepare import prepare
 
 BLOCK = 64
 
@@ -259,6 +260,34 @@ def test_resume_with_other_data_or_seed_is_refused(prepared_books):
         other.load_state_dict(state)
 
 
+def test_a_position_in_other_data_restarts_at_the_new_datas_start_only_where_asked(prepared_books, tmp_path):
+    """The library grew (a real preparation with one more book): a position saved in the old data is refused with
+    the way to go on (--on-new-data continue), and with restart_on_other_data the loader reads the new data from
+    its start, keeping what it set aside. The data the position is in resumes there with the flag too, so a
+    relaunch of the same command (a requeued job) never restarts it."""
+    grown = tmp_path / "grown"
+    prepare("default:hamlet,macbeth,tempest,twelfth_night,othello", grown, shard_tokens=40_000, val_fraction=0.1)
+    old = TokenLoader(prepared_books, "train", BLOCK, 4, seed=1)
+    _windows(old, 3)
+    state = old.state_dict()
+
+    with pytest.raises(DataPrepError, match=r"other tokens in .*grown\); to train this run on \(its weights, "
+                       r"optimizer, schedule and step kept\) from the start of the new data, add --on-new-data "
+                       r"continue; else resume with the same data"):  # fmt: skip
+        TokenLoader(grown, "train", BLOCK, 4, seed=1).load_state_dict(state)
+    restarted = TokenLoader(grown, "train", BLOCK, 4, seed=1, restart_on_other_data=True)
+    restarted.load_state_dict(state)
+    assert restarted.left_behind == state and (restarted.epoch, restarted.tokens) == (0, 0)
+    assert _windows(restarted, 2) == _windows(TokenLoader(grown, "train", BLOCK, 4, seed=1), 2)
+
+    again = TokenLoader(grown, "train", BLOCK, 4, seed=1, restart_on_other_data=True)
+    again.load_state_dict(restarted.state_dict())
+    assert again.left_behind is None and again.tokens == 2 * 4 * BLOCK
+    same = TokenLoader(prepared_books, "train", BLOCK, 4, seed=1, restart_on_other_data=True)
+    same.load_state_dict(state)
+    assert same.left_behind is None and _windows(same, 2) == _windows(old, 2)
+
+
 def test_resume_on_other_tokens_of_as_many_windows_is_refused_and_on_a_copy_elsewhere_goes_on(prepared_books, tmp_path):
     """Books prepared again with other text of the same length: as many windows, other tokens. The content digest
     tells them apart; the same shards in another folder (a node-local copy) are the same data."""
@@ -276,7 +305,7 @@ def test_resume_on_other_tokens_of_as_many_windows_is_refused_and_on_a_copy_else
     TokenLoader(copy, "train", BLOCK, 4, seed=1).load_state_dict(state)
     moved = TokenLoader(other, "train", BLOCK, 4, seed=1)
     assert len(moved.dataset) == state["num_windows"]
-    with pytest.raises(DataPrepError, match=rf": other tokens in {re.escape(str(other))}\); resume with the same data"):
+    with pytest.raises(DataPrepError, match=rf": other tokens in {re.escape(str(other))}\); to train this run on"):
         moved.load_state_dict(state)
 
 

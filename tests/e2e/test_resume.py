@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from data_prep.loader import load_manifest
+from data_prep.prepare import prepare
 from evals.data import provision
 from testkit import (
     NEEDS_UNSHARE_PID,
@@ -318,6 +320,49 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         in resumed.stdout
     ), resumed.stdout
     assert "resumed from" in resumed.stdout
+
+
+def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_the_new_datas_start(
+    prepared_books, tmp_path
+):
+    """More books, prepared into the same --data-dir: the resume stops with one line saying how to go on, the
+    checkpoints untouched; with --on-new-data continue the weights, optimizer, schedule and step go on and the new
+    data is read from its start, said on screen and in metrics.jsonl's launch row. The same command again (a requeued
+    job) resumes the new data at its position, not at its start once more."""
+    data, run_dir = Path(shutil.copytree(prepared_books, tmp_path / "books")), tmp_path / "run"
+    every_two = ["--checkpoint-interval", "2"]
+    run(tiny_cmd(None, run_dir, data, "--max-steps", "2", *every_two))
+    prepare("default:hamlet,macbeth,othello,tempest,twelfth_night", data, shard_tokens=40_000, val_fraction=0.1)
+    saved = {p: p.read_bytes() for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+
+    stopped = run(tiny_cmd(None, run_dir, data, "--max-steps", "4", *every_two), expect_rc=1)
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: cannot resume the train loader: the checkpoint has num_windows=") and (
+        "; to train this run on (its weights, optimizer, schedule and step kept) from the start of the new data, add "
+        "--on-new-data continue; else resume with the same data" in line
+    ), stopped.stderr[-3000:]
+    assert {p: p.read_bytes() for p in saved} == saved
+
+    go_on = tiny_cmd(None, run_dir, data, "--max-steps", "4", *every_two, "--on-new-data", "continue")
+    went_on = run(go_on).stdout
+    note = re.search(r"^resume: (new data \(--on-new-data continue\): the checkpoint's data \w{12} was left at 1,024 "
+                     rf"tokens; {re.escape(str(data))} \(data \w{{12}}\) is read from its start, the weights, "
+                     r"optimizer, schedule and step go on)$", went_on, re.M)  # fmt: skip
+    assert note, went_on
+    step4 = run_dir / "checkpoints" / "step-00000004"
+    position = torch.load(step4 / "custom_checkpoint_1.pkl", weights_only=False)
+    progress = torch.load(step4 / "custom_checkpoint_0.pkl", weights_only=False)
+    assert (position["epoch"], position["tokens"]) == (0, 2 * 512)  # the new data's first two steps
+    assert position["data_digest"] == load_manifest(data).content_digest
+    assert (progress["step"], progress["tokens_seen"]) == (4, 4 * 512)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["launch"].get("new_data") for r in rows if "launch" in r] == [None, note[1]]
+    assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
+
+    requeued = run([*go_on[: go_on.index("--max-steps") + 1], "6", *go_on[go_on.index("--max-steps") + 2 :]]).stdout
+    assert "new data" not in requeued and f"resumed from {step4} at step 4" in requeued
+    position = torch.load(run_dir / "checkpoints" / "step-00000006" / "custom_checkpoint_1.pkl", weights_only=False)
+    assert (position["epoch"], position["tokens"]) == (0, 4 * 512)
 
 
 def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tmp_path):
