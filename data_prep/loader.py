@@ -187,7 +187,10 @@ class WindowDataset(Dataset):
         self.redo = f"re-run `{prepare_command(manifest.data_dir, manifest.source)}`"  # what a damaged shard needs
         counts = [max(0, (s.num_tokens - 1) // block_size) for s in shards]
         self.starts = np.cumsum([0, *counts])  # first window index of each shard
-        self._maps: list[np.memmap] | None = None
+        # Mapped now, as the manifest just read them: a `prepare` into the same folder meanwhile swaps in new files of
+        # the same names, which a map opened later (the val split's at a resumed run's first eval) would read with
+        # this manifest's window counts (another val set, or a crash where the new shard is shorter).
+        self._maps: list[np.memmap] | None = self._open()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -215,16 +218,18 @@ class WindowDataset(Dataset):
     def _window(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        if self._maps is None:  # opened lazily so each DataLoader worker maps the files itself
-            try:
-                self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
-            except FileNotFoundError as err:  # checked at the start, gone since (the start-up reads no shard)
-                raise DataPrepError(
-                    f"shard {err.filename} is missing (removed since the run started); {self.redo}"
-                ) from None
+        if self._maps is None:  # a DataLoader worker started by spawn (not fork) maps the files itself
+            self._maps = self._open()
         shard = self._shard(index)
         offset = (index - int(self.starts[shard])) * self.block_size
         return self._maps[shard][offset : offset + self.block_size + 1]
+
+    def _open(self) -> list[np.memmap]:
+        try:
+            return [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        except FileNotFoundError as err:  # checked by the manifest's reader, gone since
+            missing = f"shard {err.filename} is missing (removed since the run started)"
+            raise DataPrepError(f"{missing}; {self.redo}") from None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}  # memmaps don't travel to worker processes

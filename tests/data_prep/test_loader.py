@@ -426,6 +426,20 @@ def test_format_1_dataset_still_loads_and_prepare_migrates_it(prepared_books, tm
     assert all((data / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())
 
 
+def test_a_run_reads_the_data_it_started_with_while_prepare_replaces_the_folder(prepared_books, tmp_path):
+    """`prepare` into the folder a run is reading (other books: other shards of the same names). The run's loaders
+    read the data they were built on: the val set mapped at a resumed run's first eval read the new val_000.bin with
+    the old manifest's windows, another val set or (where it was shorter) numpy's ValueError traceback."""
+    data = Path(shutil.copytree(prepared_books, tmp_path / "data"))
+    val = EvalWindows(data, "val", BLOCK, 64, 8)
+    train = TokenLoader(data, "train", BLOCK, 4, seed=1)
+    prepare("default:hamlet,macbeth,othello,tempest", data, shard_tokens=40_000, val_fraction=0.1)
+    assert load_manifest(data).content_digest != load_manifest(prepared_books).content_digest
+    expected_val = EvalWindows(prepared_books, "val", BLOCK, 64, 8)
+    assert _same(list(val), list(expected_val))
+    assert _windows(train, 3) == _windows(TokenLoader(prepared_books, "train", BLOCK, 4, seed=1), 3)
+
+
 def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_books, tmp_path):
     """Of the right size, so the start-up's size check passes, but holding ids no tokenizer wrote: the embedding's
     IndexError traceback at the first step, before; now the batch that reads it stops with one line. A shard removed
@@ -439,11 +453,11 @@ def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_boo
     ds = WindowDataset(manifest, "train", BLOCK)
     first_of_shard1 = (shards[0].num_tokens - 1) // BLOCK
     ds.__getitems__([0, 1])  # the intact shard reads
-    gone = WindowDataset(manifest, "train", BLOCK)
     (data / shards[2].file).rename(tmp_path / "aside.bin")  # removed after the start-up's check
     redo = f"re-run `{prepare_command(data, manifest.source)}`"
     with pytest.raises(DataPrepError) as err:
-        gone.__getitems__([0])  # the files are mapped at the first read: the error named no shard nor what to do
+        WindowDataset(manifest, "train", BLOCK)  # the files are mapped as it is built: numpy named no fix
+    (tmp_path / "aside.bin").rename(data / shards[2].file)
     assert str(err.value) == f"shard {data / shards[2].file} is missing (removed since the run started); {redo}"
     with pytest.raises(DataPrepError) as err:
         ds.__getitems__([0, first_of_shard1 + 2])
