@@ -83,7 +83,9 @@ def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
     rendered from another working folder finds it too), else at its data_dir as given (runs from before both)."""
     recorded = [r["launch"]["data"] for r in reversed(rows) if r.get("launch", {}).get("data")]
     if recorded:
-        return recorded[0]
+        # a run that went on from other data (--on-new-data continue) trained on each launch's: the card names every
+        # source with its license, and the newest data's splits (its val split gave the last val loss)
+        return {**recorded[0], "sources": [s for m in reversed(recorded) for s in _recorded_sources(m)]}
     launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
     for folder in [*launched[:1], config["data_dir"]]:
         if (found := data_for_the_card(folder)) is not None:
@@ -91,15 +93,19 @@ def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
     return None
 
 
-def data_sources(manifest: dict | None) -> list[dict]:
-    """The data's parts with the license and Hub dataset id that prepare recorded for each, each source as the card
-    shows it (shown_source)."""
-    if manifest is None:
-        return []
-    sources = manifest.get("sources") or [
+def _recorded_sources(manifest: dict) -> list[dict]:
+    return manifest.get("sources") or [
         {"source": manifest["source"], "license": "unknown (prepared before licenses were recorded)", "dataset": None}
     ]
-    return [{**s, "source": shown_source(s["source"], s["dataset"])} for s in sources]
+
+
+def data_sources(manifest: dict | None) -> list[dict]:
+    """The data's parts with the license and Hub dataset id that prepare recorded for each, each source as the card
+    shows it (shown_source), each once."""
+    if manifest is None:
+        return []
+    shown = [{**s, "source": shown_source(s["source"], s["dataset"])} for s in _recorded_sources(manifest)]
+    return [s for i, s in enumerate(shown) if s not in shown[:i]]
 
 
 def shown_source(source: str, dataset: str | None) -> str:
@@ -316,7 +322,7 @@ A GPT-2-architecture model pretrained {origin} with bookgpt (a pretraining proje
 Accelerate, MIT-licensed).
 
 ## Training data
-{_data_section(config, manifest)}
+{_data_section(config, manifest)}{_new_data_line(rows)}
 
 ## Training
 | | |
@@ -402,6 +408,18 @@ def _data_section(config: dict, manifest: dict | None) -> str:
         f"{splits['train']['num_documents']:,} train documents ({splits['train']['num_tokens']:,} tokens), "
         f"{splits['val']['num_documents']:,} val documents ({splits['val']['num_tokens']:,} tokens), GPT-2 BPE.\n\n"
         f"| source | Hub dataset | license |\n|---|---|---|\n{rows}\n{note}"
+    )
+
+
+def _new_data_line(rows: list[dict]) -> str:
+    """Where the run went on from other data (--on-new-data continue), one sentence; '' where it never did."""
+    steps = [r["step"] + 1 for r in rows if r.get("launch", {}).get("new_data")]
+    if not steps:
+        return ""
+    at = ("step " if len(steps) == 1 else "steps ") + ", ".join(f"{s:,}" for s in steps)
+    return (
+        f"\n\nFrom {at} the run went on from the start of other data (the sources above are all it trained on; "
+        "the split sizes are the last data's)."
     )
 
 

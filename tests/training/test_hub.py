@@ -278,6 +278,27 @@ def test_the_card_describes_the_data_trained_on_after_its_folder_is_gone(finishe
     assert f"({tokens:,} tokens)" in before and f"| {license} |" in before
 
 
+def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finished_run, prepared_books, tmp_path):
+    """Trained on a folder of books of unknown license, then (--on-new-data continue) on public-domain books: the
+    card named the last data alone, public domain, under the MIT license."""
+    library = tmp_path / "library"
+    library.mkdir()
+    for name in ("a", "b", "c"):
+        (library / f"{name}.txt").write_text(f"Book {name}. " + "Some words of a book of mine. " * 400)
+    first = tmp_path / "mine"
+    prepare(f"files:{library}", first, val_fraction=0.3)
+    (finished_run / "metrics.jsonl").write_text("")
+    tracker = JSONLTracker(finished_run)
+    for data, step, note in ((first, 0, None), (prepared_books, 1, "new data (--on-new-data continue): ...")):
+        values = {k: CPU_LAUNCH.get(k, 8) for k in LAUNCH_KEYS} | {"data_path": str(data), "start_step": step}
+        tracker.store_init_configuration(values | ({"new_data": note} if note else {}))
+        tracker.log({"train_loss": 9.25, "tokens_per_sec": 1100.0, "tokens_seen": 1024 * (step + 1)}, step=step + 1)
+    card = render_model_card(finished_run)
+    assert "license: unknown" in card and "| `files:library` |  | unknown |" in card
+    assert "| `default:hamlet,macbeth,tempest,twelfth_night` |  | public domain in the USA |" in card
+    assert "From step 2 the run went on from the start of other data" in card
+
+
 def test_write_model_card_fills_repo_id(finished_run):
     path = write_model_card(finished_run, "someone/tiny-books")
     assert 'from_pretrained("someone/tiny-books")' in path.read_text()
