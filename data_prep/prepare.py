@@ -185,7 +185,10 @@ def prepare(
                 return out / MANIFEST_NAME
             (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
             _write_json(build / MANIFEST_NAME, manifest)
+            replaced = _replacing(out, build)
             _swap_in(build, out)
+    if replaced:
+        log.info(replaced)
     totals = manifest["splits"]
     log.info(
         "Wrote %s: train %d tokens (%d docs), val %d tokens (%d docs)",
@@ -690,6 +693,33 @@ def _settle_swap(build: Path, out: Path) -> None:
             log.info("Put the previous dataset back in %s, where a killed run had moved it aside", out)
             return
     shutil.rmtree(old)
+
+
+def _books(folder: Path) -> dict[str, str | None]:
+    """A prepared dataset's books: id -> the book's sha256 (both parts of a book split by position: one entry)."""
+    documents = load_manifest(folder, verify="none").documents()
+    return {d["id"].removesuffix("#val"): d.get("book_sha256") for d in documents}
+
+
+def _replacing(out: Path, build: Path) -> str | None:
+    """One line on the dataset in `out` that the complete `build` replaces (None: none there): which books changed,
+    and what that means to the runs that trained on it, whose resume stops on other data."""
+    if not _is_prepared(out):
+        return None
+    now = _books(build)
+    try:
+        before = _books(out)
+        added, removed = len(now.keys() - before.keys()), len(before.keys() - now.keys())
+        changed = sum(before[b] != now[b] for b in now.keys() & before.keys())
+        books = (
+            f"books: {added} added, {removed} removed, {changed} changed" if added + removed + changed else "same books"
+        )
+    except (DataPrepError, OSError, ValueError, KeyError):  # damaged: it is replaced all the same
+        books = "its book list unreadable"
+    return (
+        f"Replaced the earlier dataset in {out} ({books}): a run that trained on it stops at its resume; resume it "
+        "with --on-new-data continue to train on from this data's start (its weights, optimizer and step kept)"
+    )
 
 
 def _old(out: Path) -> Path:

@@ -364,6 +364,27 @@ def test_second_run_is_a_no_op_and_changed_input_rebuilds(tmp_path, caplog):
     _check_exact(out, source)
 
 
+def test_a_rebuild_over_an_earlier_dataset_says_which_books_changed_and_how_its_runs_go_on(tmp_path, caplog):
+    """The library grew and was prepared into the same --out: the old dataset went without a word, and the runs that
+    trained on it stop at their next resume (other data)."""
+    books, out = _write_books(tmp_path / "books"), tmp_path / "data"
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{books}", out, val_fraction=0.25)
+    assert "Replaced" not in caplog.text  # nothing there before
+    (books / "book9.txt").write_text("Book 9, added.\n" + "Line of the added book.\n" * 50, encoding="utf-8")
+    (books / "book1.txt").write_text("Book 1, revised.\n" * 20, encoding="utf-8")
+    (books / "book3.txt").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{books}", out, val_fraction=0.25)
+    assert (
+        f"Replaced the earlier dataset in {out} (books: 1 added, 1 removed, 1 changed): a run that trained on it stops "
+        "at its resume; resume it with --on-new-data continue to train on from this data's start (its weights, "
+        "optimizer and step kept)\n" in caplog.text
+    ), caplog.text
+    assert caplog.text.index("Replaced the earlier") < caplog.text.index(f"Wrote {out}: ")  # once it is done
+
+
 def test_altered_shard_is_rebuilt_not_reported_up_to_date(tmp_path):
     out = tmp_path / "data"
     source = f"files:{_write_books(tmp_path / 'books')}"
