@@ -426,7 +426,7 @@ class JSONLTracker(GeneralTracker):
         launch YAML, not the config, chose, and which a resume may change) go in a row at the step it starts from,
         for the model card."""
         launch = {k: values[k] for k in LAUNCH_KEYS} | {"data": data_for_the_card(values["data_path"])}
-        if "new_data" in values:  # a resume that went on from the start of other data (--on-new-data continue)
+        if values.get("new_data"):  # a resume that went on from the start of other data (--on-new-data continue)
             launch["new_data"] = values["new_data"]
         self.log({"launch": launch}, step=values["start_step"])
 
