@@ -179,6 +179,8 @@ def export_tokenizer(vocab_and_merges: VocabAndMerges, out_dir: str | Path, mode
 
 def load_hf_config(folder: str | Path) -> GPTConfig:
     """The GPTConfig of a transformers GPT-2 folder or Hub id (config.json only, no weights)."""
+    if not Path(folder).expanduser().exists():
+        _check_hub_reachable(str(folder))
     # GPT2Config reads any config.json, filling GPT-2 defaults for what another architecture names differently.
     model_type = GPT2Config.get_config_dict(folder)[0].get("model_type")
     if model_type != "gpt2":
@@ -203,6 +205,23 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
     return GPTConfig(
         n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, vocab_size=REAL_VOCAB_SIZE
     )
+
+
+def _check_hub_reachable(repo_id: str) -> None:
+    """An OSError now where huggingface.co cannot be reached and repo_id's config.json is not in the local cache:
+    huggingface_hub would retry the download with backoff for half a minute (more behind a firewall that drops
+    packets), one warning line a try. One request, no retries, HF_HUB_ETAG_TIMEOUT's seconds at most."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        if constants.HF_HUB_OFFLINE or try_to_load_from_cache(repo_id, "config.json") is not None:
+            return  # from the cache only: no request, no retries
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (HfHubHTTPError, ValueError):  # the Hub answered (no such model, gated) or a malformed id: transformers says
+        return
+    except Exception as err:  # huggingface_hub's HTTP client's own connect, DNS and timeout errors
+        raise OSError(f"cannot reach {constants.ENDPOINT} ({type(err).__name__}: {err}).") from None
 
 
 def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:

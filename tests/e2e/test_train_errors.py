@@ -8,7 +8,9 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,22 @@ def test_a_hub_token_the_push_would_fail_with_stops_the_run_before_training(work
     assert stderr.startswith("error: the Hub refused the Hugging Face token in HF_TOKEN for --push-to-hub "), stderr
     assert stderr.count("\n") == 1 and stderr.endswith("`hf auth login` or set HF_TOKEN\n"), stderr
     assert snapshot(data, run_dir) == before
+
+
+def test_a_hub_id_out_of_reach_stops_at_once_with_one_line(workspace, tmp_path):
+    """--init-from gpt2 where the Hub cannot be reached (here its address, HF_ENDPOINT, a port nobody listens on) and
+    gpt2 is not in the cache (an empty HF_HOME): huggingface_hub retried for ~30 s, eleven lines of warnings above
+    our error. Now one request, and the error is the one line."""
+    data, run_dir = workspace
+    with socket.socket() as closed:  # bound, never listening: a connection to it is refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home")}
+        started = time.monotonic()
+        stderr = fails(run_dir, data, "--init-from", "gpt2", env=env)
+    assert time.monotonic() - started < 20
+    assert stderr.startswith(f"error: init_from gpt2: cannot reach {endpoint} (") and stderr.count("\n") == 1, stderr
+    assert stderr.endswith("(hf download gpt2 --local-dir DIR) and give --init-from DIR\n"), stderr
 
 
 def test_make_train_ends_with_our_line_not_the_launchers_traceback(tmp_path):
