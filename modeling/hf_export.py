@@ -5,7 +5,8 @@ The parameter names are the same on both sides; two things differ:
 - GPT-2's Conv1D stores its weight as (in, out), the transpose of nn.Linear's (out, in);
 - our embedding/head is padded to vocab_size (50,304) rows, GPT-2 has the 50,257 real ids. Export drops the
   padded rows; import keeps the folder's 50,257 (load_hf_config), as nanoGPT's from_pretrained does, so the loss is
-  the folder model's: a padded row's logit would enter the softmax too.
+  the folder model's: a padded row's logit would enter the softmax too. A folder padded to 50,304 itself (a
+  conversion from nanoGPT or llm.c) loads the same way: its padded rows are dropped.
 Every conversion checks every key and shape against the model it feeds, so a silent mismatch is impossible.
 """
 
@@ -24,7 +25,7 @@ from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 from transformers.utils import logging as hf_logging
 
-from modeling.config import EOT_ID, REAL_VOCAB_SIZE, GPTConfig
+from modeling.config import EOT_ID, PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig
 from modeling.device import quiet_deepspeed
 from modeling.disk import swap_in, umask_modes
 from modeling.gpt import GPT
@@ -182,17 +183,26 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
     if not Path(folder).expanduser().exists():
         _check_hub_reachable(str(folder))
     # GPT2Config reads any config.json, filling GPT-2 defaults for what another architecture names differently.
-    model_type = GPT2Config.get_config_dict(folder)[0].get("model_type")
+    saved = GPT2Config.get_config_dict(folder)[0]
+    model_type = saved.get("model_type")
     if model_type != "gpt2":
         raise ValueError(
             f"not a GPT-2 model (model_type {model_type!r}); give a transformers GPT-2 folder (config.json with "
             "model_type 'gpt2', such as a run's export/) or a GPT-2 Hub id such as gpt2 or openai-community/gpt2-medium"
         )
+    # Before GPT2Config: another vocabulary makes it warn (GPT-2's bos/eos id 50256 outside it) above this line.
+    vocab_size = saved.get("vocab_size", REAL_VOCAB_SIZE)
+    if vocab_size not in (REAL_VOCAB_SIZE, PADDED_VOCAB_SIZE):
+        raise ValueError(
+            f"{folder}: vocab_size {vocab_size!r} is not the GPT-2 tokenizer's {REAL_VOCAB_SIZE} ids (nor "
+            f"{PADDED_VOCAB_SIZE}, those padded), which the data is tokenized with; give a GPT-2 of that tokenizer "
+            "(gpt2, gpt2-medium, a run's export/) or train from scratch without --init-from"
+        )
     c = GPT2Config.from_pretrained(folder)
     # What our GPT hard-codes; a folder that differs would load without error and compute something else (or fail
     # only once its weights are read: an untied head).
     wanted = {
-        "vocab_size": REAL_VOCAB_SIZE, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
         "n_inner": 4 * c.n_embd, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "tie_word_embeddings": True, "add_cross_attention": False,
     }  # fmt: skip
@@ -201,7 +211,8 @@ def load_hf_config(folder: str | Path) -> GPTConfig:
     if differ:
         raise ValueError(f"{folder}: a GPT-2 our GPT cannot compute: {', '.join(differ)}")
     # dropout stays the recipe's 0, as nanoGPT's init_from keeps it, not the 0.1 of the Hub's gpt2 config; no padded
-    # vocab rows: zeros have logit 0, far above GPT-2's own (around -100 for gpt2), and would take most of the softmax
+    # vocab rows, not even a padded folder's (load_hf drops them): zeros have logit 0, far above GPT-2's own (around
+    # -100 for gpt2), and would take most of the softmax
     return GPTConfig(
         n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, vocab_size=REAL_VOCAB_SIZE
     )
@@ -241,7 +252,9 @@ def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
                 f"its weights do not load ({type(err).__name__}: {said}); export the run again (python -m "
                 "training.export RUN) or give another folder"
             ) from None
-        state_dict = from_hf_state_dict(hf.state_dict(), saved)
+        # A padded folder's rows past GPT-2's ids are never tokens (load_hf_config keeps 50,257).
+        state_dict = {k: v[:REAL_VOCAB_SIZE] if k in VOCAB_ROWS else v for k, v in hf.state_dict().items()}
+        state_dict = from_hf_state_dict(state_dict, saved)
     state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state_dict, strict=True)

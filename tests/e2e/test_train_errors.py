@@ -110,6 +110,12 @@ CASES = {
     "out_dir_a_file": (None, ["--out-dir", "{tmp}/bad.yaml"], r"out_dir .*bad.yaml is a file; choose another"),
     "init_from_missing": (None, ["--init-from", "{tmp}/no/export"], r"init_from .*/no/export: no such folder"),
     "init_from_not_gpt2": (None, ["--init-from", "{tmp}/llama"], r"not a GPT-2 model \(model_type 'llama'\)"),
+    # another tokenizer's GPT-2: transformers' two warnings (bos/eos id 50256 outside its vocabulary) came first
+    "init_from_other_vocab": (
+        None,
+        ["--init-from", "{tmp}/gpt2_32k"],
+        r"vocab_size 32000 is not the GPT-2 tokenizer's 50257 ids .*; give a GPT-2 of that tokenizer",
+    ),
     "init_from_bad_config": (
         None,
         ["--init-from", "{tmp}/gpt2_typo"],
@@ -137,6 +143,8 @@ def test_bad_input_gives_one_clear_error_and_damages_nothing(workspace, tmp_path
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     (tmp_path / "gpt2_typo").mkdir()
     (tmp_path / "gpt2_typo" / "config.json").write_text('{"model_type": "gpt2", "n_layer": "x"}')
+    (tmp_path / "gpt2_32k").mkdir()
+    (tmp_path / "gpt2_32k" / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 32000}')
     damage, args, message = CASES[case]
     if damage:
         damage(data)

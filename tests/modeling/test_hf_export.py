@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges
-from modeling.config import REAL_VOCAB_SIZE, GPTConfig
+from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig
 from modeling.gpt import GPT
 from modeling.hf_export import (
     check_export,
@@ -91,6 +91,27 @@ def test_load_hf_trains_from_the_folders_loss_where_its_logits_are_far_below_zer
         theirs = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
         _, ours = load_hf(tmp_path)(x, y)
     assert abs(ours.item() - theirs.item()) < 1e-4, (ours.item(), theirs.item())
+
+
+def test_load_hf_takes_a_folder_padded_to_50304_and_drops_the_padded_rows(tmp_path: Path):
+    """A GPT-2 converted from nanoGPT or llm.c keeps their 50,304 rows; --init-from refused it ("vocab_size 50304
+    (ours: 50257)") with no advice. Its rows past GPT-2's ids are never tokens: here made the likeliest, they must
+    neither be sampled nor enter the loss, which is the folder model's over the 50,257 real ids."""
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=16, vocab_size=PADDED_VOCAB_SIZE))
+    with torch.no_grad():
+        hf.transformer.wte.weight[REAL_VOCAB_SIZE:] = 10.0  # tied: the head's padded rows too
+    hf.eval().save_pretrained(tmp_path)
+    x, y = ids(), ids().roll(1, dims=1)
+    model = load_hf(tmp_path).eval()
+    assert model.config.vocab_size == REAL_VOCAB_SIZE
+    with torch.no_grad():
+        real = hf(x).logits[..., :REAL_VOCAB_SIZE]
+        theirs = torch.nn.functional.cross_entropy(real.flatten(0, 1), y.flatten())
+        assert (model(x)[0] - real).abs().max() < 1e-4
+        _, ours = model(x, y)
+        assert abs(ours.item() - theirs.item()) < 1e-4, (ours.item(), theirs.item())
+        assert model.generate(x[:, :4], 8, top_k=1).max() < REAL_VOCAB_SIZE
 
 
 def test_auto_tokenizer_encodes_like_tiktoken(tiny_gpt: GPT, export: Path):
