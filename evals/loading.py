@@ -8,7 +8,7 @@ from pathlib import Path
 
 from evals import EvalError
 from modeling.gpt import GPT
-from modeling.runs import EXPORT_DIR, RunError, list_checkpoints, load_checkpoint
+from modeling.runs import CONFIG_FILE, EXPORT_DIR, RunError, list_checkpoints, load_checkpoint
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +61,11 @@ def load_model(
 
 
 def _from_export(folder: Path) -> GPT:
+    if not (folder / "config.json").is_file() and (folder / CONFIG_FILE).is_file():  # --model RUN, --run meant
+        raise EvalError(
+            f"{folder} is a run folder, not an HF-format export: give --run {folder} (its newest checkpoint, else its "
+            f"export/), or --model {folder / EXPORT_DIR}"
+        )
     if not (folder / "config.json").is_file():
         raise EvalError(f"{folder} is not an HF-format export (no config.json); see the run's export/ folder")
     from modeling.hf_export import load_hf  # imports transformers: seconds that checkpoint loads do without

@@ -212,6 +212,20 @@ def test_run_folder_problems_are_one_clear_error(tmp_path, capsys):
         load_model(other)
 
 
+@pytest.mark.parametrize("cli", [evals_main, generate_main])
+def test_a_run_folder_given_as_model_names_the_run_flag(tiny_run, cli, capsys):
+    """--model RUN_FOLDER (the folder, not its export/): the line said "no config.json; see the run's export/ folder",
+    not that --run takes the folder as it is."""
+    with pytest.raises(SystemExit) as exc:
+        cli(["--model", str(tiny_run)])
+    # evals prints its line and exits 1; generate exits with the line (sys.exit prints it, exit status 1)
+    said = exc.value.code if exc.value.code != 1 else capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == (
+        f"error: {tiny_run} is a run folder, not an HF-format export: give --run {tiny_run} (its newest checkpoint, "
+        f"else its export/), or --model {tiny_run / 'export'}"
+    )
+
+
 @pytest.mark.parametrize("damage", ["cut short", "emptied"])
 def test_a_damaged_checkpoint_or_export_is_one_line_naming_the_others(tmp_path, capsys, damage: str):
     """A weights file cut short (a copy that stopped, a full disk elsewhere) was safetensors' traceback in evals,
