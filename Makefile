@@ -24,14 +24,15 @@ install: $(VENV)/.installed
 # after its imports: a press in those first seconds is lost.
 # exec: make passes a SIGTERM (timeout, systemd, docker stop) to its recipe's process alone, so that is the launcher,
 # which passes it to the run (a shell there would die of it, leaving the launcher and the run training on).
-# ARGS: more train_accel.py flags, e.g. make train ARGS="--resume never" (a finished run's folder starts afresh).
+# ARGS: more train_accel.py flags, e.g. make train ARGS="--resume never" (a finished run's folder starts afresh); a
+# --config among them replaces cpu_small.yaml (train_accel.py takes one run config).
 # The threads: OMP_NUM_THREADS if set, else one per physical core, as accelerate picks for one CPU process, but named,
 # so that accelerate does not print its "values were not passed" warning about having picked it.
 train: install
 	@yaml=$$($(PY) -m training.pick_cpu_config) && \
 	threads=$${OMP_NUM_THREADS:-$$($(PY) -c "import psutil; print(psutil.cpu_count(logical=False) or 1)")} && \
 	trap '' INT && exec $(VENV)/bin/accelerate launch -q --config_file $$yaml --num_cpu_threads_per_process $$threads \
-	train_accel.py --config configs/cpu_small.yaml $(ARGS)
+	train_accel.py $(if $(filter --config --config=%,$(ARGS)),,--config configs/cpu_small.yaml) $(ARGS)
 
 # One pytest worker per core (pytest-xdist), each test file on one worker, whose module fixtures it builds once,
 # the files in tests/conftest.py's order (--no-loadscope-reorder: xdist would otherwise start with the files of most

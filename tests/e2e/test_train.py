@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import testkit
@@ -298,6 +299,19 @@ def test_make_train_in_a_terminal_draws_one_full_bar_below_the_runs_lines(prepar
     for start in ("step 2: val_loss ", "step 4: val_loss ", "checkpoint saved in "):
         assert any(line.startswith(start) for line in lines[:at]), "\n".join(lines)
     assert lines[at + 1].startswith("run folder: "), "\n".join(lines)
+
+
+def test_make_train_with_a_config_in_args_trains_that_config_alone():
+    """make train ARGS="--config configs/tiny_cpu.yaml": the recipe gave configs/cpu_small.yaml itself, and the run
+    stopped at once with "--config is given 2 times". A --config in ARGS (or --config=PATH) replaces the default."""
+    recipe = testkit.make_train_recipe(args="--config configs/tiny_cpu.yaml --print-config", yaml="cpu_eager.yaml")
+    result = subprocess.run(["bash", "-c", recipe], cwd=testkit.REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load(result.stdout)["preset"] == "tiny-cpu", result.stdout
+    flags = {args: testkit.make_train_recipe(args=args).split("train_accel.py")[1].split() for args in ("", "--lr 1")}
+    assert flags[""] == ["--config", "configs/cpu_small.yaml"] and flags["--lr 1"] == [*flags[""], "--lr", "1"]
+    given = testkit.make_train_recipe(args="--config=configs/tiny_cpu.yaml")
+    assert given.split("train_accel.py")[1].split() == ["--config=configs/tiny_cpu.yaml"], given
 
 
 def test_a_log_of_stdout_and_stderr_together_holds_each_line_whole(prepared_books, tmp_path):
