@@ -180,7 +180,7 @@ def main() -> None:
         if fit(run):
             write_outputs(run)  # loss.png, export/ with its model card, the Hub push
     except BaseException:
-        close_trackers(run.accelerator)  # before the error's line, which stays the last on screen
+        close_trackers(run.accelerator, failed=True)  # before the error's line, which stays the last on screen
         raise
     finish(run.accelerator)
 

@@ -492,6 +492,11 @@ class RunWandBTracker(WandBTracker):
             id=id_file.read_text().strip(), resume="allow", **self.init_kwargs,
         )  # fmt: skip
 
+    @on_main_process
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the W&B run: W&B shows it as failed where exit_code is not 0, as finished otherwise."""
+        self.run.finish(exit_code=exit_code)
+
 
 def run_trackers(names: list[str], run_dir: Path) -> list[GeneralTracker | str]:
     """The trackers a run logs to: metrics.jsonl, then the checked --trackers names ("all": every one installed
@@ -502,11 +507,15 @@ def run_trackers(names: list[str], run_dir: Path) -> list[GeneralTracker | str]:
     return [JSONLTracker(run_dir), *(ours[n](run_dir) if n in ours else n for n in dict.fromkeys(names))]
 
 
-def close_trackers(accelerator: Accelerator) -> None:
+def close_trackers(accelerator: Accelerator, failed: bool = False) -> None:
     """Finish the run's trackers now, before its last line: W&B prints its summary as it finishes, which would
-    otherwise follow an error's one line or a stop's. accelerator.end_training() finishing them again does nothing."""
+    otherwise follow an error's one line or a stop's. A failed run (an error stopped it) closes its W&B run as
+    failed, not finished. accelerator.end_training() finishing them again does nothing."""
     for tracker in accelerator.trackers:
-        tracker.finish()
+        if isinstance(tracker, RunWandBTracker):
+            tracker.finish(exit_code=1 if failed else 0)
+        else:
+            tracker.finish()
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path:

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -87,9 +88,10 @@ def test_wandb_keeps_the_run_in_its_folder_named_after_it_and_a_resume_continues
 
 
 @pytest.mark.slow
-def test_wandb_summary_comes_before_the_error_line_that_ends_a_run(prepared_books, tmp_path):
+def test_wandb_summary_comes_before_the_error_line_that_ends_a_run_closed_as_failed(prepared_books, tmp_path):
     """W&B prints its run's summary as it finishes, which it did at the interpreter's exit, after the run's one
-    `error:` line: the trackers now finish first, and the error line stays the last on screen."""
+    `error:` line: the trackers now finish first, and the error line stays the last on screen. The W&B run closes
+    as failed (exit code 1), not finished, as W&B then shows it (its debug.log records the code it closes with)."""
     pytest.importorskip("wandb")
     env = {**os.environ, "WANDB_MODE": "offline"}
     cmd = train_cmd(None, tmp_path / "run1", prepared_books, "--trackers", "wandb", "--lr", "1e30", "--muon-lr",
@@ -102,3 +104,5 @@ def test_wandb_summary_comes_before_the_error_line_that_ends_a_run(prepared_book
     assert result.returncode == 1, result.stdout[-3000:]
     assert "wandb sync" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("error: non-finite loss/gradients in 5 consecutive steps")
+    (log,) = (tmp_path / "run1" / "wandb").glob("offline-run-*/logs/debug.log")
+    assert re.findall(r"got exitcode: (\d+)", log.read_text()) == ["1"], log.read_text()[-3000:]
