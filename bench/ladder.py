@@ -63,6 +63,7 @@ from bench.rungs import (
     full_recipe_trainer,
     tf32_matmuls,
 )
+from data_prep import number_arg
 from modeling.config import get_preset
 from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache
@@ -170,16 +171,8 @@ def parse_rungs(text: str) -> set[int]:
     return picked
 
 
-def tflops(text: str) -> float:
-    """An argparse type for --peak-tflops: a positive rate (0 was a ZeroDivisionError traceback at the first row, a
-    negative one negative MFUs)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of TFLOP/s, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of TFLOP/s, got {text}")
-    return value
+# --peak-tflops: a positive rate (0 was a ZeroDivisionError traceback at the first row, a negative one negative MFUs)
+tflops = number_arg("a number of TFLOP/s", lambda v: v > 0, "a positive number of TFLOP/s")
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bench.measure import check_can_compile, device_arg
+from data_prep import number_arg
 from modeling.fused_ce import fused_linear_cross_entropy
 from training.compile_cache import set_up_compile_cache
 
@@ -83,16 +84,9 @@ def relative_errors(got: list[Tensor], want: list[Tensor]) -> list[float]:
     return [((g.cpu() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
 
 
-def probability(text: str) -> float:
-    """An argparse type for --p-target: a mean probability strictly between 0 and 1 (at 1 or above the bisection's
-    inputs give a table of nan errors, below 0 one of uniform predictions under the asked-for label)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
+# --p-target: a mean probability strictly between 0 and 1 (at 1 or above the bisection's inputs give a table of nan
+# errors, below 0 one of uniform predictions under the asked-for label)
+probability = number_arg("a number", lambda v: 0 < v < 1, "between 0 and 1 (exclusive)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,3 +19,21 @@ def ensure_default_corpus(data_dir: str | Path, log: Callable[[str], None] = pri
 
     log(f"{data_dir} has no manifest: preparing the default corpus there")
     prepare("default", data_dir)
+
+
+def number_arg(expected: str, valid: Callable[[float], bool], must_be: str) -> Callable[[str], float]:
+    """An argparse type for a number flag with a range (the benchmarks' --tokens, --peak-tflops, --p-target):
+    argparse's one line naming the flag, "expected EXPECTED, got 'x'" for text that is not a number and "must be
+    MUST_BE, got x" for one where valid() is false (nan included), before any work (out of range, each was a
+    traceback or a table of nonsense after it)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {must_be}, got {text}")
+        return value
+
+    return parse

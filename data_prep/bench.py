@@ -21,6 +21,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
+from data_prep import number_arg
 from data_prep.tokenizer import get_encoding
 from modeling.device import cpu_model
 
@@ -116,15 +117,8 @@ def _millions(tokens: float) -> str:
     return f"{tokens / 1e6:,.{0 if tokens >= 10e6 else 2}f}M"
 
 
-def _tokens(text: str) -> float:
-    """An argparse type for --tokens: a library of at least one token (below, a traceback from the empty library)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 50e6, got {text!r}") from None
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+# --tokens: a library of at least one token (below, a traceback from the empty library)
+_tokens = number_arg("a number of tokens such as 50e6", lambda v: v >= 1, "at least 1")
 
 
 def _du_mb(folder: Path) -> float:
