@@ -134,7 +134,10 @@ def fit(run: Run) -> bool:
                 accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
                 val_loss = evals["val_loss"]
             if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
-                meta = {"step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss}
+                meta = {
+                    "step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss,
+                    "data": run.manifest.content_digest,  # what val_loss was measured on: other data, another best
+                }  # fmt: skip
                 save_started = time.perf_counter()
                 saved = save_checkpoint(
                     accelerator, run.run_dir, step, cfg.keep_checkpoints, meta, run.checkpoint_bytes

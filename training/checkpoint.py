@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -460,10 +461,10 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
     custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
-    meta.json (step, tokens seen, val loss when evaluated at this step), the run's config.yaml (this launch's,
-    which a resume compares with) and manifest.json (every file's size and sha256, which a resume checks). A failed
-    save leaves no folder behind; when the disk is what failed (less free than `need`, one checkpoint's bytes, or
-    the last one's size) it raises DiskFull saying so.
+    meta.json (step, tokens seen, val loss when evaluated at this step, the digest of the data it was measured on),
+    the run's config.yaml (this launch's, which a resume compares with) and manifest.json (every file's size and
+    sha256, which a resume checks). A failed save leaves no folder behind; when the disk is what failed (less free
+    than `need`, one checkpoint's bytes, or the last one's size) it raises DiskFull saying so.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -498,26 +499,31 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     return final
 
 
-def _val_loss(checkpoint: Path) -> float | None:
+def _val_score(checkpoint: Path) -> tuple[float, str | None] | None:
+    """(val loss, the data it was measured on) from a checkpoint's meta.json; None where it has no val loss."""
     try:
-        return json.loads((checkpoint / "meta.json").read_text()).get("val_loss")
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        return None if meta.get("val_loss") is None else (meta["val_loss"], meta.get("data"))
     except (OSError, ValueError, AttributeError):  # none, or damaged: no score to keep the checkpoint for
         return None
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` (>= 1, so the resumable state survives) checkpoints and the one with the
-    best val loss; returns the kept."""
+    best val loss on each data the run evaluated on (one but for a run that went on from other data, whose val
+    split gave losses that do not compare with the earlier ones); returns the kept."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest checkpoint is the run's resumable state), got {keep}")
     found = list_checkpoints(run_dir)
-    scored = [p for p in found if _val_loss(p) is not None]
-    best = min(scored, key=_val_loss) if scored else None
-    kept = found[-keep:]
+    best: dict[str | None, tuple[float, Path]] = {}  # data digest (None: saved before it was kept) -> best
+    for path in found:
+        if (score := _val_score(path)) is not None and score[0] < best.get(score[1], (math.inf,))[0]:
+            best[score[1]] = (score[0], path)
+    kept = {*found[-keep:], *(path for _, path in best.values())}
     for old in found:
-        if old not in kept and old != best:
+        if old not in kept:
             shutil.rmtree(old)
-    return [p for p in found if p in kept or p == best]
+    return [p for p in found if p in kept]
 
 
 def _engine(accelerator: Accelerator) -> str:

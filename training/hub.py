@@ -299,7 +299,9 @@ def render_model_card(run_dir: str | Path) -> str:
     val_line = score_lines = ""
     evals = {k: v for k, v in val[-1].items() if k != "step"} if val else {}
     if val:
-        best_val = min(r["val_loss"] for r in val)
+        # the best since the run last went on from other data: earlier losses are another val split's
+        switched = max((i for i, r in enumerate(rows) if r.get("launch", {}).get("new_data")), default=-1)
+        best_val = min([r["val_loss"] for r in rows[switched + 1 :] if "val_loss" in r] or [val[-1]["val_loss"]])
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
         score_lines = "".join(
             f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals

@@ -354,6 +354,7 @@ def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_
     progress = torch.load(step4 / "custom_checkpoint_0.pkl", weights_only=False)
     assert (position["epoch"], position["tokens"]) == (0, 2 * 512)  # the new data's first two steps
     assert position["data_digest"] == load_manifest(data).content_digest
+    assert json.loads((step4 / "meta.json").read_text())["data"] == position["data_digest"]  # its val loss's data
     assert (progress["step"], progress["tokens_seen"]) == (4, 4 * 512)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["launch"].get("new_data") for r in rows if "launch" in r] == [None, note[1]]

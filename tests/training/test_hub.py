@@ -293,10 +293,14 @@ def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finis
         values = {k: CPU_LAUNCH.get(k, 8) for k in LAUNCH_KEYS} | {"data_path": str(data), "start_step": step}
         tracker.store_init_configuration(values | ({"new_data": note} if note else {}))
         tracker.log({"train_loss": 9.25, "tokens_per_sec": 1100.0, "tokens_seen": 1024 * (step + 1)}, step=step + 1)
+        tracker.log({"val_loss": 3.0 if note is None else 4.5}, step=step + 1)
+    tracker.log({"val_loss": 4.25}, step=3)
     card = render_model_card(finished_run)
     assert "license: unknown" in card and "| `files:library` |  | unknown |" in card
     assert "| `default:hamlet,macbeth,tempest,twelfth_night` |  | public domain in the USA |" in card
     assert "From step 2 the run went on from the start of other data" in card
+    # the best val loss is the new val split's: the 3.0 was measured on the other data's
+    assert "| val loss (final / best) | 4.2500 / 4.2500 |" in card
 
 
 def test_write_model_card_fills_repo_id(finished_run):

@@ -363,6 +363,18 @@ def test_pruning_keeps_the_newest_and_the_best_and_passes_over_a_damaged_meta(tm
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000008"]
 
 
+def test_pruning_keeps_the_best_of_each_data_a_run_evaluated_on(tmp_path):
+    """A run that went on from other data (--on-new-data continue) evaluates on another val split: its losses do not
+    compare with the earlier data's, whose lower best would have the new data's best deleted."""
+    run_dir = tmp_path / "run"
+    for step, val, data in ((2, 3.0, None), (4, 3.5, "a"), (6, 4.0, "b"), (8, 4.5, "b"), (10, None, "b")):
+        meta = fake_checkpoint(run_dir, step) / "meta.json"
+        meta.write_text(json.dumps({"step": step, "val_loss": val} | ({"data": data} if data else {})))
+    kept = ["step-00000002", "step-00000004", "step-00000006", "step-00000010"]
+    assert [p.name for p in prune_checkpoints(run_dir, 1)] == kept
+    assert [p.name for p in list_checkpoints(run_dir)] == kept
+
+
 def launched_rank(
     folder: Path, rank: int, line: str | None, monkeypatch, capsys, torchrun_layout: bool = True
 ) -> ProcessFailure:
