@@ -15,7 +15,9 @@ interrupted or failed run leaves any previous dataset untouched (a run killed be
 completed by the next one, before anything else); after every batch the build
 records how far it got, and a killed run continues from there when started again with the same
 inputs and parameters. Ctrl-C stops after the batch in hand and says so in one line (exit status 130).
-Re-running with the same inputs and parameters is a no-op.
+Re-running with the same inputs and parameters is a no-op. A rebuild over an earlier dataset copies
+the tokens of each book whose cleaned text it holds (text_key on the index lines) from its shards, those
+whose sha256 still match, instead of tokenizing the book again: the same bytes as a fresh preparation.
 """
 
 from __future__ import annotations
@@ -159,10 +161,11 @@ def prepare(
             try:
                 check_texts(books.paths[(progress or {"records_done": 0})["records_done"] :])
                 splits = _splitter(books, val_fraction, seed)
+                earlier = _EarlierTokens(out)
                 try:
-                    manifest = _build(build, books, splits, setup, key, num_proc, progress)
+                    manifest = _build(build, books, splits, setup, key, num_proc, progress, earlier)
                 except _SplitWithoutText as err:
-                    manifest = _build_again_without_the_books_left_out(err, build, books, setup, num_proc)
+                    manifest = _build_again_without_the_books_left_out(err, build, books, setup, num_proc, earlier)
             except SourceUnreadable as e:  # not the inputs' fault: the books done are kept, as on a full disk
                 raise DataPrepError(f"{e}; {_kept(out, build, key)}") from None
             except DataPrepError:  # bad input: fixing it changes the inputs, so this build could not be resumed
@@ -293,20 +296,38 @@ def _parts(doc_id: str, split: str, tokens: np.ndarray, val_fraction: float) -> 
     return [(doc_id, "train", np.append(tokens[:cut], EOT_ID).astype(DTYPE)), (f"{doc_id}#val", "val", tokens[cut:])]
 
 
-def tokenize_records(records: list[Record]) -> list[tuple[str, str, np.ndarray]]:
-    """Worker task: read and clean each book, then (id, title, its GPT-2 tokens + <|endoftext|>).
+# Text keys (text_key) of the books whose tokens an earlier dataset in --out holds, verified: a worker hands back
+# such a book's key alone, and the main process copies its tokens from there. Set before the workers start.
+_reusable: frozenset[str] = frozenset()
+
+
+def text_key(text: str) -> str:
+    """A cleaned book's text_key (on its index lines): the sha256 of the tokenizer, how it is called and the text,
+    so equal keys mean equal tokens, whatever the book's name, file or mtime."""
+    digest = hashlib.sha256(f"{TOKENIZER_SHA256}:encode_ordinary+eot:".encode())
+    digest.update(text.encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def tokenize_records(records: list[Record]) -> list[tuple[str, str, str, np.ndarray | None]]:
+    """Worker task: read and clean each book, then (id, title, text_key, its GPT-2 tokens + <|endoftext|>), the
+    tokens None for a book whose key is in _reusable.
 
     Books empty after cleaning are left out (with a warning).
     """
     enc = get_encoding()
     out = []
     for doc in filter(None, (r.document() for r in records)):
+        key = text_key(doc.text)
+        if key in _reusable:
+            out.append((doc.id, doc.title, key, None))
+            continue
         # As encode_ordinary: a literal "<|endoftext|>" inside a book is just text, not a separator. Into a uint32
         # array, not a list of Python ints (~36 bytes a token): preparing one 225 MB book peaked at 2.9 GB, now 1.05.
         ids = enc.encode_to_numpy(doc.text, allowed_special=set(), disallowed_special=())
         tokens = np.empty(len(ids) + 1, dtype=DTYPE)
         tokens[:-1], tokens[-1] = ids, EOT_ID
-        out.append((doc.id, doc.title, tokens))
+        out.append((doc.id, doc.title, key, tokens))
     return out
 
 
@@ -322,15 +343,21 @@ def _batches(records: Iterator[Record]) -> Iterator[list[Record]]:
         yield batch
 
 
-def _tokenized(batches: Iterator[list[Record]], num_proc: int) -> Iterator[tuple[int, list]]:
-    """(records in the batch, tokenize_records(batch)) in order; at most 2 * num_proc batches in flight."""
+def _tokenized(batches: Iterator[list[Record]], num_proc: int, reusable: frozenset[str]) -> Iterator[tuple[int, list]]:
+    """(records in the batch, tokenize_records(batch)) in order, `reusable` as _reusable; at most 2 * num_proc batches
+    in flight."""
+    global _reusable
     if num_proc == 1:
-        for batch in batches:
-            yield len(batch), tokenize_records(batch)
+        _reusable = reusable
+        try:
+            for batch in batches:
+                yield len(batch), tokenize_records(batch)
+        finally:
+            _reusable = frozenset()
         return
     with (
         _ctrl_c_between_batches() as check,
-        ProcessPoolExecutor(num_proc, initializer=_init_worker, initargs=(os.getpid(),)) as pool,
+        ProcessPoolExecutor(num_proc, initializer=_init_worker, initargs=(os.getpid(), reusable)) as pool,
     ):
         pending: deque[tuple[int, Future]] = deque()
         try:
@@ -380,10 +407,13 @@ def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _init_worker(parent: int) -> None:
+def _init_worker(parent: int, reusable: frozenset[str]) -> None:
     """Worker initializer. Ctrl-C reaches every process of the terminal's group: the parent alone stops the
     preparation (a worker interrupted inside the task queue's lock leaves the others and the pool waiting on it).
-    A killed parent must not leave its workers waiting for tasks forever."""
+    A killed parent must not leave its workers waiting for tasks forever. `reusable`: _reusable (a spawned worker
+    does not inherit it)."""
+    global _reusable
+    _reusable = reusable
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
@@ -431,7 +461,7 @@ def _books_bar(total: int | None, done: int) -> Iterator[tqdm | _LoggedBar]:
 
 
 def _build_again_without_the_books_left_out(
-    err: _SplitWithoutText, build: Path, books: Plan, setup: dict[str, Any], num_proc: int
+    err: _SplitWithoutText, build: Path, books: Plan, setup: dict[str, Any], num_proc: int, earlier: _EarlierTokens
 ) -> dict[str, Any]:
     """A small library whose split fell on a book the build left out (a copy of another, one empty once cleaned: the
     split is drawn over the listed ids, before the build reads the texts) is built again with the split drawn over
@@ -449,7 +479,7 @@ def _build_again_without_the_books_left_out(
     shutil.rmtree(build)
     build.mkdir()
     splits = _splitter(books, setup["val_fraction"], setup["seed"], left_out)
-    return _build(build, books, splits, setup, None, num_proc, None)
+    return _build(build, books, splits, setup, None, num_proc, None, earlier)
 
 
 def _named(doc_id: str, title: str) -> str:
@@ -464,6 +494,7 @@ def _build(
     key: str | None,
     num_proc: int,
     progress: dict[str, Any] | None,
+    earlier: _EarlierTokens,
 ) -> dict[str, Any]:
     state = progress or {"records_done": 0, "index_bytes": 0, "writers": {s: {} for s in SPLITS}}
     writers = {s: _ShardWriter(build, s, setup["shard_tokens"], **state["writers"][s]) for s in SPLITS}
@@ -481,17 +512,22 @@ def _build(
             if "book_sha256" in book:  # none in a build begun before books were compared
                 kept.setdefault(book["book_sha256"], _named(book["id"], book["title"]))
     with open(index_path, "ab") as index, _books_bar(total, done) as bar:
-        for count, docs in _tokenized(_batches(books.records(done)), num_proc):
-            for doc_id, title, tokens in docs:
+        for count, docs in _tokenized(_batches(books.records(done)), num_proc, earlier.keys()):
+            for doc_id, title, text, tokens in docs:
+                if tokens is None:  # unchanged since the dataset this build replaces: its tokens are there
+                    tokens = earlier.tokens(text)
                 digest = hashlib.sha256(tokens).hexdigest()
                 if digest in kept:
                     log.warning("skipping %s: the same text as %s", _named(doc_id, title), kept[digest])
                     continue
                 kept[digest] = _named(doc_id, title)
-                for part_id, split, part in _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"]):
+                parts = _parts(doc_id, split_of(doc_id), tokens, setup["val_fraction"])
+                for part_id, split, part in parts:
                     writers[split].write(part)
                     line = {"id": part_id, "title": title, "split": split, "num_tokens": len(part)}
                     line["book_sha256"] = digest
+                    if len(parts) == 1:  # a part of a book split by position holds other tokens than the book's
+                        line["text_key"] = text
                     index.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             done += count
             bar.update(count)
@@ -537,6 +573,56 @@ def _build(
         "documents": documents,
     }
     return manifest
+
+
+class _EarlierTokens:
+    """The tokens of the books in the dataset in `folder` (the one a rebuild replaces), by text_key: a rebuild copies
+    an unchanged book's from there instead of tokenizing it again, to the same bytes. None from a dataset of another
+    format or tokenizer, or whose index is not its manifest's; none of a shard whose sha256 is not its manifest's."""
+
+    def __init__(self, folder: Path) -> None:
+        self.shards: dict[str, list[tuple[Path, int, int, str]]] = {s: [] for s in SPLITS}  # file, first, count, sha
+        self.where: dict[str, tuple[str, int, int]] = {}  # text_key -> (split, first token, tokens)
+        try:
+            manifest = load_manifest(folder, verify="size")  # raises on another format or tokenizer
+            if manifest.documents_sha256 != file_sha256(folder / DOCUMENTS_NAME):
+                return
+            for shard in manifest.shards:
+                files = self.shards[shard.split]
+                first = files[-1][1] + files[-1][2] if files else 0
+                files.append((folder / shard.file, first, shard.num_tokens, shard.sha256))
+            at = dict.fromkeys(SPLITS, 0)
+            for book in manifest.documents():
+                if "text_key" in book:  # none on a part of a book split by position, nor in an older dataset
+                    self.where.setdefault(book["text_key"], (book["split"], at[book["split"]], book["num_tokens"]))
+                at[book["split"]] += book["num_tokens"]
+            damaged = [  # their books are tokenized again; no shard is read when no book could be reused
+                (split, first, first + count)
+                for split, files in self.shards.items()
+                for path, first, count, sha256 in files
+                if self.where and file_sha256(path) != sha256
+            ]
+            self.where = {
+                key: (split, start, count)
+                for key, (split, start, count) in self.where.items()
+                if not any(split == s and a < start + count and start < b for s, a, b in damaged)
+            }
+        except (DataPrepError, OSError, ValueError, KeyError, TypeError):  # unreadable: every book is tokenized
+            self.where = {}
+        if self.where:
+            log.info("Reusing the tokens of up to %d unchanged books from %s", len(self.where), folder)
+
+    def keys(self) -> frozenset[str]:
+        return frozenset(self.where)
+
+    def tokens(self, text_key: str) -> np.ndarray:
+        split, start, count = self.where[text_key]
+        pieces, itemsize = [], np.dtype(DTYPE).itemsize
+        for path, first, num, _ in self.shards[split]:  # a book can span shard files
+            lo, hi = max(start, first), min(start + count, first + num)
+            if lo < hi:
+                pieces.append(np.fromfile(path, dtype=DTYPE, count=hi - lo, offset=itemsize * (lo - first)))
+        return np.concatenate(pieces)
 
 
 class _ShardWriter:

@@ -385,6 +385,50 @@ def test_a_rebuild_over_an_earlier_dataset_says_which_books_changed_and_how_its_
     assert caplog.text.index("Replaced the earlier") < caplog.text.index(f"Wrote {out}: ")  # once it is done
 
 
+def _tokenized_texts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The texts the tokenizer is given from now on (by this process: num_proc 1)."""
+    enc, seen = get_encoding(), []
+    real = enc.encode_to_numpy
+    monkeypatch.setattr(enc, "encode_to_numpy", lambda text, **kw: seen.append(text) or real(text, **kw))
+    return seen
+
+
+def test_a_rebuild_tokenizes_only_the_added_and_changed_books_to_a_fresh_preparations_bytes(tmp_path, monkeypatch):
+    """A grown library prepared into the same --out again: the unchanged books' tokens come from the earlier dataset
+    (books spanning shards too), only the added and changed books are tokenized, a rebuild stopped part-way resumes,
+    and every file is a fresh preparation's byte for byte."""
+    books, out, fresh = _write_books(tmp_path / "books", 12), tmp_path / "data", tmp_path / "fresh"
+    source, args = f"files:{books}", {"val_fraction": 0.25, "shard_tokens": 500}
+    prepare(source, out, **args)
+    (books / "book20.txt").write_text("Book 20, added.\n" + "Line of the added book.\n" * 50, encoding="utf-8")
+    (books / "book3.txt").write_text("Book 3, revised.\n" * 30, encoding="utf-8")
+    os.utime(books / "book5.txt", ns=(1, 1))  # touched, not changed: reused
+    seen = _tokenized_texts(monkeypatch)
+    _stopped_at_book(7, monkeypatch, source, out, **args)
+    prepare(source, out, **args)
+    assert sorted(text.partition(",")[0] for text in seen) == ["Book 20", "Book 3"]
+    _check_exact(out, source)
+    prepare(source, fresh, **args)
+    assert _shards_and_documents(out) == _shards_and_documents(fresh)
+    assert (out / "manifest.json").read_bytes() == (fresh / "manifest.json").read_bytes()
+
+
+def test_a_rebuild_tokenizes_the_books_of_a_damaged_shard_again(tmp_path, monkeypatch):
+    books, out, fresh = _write_books(tmp_path / "books", 12), tmp_path / "data", tmp_path / "fresh"
+    source, args = f"files:{books}", {"val_fraction": 0.25, "shard_tokens": 500}
+    prepare(source, out, **args)
+    shard = out / "train_002.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    (books / "book20.txt").write_text("Book 20, added.\n" + "Line of the added book.\n" * 50, encoding="utf-8")
+    seen = _tokenized_texts(monkeypatch)
+    prepare(source, out, **args)
+    assert 1 < len(seen) < 13  # the added book and those in that shard, not the others
+    prepare(source, fresh, **args)
+    assert _shards_and_documents(out) == _shards_and_documents(fresh)
+
+
 def test_altered_shard_is_rebuilt_not_reported_up_to_date(tmp_path):
     out = tmp_path / "data"
     source = f"files:{_write_books(tmp_path / 'books')}"
