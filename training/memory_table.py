@@ -1,7 +1,13 @@
-"""Per-GPU memory of each preset's training state under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, as Markdown.
+"""Per-GPU memory of a model's training state (each preset's, or a shape of your own) under DDP, FSDP2, DeepSpeed
+ZeRO-2 and ZeRO-3, as Markdown.
 
     python -m training.memory_table [--gpus 8] [--micro-batch-size 16] [--presets gpt2-774m,gpt2-1558m]
                                     [--optimizer adamw]
+    python -m training.memory_table --n-layer 24 --n-head 16 --n-embd 1024 --block-size 2048   # your own shape
+    python -m training.memory_table --config configs/gpt2_350m_pg19.yaml                      # a run config's
+
+--n-layer, --n-head, --n-embd and --block-size set a shape over the preset as train_accel.py's do (over
+train_accel.py's default preset unless --presets names others); --config sizes the shape a run config names.
 
 Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.yaml) and our optimizers:
 - DDP: fp32 weights (bf16 autocast), fp32 gradients and the optimizer's fp32 state, all whole on every GPU: under
@@ -21,13 +27,15 @@ activation_bytes), the same for all four, without and with activation checkpoint
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, fields
 
 import torch
 
-from modeling.config import PRESETS, GPTConfig, get_preset
+from modeling.config import PRESETS, GPTConfig
 from modeling.gpt import GPT
-from training.config import TrainConfig
+from modeling.runs import SHAPE_FIELDS
+from training.config import ConfigError, TrainConfig, load_yaml
 
 GIB = 2**30
 
@@ -97,17 +105,17 @@ def activation_bytes(config: GPTConfig, micro_batch_size: int, checkpointed: boo
     return 36 * per_block * config.n_layer
 
 
-def markdown_table(presets: list[str], gpus: int, micro_batch_size: int, optimizer: str = "muon") -> str:
+def markdown_table(models: dict[str, GPTConfig], gpus: int, micro_batch_size: int, optimizer: str = "muon") -> str:
+    """The table's rows for each model, by the name its rows show."""
     optimizers = "Muon + AdamW under DDP, AdamW sharded" if optimizer == "muon" else "AdamW"
     lines = [
         f"Per-GPU memory (GiB) with {gpus} GPUs, bf16 mixed precision, {optimizers}; activations (estimated, the "
         f"same for every engine) at micro-batch {micro_batch_size} × full context.",
         "",
-        "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |",
+        "| model | params | engine | weights | grads | optimizer | states total | activations | checkpointed |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for preset in presets:
-        config = get_preset(preset)
+    for name, config in models.items():
         params, muon_count = param_counts(config)
         activations = activation_bytes(config, micro_batch_size) / GIB
         checkpointed = activation_bytes(config, micro_batch_size, checkpointed=True) / GIB
@@ -115,10 +123,26 @@ def markdown_table(presets: list[str], gpus: int, micro_batch_size: int, optimiz
         for engine in ENGINES:
             b = state_bytes(params, engine, gpus, 0 if ENGINES[engine].optimizer.sharded else muon)
             lines.append(
-                f"| {preset} | {params / 1e6:,.1f}M | {engine} | {b['weights'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
+                f"| {name} | {params / 1e6:,.1f}M | {engine} | {b['weights'] / GIB:.2f} | {b['grads'] / GIB:.2f} | "
                 f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} | {checkpointed:.1f} |"
             )
     return "\n".join(lines)
+
+
+SHAPE_FLAGS = (*SHAPE_FIELDS, "block_size")  # train_accel.py's flags that set the model's shape over the preset's
+
+
+def run_models(presets: list[str] | None, config_path: str | None, shape: dict[str, int]) -> dict[str, GPTConfig]:
+    """The models to size, by name: each preset (None: the run config's, else train_accel.py's default) with the
+    run config's shape and then `shape` set over it, checked as training checks them (ConfigError, its line)."""
+    values = load_yaml(config_path) if config_path else {}
+    models = {}
+    for preset in presets or [values.get("preset", TrainConfig.preset)]:
+        run = TrainConfig(**{**values, "preset": preset, **shape})  # its checks are the run's: one ConfigError line
+        given = [f"{name} {getattr(run, name)}" for name in SHAPE_FLAGS if getattr(run, name) is not None]
+        name = run.init_from or run.preset
+        models[f"{name} with {', '.join(given)}" if given else name] = run.model_config()
+    return models
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,22 +155,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--micro-batch-size", type=int, default=TrainConfig.micro_batch_size, help="sequences per GPU per forward"
     )
-    parser.add_argument("--presets", default=",".join(PRESETS), help="comma list of presets (default: all)")
+    parser.add_argument(
+        "--presets",
+        help="comma list of presets (default: all; with a shape flag or --config, train_accel.py's default preset or "
+        "the run config's)",
+    )
     parser.add_argument(
         "--optimizer", choices=["muon", "adamw"], default=TrainConfig.optimizer, help="as train_accel.py's --optimizer"
     )
+    helps = {f.name: f.metadata["help"] for f in fields(TrainConfig)}
+    for name in SHAPE_FLAGS:  # both spellings, as train_accel.py takes them
+        parser.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, help=helps[name])
+    parser.add_argument("--config", help="a run-config YAML (train_accel.py's --config): size the model it names")
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.micro_batch_size < 1:
         parser.error("--gpus and --micro-batch-size must be >= 1")
-    presets = list(dict.fromkeys(p.strip() for p in args.presets.split(",") if p.strip()))  # each once, in order
-    if not presets:
-        parser.error(f"--presets names no preset; give a comma list of: {', '.join(PRESETS)}")
-    for preset in presets:
-        try:
-            get_preset(preset)
-        except ValueError as err:
-            parser.error(str(err))  # names the valid presets
-    print(markdown_table(presets, args.gpus, args.micro_batch_size, args.optimizer))
+    shape = {name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None}
+    presets = None
+    if args.presets is not None or not (shape or args.config):
+        presets = list(dict.fromkeys(p.strip() for p in (args.presets or ",".join(PRESETS)).split(",") if p.strip()))
+        if not presets:  # each once, in order
+            parser.error(f"--presets names no preset; give a comma list of: {', '.join(PRESETS)}")
+    try:
+        models = run_models(presets, args.config, shape)
+    except ConfigError as err:  # an unknown preset (naming the valid ones), a bad shape or run config: training's line
+        sys.exit(f"error: {err}")
+    print(markdown_table(models, args.gpus, args.micro_batch_size, args.optimizer))
 
 
 if __name__ == "__main__":

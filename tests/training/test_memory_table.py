@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,7 +85,7 @@ def test_muon_is_refused_where_the_engine_shards_the_matrices():
 def test_cli_prints_the_markdown_rows(capsys, optimizer):
     main(["--presets", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "16", "--optimizer", optimizer])
     out = capsys.readouterr().out
-    header = "| preset | params | engine | weights | grads | optimizer | states total | activations | checkpointed |"
+    header = "| model | params | engine | weights | grads | optimizer | states total | activations | checkpointed |"
     assert header in out
     # AdamW: 8 B a parameter; Muon: 4 B for the blocks' matrices (12 × 12 · 768²), AdamW's 8 for the rest
     moments = 8 * P if optimizer == "adamw" else 8 * P - 4 * 12 * 12 * 768**2
@@ -93,9 +97,8 @@ def test_cli_prints_the_markdown_rows(capsys, optimizer):
 
 
 def test_cli_rejects_unknown_presets(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^error: Unknown model preset 'gpt2-125m'. Did you mean 'gpt2-124m'?"):
         main(["--presets", "gpt2-125m"])
-    assert "Did you mean 'gpt2-124m'?" in capsys.readouterr().err
 
 
 def test_cli_takes_each_preset_once_and_refuses_none(capsys):
@@ -116,5 +119,70 @@ def test_cli_takes_each_preset_once_and_refuses_none(capsys):
 
 def test_the_readmes_table_is_the_command_it_names():
     """The README shows `python -m training.memory_table --optimizer adamw` (its text says so): the same rows."""
-    table = markdown_table(list(PRESETS), gpus=8, micro_batch_size=16, optimizer="adamw").strip()
+    table = markdown_table(
+        {name: get_preset(name) for name in PRESETS}, gpus=8, micro_batch_size=16, optimizer="adamw"
+    ).strip()
     assert table in (REPO / "README.md").read_text()
+
+
+def rows(out: str, name: str) -> list[str]:
+    """The table's figures for one model, one row per engine (the model's name left out)."""
+    return [line.removeprefix(f"| {name} |") for line in out.splitlines() if line.startswith(f"| {name} |")]
+
+
+def test_a_shape_of_your_own_is_sized_as_train_accel_sets_it(capsys):
+    """--n-layer/--n-head/--n-embd/--block-size, as train_accel.py takes them, over its default preset: the figures
+    are the module's own for that GPTConfig (the command took --presets only before)."""
+    main(["--n-layer", "24", "--n-head", "16", "--n-embd", "1024", "--block-size", "2048", "--micro-batch-size", "16"])
+    out = capsys.readouterr().out
+    shape = dataclasses.replace(get_preset("gpt2-124m"), n_layer=24, n_head=16, n_embd=1024, block_size=2048)
+    name = "gpt2-124m with n_layer 24, n_head 16, n_embd 1024, block_size 2048"
+    assert rows(out, name) == rows(markdown_table({name: shape}, gpus=8, micro_batch_size=16), name)
+    assert len(rows(out, name)) == 4
+    assert "| 355.9M | DDP |" in out and "| 27.0 | 4.1 |" in out  # 36 B × 2,048 × 16 × 1,024 × 24 = 27.0 GiB
+
+
+def test_a_preset_given_as_flags_is_the_presets_row(capsys):
+    main(["--presets", "gpt2-350m", "--gpus", "4"])
+    preset = rows(capsys.readouterr().out, "gpt2-350m")
+    main(["--presets", "tiny-cpu", "--n-layer", "24", "--n-head", "16", "--n-embd", "1024", "--block-size", "1024"])
+    flags = rows(capsys.readouterr().out, "tiny-cpu with n_layer 24, n_head 16, n_embd 1024, block_size 1024")
+    assert flags != preset  # 8 GPUs there, 4 here
+    main(
+        ["--presets", "tiny-cpu", "--n-layer", "24", "--n-head", "16", "--n-embd", "1024", "--block-size", "1024"]
+        + ["--gpus", "4"]
+    )
+    flags = rows(capsys.readouterr().out, "tiny-cpu with n_layer 24, n_head 16, n_embd 1024, block_size 1024")
+    assert flags == preset and len(preset) == 4
+
+
+def test_a_run_configs_shape(tmp_path, capsys):
+    """--config reads a run config as training does: its preset with its shape keys, flags over them."""
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: gpt2-350m\nn_layer: 6\nblock_size: 512\n")
+    main(["--config", str(path), "--n-embd", "512", "--n-head", "8"])
+    name = "gpt2-350m with n_layer 6, n_head 8, n_embd 512, block_size 512"
+    shape = dataclasses.replace(get_preset("gpt2-350m"), n_layer=6, n_head=8, n_embd=512, block_size=512)
+    assert rows(capsys.readouterr().out, name) == rows(markdown_table({name: shape}, 8, 16), name)
+    main(["--config", str(REPO / "configs" / "gpt2_774m_pg19.yaml")])
+    assert len(rows(capsys.readouterr().out, "gpt2-774m")) == 4
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--n-head", "7", "--n-embd", "1000"],
+            "error: n_embd 1000 is not divisible by n_head 7: every head takes n_embd / n_head channels; give e.g. "
+            "--n-head 8 (heads of 125) or an --n-embd that 7 divides",
+        ),
+        (["--n-layer", "0"], "error: n_layer must be >= 1 (or null for the default), got 0"),
+    ],
+)
+def test_a_bad_shape_is_trainings_one_line(flags, line):
+    """The line train_accel.py ends with for the same flags, last on screen, no traceback."""
+    for command in (["-m", "training.memory_table"], ["train_accel.py", "--print-config"]):
+        done = subprocess.run([sys.executable, *command, *flags], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 1
+        assert done.stderr.strip().splitlines()[-1] == line
+        assert "Traceback" not in done.stderr and not done.stdout
