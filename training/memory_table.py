@@ -7,7 +7,8 @@ ZeRO-2 and ZeRO-3, as Markdown.
     python -m training.memory_table --config configs/gpt2_350m_pg19.yaml                      # a run config's
 
 --n-layer, --n-head, --n-embd and --block-size set a shape over the preset as train_accel.py's do (over
-train_accel.py's default preset unless --presets names others); --config sizes the shape a run config names.
+train_accel.py's default preset unless --presets names others); --config sizes the model a run config names, at
+its micro_batch_size (a number) and optimizer unless the flags give others.
 
 Arithmetic from the parameter count, for the bf16 accelerate configs (8xh100*.yaml) and our optimizers:
 - DDP: fp32 weights (bf16 autocast), fp32 gradients and the optimizer's fp32 state, all whole on every GPU: under
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -132,10 +134,9 @@ def markdown_table(models: dict[str, GPTConfig], gpus: int, micro_batch_size: in
 SHAPE_FLAGS = (*SHAPE_FIELDS, "block_size")  # train_accel.py's flags that set the model's shape over the preset's
 
 
-def run_models(presets: list[str] | None, config_path: str | None, shape: dict[str, int]) -> dict[str, GPTConfig]:
+def run_models(presets: list[str] | None, values: dict[str, Any], shape: dict[str, int]) -> dict[str, GPTConfig]:
     """The models to size, by name: each preset (None: the run config's, else train_accel.py's default) with the
-    run config's shape and then `shape` set over it, checked as training checks them (ConfigError, its line)."""
-    values = load_yaml(config_path) if config_path else {}
+    run config's `values` and then `shape` set over it, checked as training checks them (ConfigError, its line)."""
     models = {}
     for preset in presets or [values.get("preset", TrainConfig.preset)]:
         run = TrainConfig(**{**values, "preset": preset, **shape})  # its checks are the run's: one ConfigError line
@@ -153,7 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (the total over machines)")
     parser.add_argument(
-        "--micro-batch-size", type=int, default=TrainConfig.micro_batch_size, help="sequences per GPU per forward"
+        "--micro-batch-size",
+        type=int,
+        help=f"sequences per GPU per forward (default: --config's where it gives a number, else "
+        f"{TrainConfig.micro_batch_size})",
     )
     parser.add_argument(
         "--presets",
@@ -161,14 +165,16 @@ def main(argv: list[str] | None = None) -> None:
         "the run config's)",
     )
     parser.add_argument(
-        "--optimizer", choices=["muon", "adamw"], default=TrainConfig.optimizer, help="as train_accel.py's --optimizer"
+        "--optimizer",
+        choices=["muon", "adamw"],
+        help=f"as train_accel.py's --optimizer (default: --config's, else {TrainConfig.optimizer})",
     )
     helps = {f.name: f.metadata["help"] for f in fields(TrainConfig)}
     for name in SHAPE_FLAGS:  # both spellings, as train_accel.py takes them
         parser.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, help=helps[name])
     parser.add_argument("--config", help="a run-config YAML (train_accel.py's --config): size the model it names")
     args = parser.parse_args(argv)
-    if args.gpus < 1 or args.micro_batch_size < 1:
+    if args.gpus < 1 or args.micro_batch_size is not None and args.micro_batch_size < 1:
         parser.error("--gpus and --micro-batch-size must be >= 1")
     shape = {name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None}
     presets = None
@@ -177,10 +183,15 @@ def main(argv: list[str] | None = None) -> None:
         if not presets:  # each once, in order
             parser.error(f"--presets names no preset; give a comma list of: {', '.join(PRESETS)}")
     try:
-        models = run_models(presets, args.config, shape)
+        values = load_yaml(args.config) if args.config else {}
+        models = run_models(presets, values, shape)
     except ConfigError as err:  # an unknown preset (naming the valid ones), a bad shape or run config: training's line
         sys.exit(f"error: {err}")
-    print(markdown_table(models, args.gpus, args.micro_batch_size, args.optimizer))
+    micro_batch_size = values.get("micro_batch_size")  # auto is decided at start-up, from the GPU's free memory
+    if args.micro_batch_size is not None or not isinstance(micro_batch_size, int):
+        micro_batch_size = args.micro_batch_size or TrainConfig.micro_batch_size
+    optimizer = args.optimizer or values.get("optimizer", TrainConfig.optimizer)
+    print(markdown_table(models, args.gpus, micro_batch_size, optimizer))
 
 
 if __name__ == "__main__":

@@ -186,3 +186,21 @@ def test_a_bad_shape_is_trainings_one_line(flags, line):
         assert done.returncode == 1
         assert done.stderr.strip().splitlines()[-1] == line
         assert "Traceback" not in done.stderr and not done.stdout
+
+
+def test_a_run_configs_micro_batch_and_optimizer(tmp_path, capsys):
+    """A run config sized at the micro-batch and optimizer it trains with (gpt2_1558m_pg19.yaml: 8), the flags over
+    them; micro_batch_size auto is decided at start-up from the GPU's free memory, so the table takes its default."""
+    main(["--config", str(REPO / "configs" / "gpt2_1558m_pg19.yaml")])
+    assert "at micro-batch 8 × full context" in capsys.readouterr().out
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny-cpu\nmicro_batch_size: auto\noptimizer: adamw\n")
+    main(["--config", str(path)])
+    assert "bf16 mixed precision, AdamW; activations (estimated, the same for every engine) at micro-batch 16 " in (
+        capsys.readouterr().out
+    )
+    main(["--config", str(path), "--micro-batch-size", "4", "--optimizer", "muon"])
+    assert (
+        "Muon + AdamW under DDP, AdamW sharded; activations (estimated, the same for every engine) at micro-batch 4 "
+        in (capsys.readouterr().out)
+    )
