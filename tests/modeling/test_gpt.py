@@ -200,6 +200,42 @@ def test_generate_refuses_bad_sampling_arguments(temperature, top_k, message):
         tiny_model().eval().generate(random_ids(1, 3), 2, temperature=temperature, top_k=top_k)
 
 
+def model_scoring(scores: dict[int, float]) -> GPT:
+    """A tiny model whose next-token logits are `scores` (id: logit; -30 for every other id) whatever it reads: its
+    final hidden state is a constant unit vector, and the tied head's rows score that vector by their first entry."""
+    model = tiny_model().eval()
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight[:, 0] = -30.0
+        for token, score in scores.items():
+            model.lm_head.weight[token, 0] = score
+    return model
+
+
+@pytest.mark.parametrize("top_p, kept", [(None, {10, 11, 12}), (0.85, {10, 11, 12}), (0.7, {10, 11}), (0.4, {10})])
+def test_top_p_samples_among_the_fewest_likeliest_ids_holding_p(top_p, kept):
+    """Nucleus sampling as transformers' top_p: ids sorted by probability are kept until they hold top_p."""
+    model = model_scoring({10: math.log(0.5), 11: math.log(0.3), 12: math.log(0.2)})
+    prompt = random_ids(4, 2)
+    out = model.generate(prompt, 50, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert set(out[:, 2:].flatten().tolist()) == kept
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(prompt, 1, top_p=0.0)
+
+
+def test_generate_stops_once_every_row_has_written_stop_id():
+    """With stop_id (the end-of-text id) generate returns once each row has written it, not after max_new_tokens."""
+    model = model_scoring({7: 0.0, 8: 0.0})  # 7 and 8 alike likely
+    prompt = random_ids(3, 2)
+    out = model.generate(prompt, 40, temperature=1.0, generator=torch.Generator().manual_seed(0), stop_id=8)
+    assert out.shape[1] < 2 + 40
+    assert all(8 in row[2:].tolist() for row in out) and (out[:, -1] == 8).any()
+    assert model.generate(prompt, 40, temperature=0.0, stop_id=7).shape == (3, 3)  # greedy: 7 (the first of a tie)
+    assert model.generate(prompt, 40, temperature=0.0).shape == (3, 42)
+
+
 def read_with_cache(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """ids' hidden states read as generate() reads them, through a LayerKV per layer: a prompt, then tokens after
     it (several at once, whose mask is then not is_causal's), then one at a time."""
