@@ -27,7 +27,8 @@ from modeling.runtime import set_up_compute
 
 def time_generation(model: GPT, prompt_tokens: int, new_tokens: int) -> float:
     """Seconds to sample new_tokens (temperature 0.8, top-k 50: evals.generate's defaults) after prompt_tokens random
-    ids (the end-of-text id alone for 0, as generate_text starts a new document)."""
+    ids (the end-of-text id alone for 0, as generate_samples starts a new document); all new_tokens, through any
+    end-of-text id, which ends a sample in evals.generate."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(0)
     if prompt_tokens:

@@ -81,13 +81,13 @@ def test_scoring_reuses_the_memory_each_batch_frees(tiny_run):
 FAULTS_OF_A_SECOND_GENERATION = textwrap.dedent("""
     import resource, sys
     import evals.generate as cli
-    generate_text, faults = cli.generate_text, []
+    generate_samples, faults = cli.generate_samples, []
     def counted(*args, **kwargs):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        text = generate_text(*args, **kwargs)
+        texts = list(generate_samples(*args, **kwargs))
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        return text
-    cli.generate_text = counted
+        return iter(texts)
+    cli.generate_samples = counted
     cli.main(sys.argv[1:])
     cli.main(sys.argv[1:])
     print(faults[-1])

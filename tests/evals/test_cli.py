@@ -9,16 +9,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from data_prep.tokenizer import WHISPER_SDIST, get_encoding, gpt2_vocab_and_merges
+from data_prep.tokenizer import WHISPER_SDIST, get_encoding, gpt2_vocab_and_merges, prompt_tokens
 from evals import EvalError
 from evals.__main__ import main as evals_main
 from evals.bench import main as bench_main
-from evals.generate import generate_text
+from evals.generate import SEPARATOR, generate_samples
 from evals.generate import main as generate_main
 from evals.loading import load_model
 from evals.plot import main as plot_main
 from evals.plot import plot_evals
 from evals.runner import run_task
+from modeling.config import EOT_ID
 from modeling.device import device_name
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
@@ -49,10 +50,10 @@ def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     export = export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())
     from_export, _ = load_model(export=export)
     for temperature in (0.0, 1.0):
-        texts = {generate_text(m, "Once upon a time", 8, temperature, 50, seed=3) for m in (model, from_export)}
+        texts = {generate_samples(m, "Once upon a time", 8, temperature, 50, seed=3)[0] for m in (model, from_export)}
         assert len(texts) == 1 and texts.pop().startswith("Once upon a time")
-    assert generate_text(model, "", 8, seed=3) == generate_text(model, "", 8, seed=3)
-    assert generate_text(model, "", 8, seed=3) != generate_text(model, "", 8, seed=4)
+    assert generate_samples(model, "", 8, seed=3) == generate_samples(model, "", 8, seed=3)
+    assert generate_samples(model, "", 8, seed=3) != generate_samples(model, "", 8, seed=4)
 
     run = new_run(tmp_path / "only-export")  # a run whose checkpoints were deleted: its export is used
     shutil.copytree(export, run / "export")
@@ -73,14 +74,102 @@ def test_generate_cli_prints_the_continuation(tiny_run, capsys):
         generate_main([*nowhere, "--seed", "2" * 23])
     with pytest.raises(SystemExit, match="--max-new-tokens must be positive, got 0"):
         generate_main([*nowhere, "--max-new-tokens", "0"])
+    for flag, value, message in [
+        ("--top-p", "0", r"--top-p must be above 0 and at most 1 \(1: no cut-off\), got 0.0$"),
+        ("--top-p", "1.5", r"--top-p must be above 0 and at most 1 \(1: no cut-off\), got 1.5$"),
+        ("--num-samples", "0", "--num-samples must be positive, got 0$"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            generate_main([*nowhere, flag, value])
+
+
+def generated(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """The samples `python -m evals.generate ARGV` prints."""
+    generate_main(argv)
+    return capsys.readouterr().out.removesuffix("\n").split(f"\n{SEPARATOR}\n")
+
+
+PROMPTS = ["Once upon a time", "caf\u00e9 \u4e2d\U0001f600 \t\r\n  x"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_text_is_transformers_greedy_generate_on_the_export(tiny_run, tmp_path, prompt, capsys):
+    """--temperature 0 from the checkpoint and from its export writes the tokens transformers' greedy generate writes
+    on the export, from the ids its tokenizer reads the prompt as (<|endoftext|> was read as 7 ordinary tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = export_hf(load_model(tiny_run)[0], tmp_path / "export", gpt2_vocab_and_merges())
+    tokenizer, hf_model = AutoTokenizer.from_pretrained(export), AutoModelForCausalLM.from_pretrained(export)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == prompt_tokens(prompt)
+    new = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+    expected = prompt + tokenizer.decode(new)
+    for source in (["--run", str(tiny_run)], ["--model", str(export)]):
+        assert generated([*source, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"], capsys) == [
+            expected
+        ]
+
+
+def test_a_sample_ends_at_endoftext_as_transformers_generate_does(tiny_run, tmp_path, capsys):
+    """A document's end ends the sample (transformers stops at the export's eos_token_id); it ran on to
+    --max-new-tokens, through <|endoftext|> into text of another document."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(tiny_run)[0]
+    with torch.no_grad():  # the end-of-text id's head row made likeliest after any text
+        hidden = model.transformer.ln_f(model.transformer.wte.weight[:1])[0]
+        model.lm_head.weight[EOT_ID] = 100 * hidden / hidden.norm() ** 2
+    export = export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())
+    ids = torch.tensor([prompt_tokens("Hello")])
+    assert AutoModelForCausalLM.from_pretrained(export).generate(ids, max_new_tokens=8, do_sample=False).shape[1] <= 2
+    for temperature in ("0", "1"):
+        args = ["--model", str(export), "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", temperature]
+        assert generated(args, capsys) == ["Hello"]
+
+
+def test_several_samples_from_a_prompt_file(tiny_run, tmp_path, capsys):
+    """nanoGPT's sample.py's --num_samples and --start=FILE:prompt.txt: the samples, one after another from one seed
+    (the first is the one a single sample gives), separated by a line; a prompt file that is not there is one line."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("ROMEO:\nWhat light\n", encoding="utf-8")
+    args = ["--run", str(tiny_run), "--prompt", f"FILE:{prompt}", "--max-new-tokens", "6", "--top-k", "0"]
+    samples = generated([*args, "--num-samples", "3"], capsys)
+    assert len(samples) == 3 and len(set(samples)) == 3 and all(s.startswith("ROMEO:\nWhat light\n") for s in samples)
+    assert generated(args, capsys) == samples[:1]
+    missing = tmp_path / "nowhere.txt"
+    with pytest.raises(SystemExit, match=rf"^error: --prompt FILE:{missing}: cannot read {missing} as UTF-8 text"):
+        generate_main(["--run", str(tiny_run), "--prompt", f"FILE:{missing}"])
+
+
+def test_a_prompt_longer_than_the_context_says_so(tiny_run, capsys):
+    """The model reads the prompt's last block_size (32) tokens alone; the whole prompt is printed as it was given."""
+    prompt = "To be, or not to be. " * 10  # 81 tokens
+    generate_main(["--run", str(tiny_run), "--prompt", prompt, "--max-new-tokens", "3"])
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt)
+    assert "note: the prompt is 81 tokens, longer than the model's context: the text continues from its last 32" in err
+
+
+def test_device_flag(tiny_run, capsys):
+    """nanoGPT's --device: cpu samples there; a device this machine lacks, or no device name, is one line before
+    the model loads."""
+    assert generated(["--run", str(tiny_run), "--device", "cpu", "--max-new-tokens", "3", "--prompt", "Hi"], capsys)
+    nowhere = ["--run", str(tiny_run / "nowhere")]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"^error: --device cuda: this machine has no such device \(0 CUDA GPUs\)"):
+            generate_main([*nowhere, "--device", "cuda"])
+    with pytest.raises(SystemExit, match=r"^error: --device cuda:99: this machine has no such device"):
+        generate_main([*nowhere, "--device", "cuda:99"])
+    with pytest.raises(SystemExit, match="^error: --device gpu0 is not a device name: give cpu, cuda, cuda:N or mps$"):
+        generate_main([*nowhere, "--device", "gpu0"])
 
 
 def test_a_tiny_temperature_samples_the_greedy_text(tiny_run):
     """logits / 1e-40 overflowed to inf and softmax's nan stopped the sampling; the shifted logits go to -inf
     instead, all but the likeliest id."""
     model = load_model(tiny_run)[0]
-    greedy = generate_text(model, "Once upon a time", 8, temperature=0.0)
-    assert generate_text(model, "Once upon a time", 8, temperature=1e-40, seed=5) == greedy
+    greedy = generate_samples(model, "Once upon a time", 8, temperature=0.0)
+    assert generate_samples(model, "Once upon a time", 8, temperature=1e-40, seed=5) == greedy
 
 
 @pytest.mark.parametrize("prompt_tokens", [0, 30, 70])  # a new document; within block_size (64); past it
