@@ -64,9 +64,10 @@ def get_encoding() -> tiktoken.Encoding:
 
 
 def prompt_tokens(prompt: str) -> list[int]:
-    """A prompt's tokens for generation: special tokens' text (<|endoftext|>) as ordinary text, as a book's would
-    be, and an empty prompt as the start of a new document (the separator alone)."""
-    return get_encoding().encode_ordinary(prompt) or [EOT_ID]
+    """A prompt's tokens for generation: <|endoftext|> as the document separator (as the export's transformers
+    tokenizer and nanoGPT's sample.py read it), and an empty prompt as the start of a new document (the separator
+    alone). GPT-2 has no other special token, so no prompt a user can type raises."""
+    return get_encoding().encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_ID]
 
 
 def vocab_and_merges_path() -> Path:

@@ -57,12 +57,14 @@ def test_encoding_is_gpt2():
 
 
 @pytest.mark.slow
-def test_a_prompt_is_ordinary_text_and_an_empty_one_starts_a_document():
-    """Training's samples and evals.generate encode prompts alike: no prompt a user can type raises."""
+def test_a_prompt_reads_endoftext_as_the_separator_and_an_empty_one_starts_a_document():
+    """Training's samples and evals.generate encode prompts alike, <|endoftext|> as the export's tokenizer reads it
+    (tests/evals/test_cli.py compares the two): no prompt a user can type raises."""
     enc = get_encoding()
     assert prompt_tokens("") == [EOT_ID]
-    assert prompt_tokens("<|endoftext|>ROMEO:") == enc.encode_ordinary("<|endoftext|>ROMEO:") != [EOT_ID]
+    assert prompt_tokens("<|endoftext|>ROMEO:") == [EOT_ID, *enc.encode_ordinary("ROMEO:")]
     assert enc.decode(prompt_tokens("<|endoftext|>ROMEO:")) == "<|endoftext|>ROMEO:"
+    assert prompt_tokens("<|fim_prefix|>") == enc.encode_ordinary("<|fim_prefix|>")  # not GPT-2's: ordinary text
 
 
 def test_provisions_ranks_from_cached_whisper_sdist_offline(tmp_path):

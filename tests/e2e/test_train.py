@@ -47,7 +47,7 @@ def readme_run(prepared_books, tmp_path_factory) -> tuple[Path, str]:
     cmd = train_cmd(
         "cpu.yaml", run, prepared_books, *README_RUN, "--eval-interval", "15", "--eval-windows", "32",
         "--sample-interval", "30", "--export-hf", "true", "--eval-tasks", "hellaswag", "--eval-limit", "8",
-        "--sample-prompt", "<|endoftext|>ROMEO:",  # a special token's text in a prompt is text, as in a book
+        "--sample-prompt", "<|endoftext|>ROMEO:",  # the separator in a prompt, as transformers reads it
     )  # fmt: skip
     # The run's compile cache: a user's folder holding only this process's ISA subfolder (set by conftest), linked
     # to the warm one, so its graphs hit (~35 s of C++ builds otherwise) and whatever else it writes stays beside,

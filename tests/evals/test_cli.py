@@ -89,7 +89,7 @@ def generated(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
     return capsys.readouterr().out.removesuffix("\n").split(f"\n{SEPARATOR}\n")
 
 
-PROMPTS = ["Once upon a time", "caf\u00e9 \u4e2d\U0001f600 \t\r\n  x"]
+PROMPTS = ["Once upon a time", "<|endoftext|>ROMEO:", "caf\u00e9 \u4e2d\U0001f600 \t\r\n  x"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
