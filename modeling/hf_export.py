@@ -130,6 +130,10 @@ def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges)
     try:
         hf_model = GPT2LMHeadModel(hf_config(model.config))
         hf_model.load_state_dict(to_hf_state_dict(model), strict=True)
+        # The text-generation pipeline adds 256 new tokens where the model sets none, and generating past the learned
+        # positions fails (IndexError): half the context leaves the other half to the prompt. (max_length would
+        # make every generate(max_new_tokens=...) warn that both are set.)
+        hf_model.generation_config.max_new_tokens = min(256, model.config.block_size // 2)
         with _no_progress_bars():
             hf_model.save_pretrained(tmp_dir)  # safetensors
         export_tokenizer(vocab_and_merges, tmp_dir, model.config.block_size)

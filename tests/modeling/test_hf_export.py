@@ -47,6 +47,18 @@ def test_export_writes_a_transformers_folder(export: Path):
         assert (export / name).is_file(), name
 
 
+def test_the_text_generation_pipeline_writes_within_the_context(tiny_gpt: GPT, export: Path):
+    """pipeline("text-generation") adds 256 new tokens where the model's generation config sets none, past a small
+    context's learned positions (IndexError); the export sets half the context, and generate(max_new_tokens=...)
+    still takes the caller's."""
+    from transformers import pipeline
+
+    (out,) = pipeline("text-generation", model=str(export))("ROMEO:", do_sample=False, return_tensors=True)
+    assert len(out["generated_token_ids"]) == 3 + tiny_gpt.config.block_size // 2  # "ROMEO:" is 3 tokens
+    model = GPT2LMHeadModel.from_pretrained(export)
+    assert model.generate(ids()[:, :4], max_new_tokens=2, do_sample=False).shape == (2, 6)
+
+
 # Shapes of a run's own (TrainConfig's n_layer, n_head, n_embd, block_size over a preset): 4 heads of 12, and a
 # context of 2,048 learned positions, twice GPT-2's (the logits of its last 16, where only positions past 1,024 reach)
 OWN_SHAPES = {
