@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,26 +56,24 @@ def generate_samples(
     seed: int = 0,
     top_p: float = 1.0,
     num_samples: int = 1,
-) -> list[str]:
-    """num_samples continuations of the prompt, each the prompt followed by its sampled text, decoded: up to
-    max_new_tokens tokens, ending before an <|endoftext|> the model writes (a document's end), as transformers'
-    generate ends at the export's eos_token_id. One generator, seeded once, draws the samples in turn, so the same
-    seed gives the same texts, and the first of several is the one a single sample gives.
+) -> Iterator[str]:
+    """num_samples continuations of the prompt, yielded as each is written: the prompt followed by its sampled
+    text, decoded, of up to max_new_tokens tokens, ending before an <|endoftext|> the model writes (a document's
+    end), as transformers' generate ends at the export's eos_token_id. One generator, seeded once, draws the samples
+    in turn, so the same seed gives the same texts, and the first of several is the one a single sample gives.
 
     temperature 0 is greedy decoding; top_k None and top_p 1 sample from the whole vocabulary."""
     check_sampling(max_new_tokens, temperature, top_k, seed, top_p, num_samples)
     device = next(model.parameters()).device
     tokens = prompt_tokens(prompt)
     generator = torch.Generator(device=device).manual_seed(seed)
-    texts = []
     for _ in range(num_samples):
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([tokens], device=device), max_new_tokens, temperature=temperature, top_k=top_k,
                 generator=generator, top_p=top_p, stop_id=EOT_ID,
             )[0, len(tokens) :].tolist()  # fmt: skip
-        texts.append(prompt + get_encoding().decode(out[: out.index(EOT_ID)] if EOT_ID in out else out))
-    return texts
+        yield prompt + get_encoding().decode(out[: out.index(EOT_ID)] if EOT_ID in out else out)
 
 
 def read_prompt(prompt: str) -> str:
@@ -117,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: cuda, else mps, else cpu)")
     args = parser.parse_args(argv)
+    printed = 0
     try:
         top_k = args.top_k or None
         # before the model loads
@@ -132,9 +132,14 @@ def main(argv: list[str] | None = None) -> None:
         samples = generate_samples(
             model, prompt, args.max_new_tokens, args.temperature, top_k, args.seed, args.top_p, args.num_samples
         )
-        print(f"\n{SEPARATOR}\n".join(samples))
+        for text in samples:  # each as soon as it is written: a Ctrl-C keeps those printed
+            print(f"{SEPARATOR}\n{text}" if printed else text, flush=True)
+            printed += 1
     except (EvalError, DataPrepError) as err:  # DataPrepError: the tokenizer could not be provisioned
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt:
+        print(f"\nstopped by Ctrl-C after {printed} of {args.num_samples} samples", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 import json
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -24,7 +26,7 @@ from modeling.device import device_name
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
-from testkit import TINY_MODEL, fill_disk, new_run, write_checkpoint
+from testkit import REPO, TINY_MODEL, fill_disk, new_run, write_checkpoint
 from training.checkpoint import checkpoint_dir
 from training.metrics import JSONLTracker
 
@@ -50,10 +52,12 @@ def test_checkpoint_and_export_load_the_same_model(tiny_run, tmp_path):
     export = export_hf(model, tmp_path / "export", gpt2_vocab_and_merges())
     from_export, _ = load_model(export=export)
     for temperature in (0.0, 1.0):
-        texts = {generate_samples(m, "Once upon a time", 8, temperature, 50, seed=3)[0] for m in (model, from_export)}
+        texts = {
+            next(generate_samples(m, "Once upon a time", 8, temperature, 50, seed=3)) for m in (model, from_export)
+        }
         assert len(texts) == 1 and texts.pop().startswith("Once upon a time")
-    assert generate_samples(model, "", 8, seed=3) == generate_samples(model, "", 8, seed=3)
-    assert generate_samples(model, "", 8, seed=3) != generate_samples(model, "", 8, seed=4)
+    assert list(generate_samples(model, "", 8, seed=3)) == list(generate_samples(model, "", 8, seed=3))
+    assert list(generate_samples(model, "", 8, seed=3)) != list(generate_samples(model, "", 8, seed=4))
 
     run = new_run(tmp_path / "only-export")  # a run whose checkpoints were deleted: its export is used
     shutil.copytree(export, run / "export")
@@ -141,6 +145,25 @@ def test_several_samples_from_a_prompt_file(tiny_run, tmp_path, capsys):
         generate_main(["--run", str(tiny_run), "--prompt", f"FILE:{missing}"])
 
 
+@pytest.mark.slow
+def test_samples_print_as_they_are_written_and_ctrl_c_keeps_them(tiny_run):
+    """Each sample is printed when written (all were printed at the end, and a Ctrl-C lost every one, with a
+    traceback): after the second starts printing, Ctrl-C stops the run with one line and the first stays."""
+    # 300 samples of 100 tokens: minutes, long past the first's print (before, all were printed at the end)
+    cmd = [sys.executable, "-m", "evals.generate", "--run", str(tiny_run), "--num-samples", "300", "--top-k", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.stdout.readline() not in (f"{SEPARATOR}\n", ""):  # the second sample is printing
+            pass
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert re.fullmatch(r"stopped by Ctrl-C after [1-9]\d* of 300 samples", err.strip().splitlines()[-1]), err
+    assert "Traceback" not in err
+
+
 def test_a_prompt_longer_than_the_context_says_so(tiny_run, capsys):
     """The model reads the prompt's last block_size (32) tokens alone; the whole prompt is printed as it was given."""
     prompt = "To be, or not to be. " * 10  # 81 tokens
@@ -168,8 +191,8 @@ def test_a_tiny_temperature_samples_the_greedy_text(tiny_run):
     """logits / 1e-40 overflowed to inf and softmax's nan stopped the sampling; the shifted logits go to -inf
     instead, all but the likeliest id."""
     model = load_model(tiny_run)[0]
-    greedy = generate_samples(model, "Once upon a time", 8, temperature=0.0)
-    assert generate_samples(model, "Once upon a time", 8, temperature=1e-40, seed=5) == greedy
+    greedy = list(generate_samples(model, "Once upon a time", 8, temperature=0.0))
+    assert list(generate_samples(model, "Once upon a time", 8, temperature=1e-40, seed=5)) == greedy
 
 
 @pytest.mark.parametrize("prompt_tokens", [0, 30, 70])  # a new document; within block_size (64); past it
