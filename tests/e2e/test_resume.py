@@ -302,8 +302,8 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         [line] = result.stderr.strip().splitlines()
         assert re.fullmatch(
             rf"error: out_dir {run_dir} holds a run \(step-00000002\): the checkpoint is a tiny-cpu \(n_layer 2, "
-            r".*block_size 64, .*\) model, this run's is .*; resume with the checkpoint's --preset/--block-size/"
-            r"--init-from, start afresh there with --resume never .*",
+            r".*block_size 64, .*\) model, this run's is .*; resume with the checkpoint's "
+            r"--preset/--n-layer/--n-head/--n-embd/--block-size/--init-from, start afresh there with --resume never .*",
             line,
         ), line
         assert "this run's is " + ("small-cpu (n_layer 4" if "small-cpu" in other else "tiny-cpu") in line
