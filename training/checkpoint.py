@@ -257,8 +257,10 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
             f"{source}: the checkpoint holds {theirs.optimizer} state, {asks}; resume with {resume}, {afresh}, or "
             "choose another --out-dir (--init-from its export keeps the weights)"
         )
-    # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape)
-    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k != "micro_batch_size"]
+    # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape);
+    # a decay_fraction that decay_steps overrides is not read
+    unread = {"micro_batch_size", *(("decay_fraction",) if cfg.decay_steps else ())}
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k not in unread]
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 

@@ -167,6 +167,13 @@ class TrainConfig:
     decay_fraction: float = field(
         default=0.2, metadata={"help": "fraction of all steps spent in the final linear decay (lr_schedule wsd)"}
     )
+    decay_steps: int = field(
+        default=0,
+        metadata={
+            "help": "steps in the final linear decay (lr_schedule wsd), counted back from the last step; when set it "
+            "overrides decay_fraction (an anneal after a stable run of N steps: --max-steps N+K --decay-steps K)"
+        },
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(
@@ -285,6 +292,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "warmup_steps",
+            "decay_steps",
             "muon_momentum_warmup_steps",
             "eval_interval",
             "sample_interval",
@@ -337,6 +345,11 @@ class TrainConfig:
             raise ConfigError("--push-to-hub pushes the run's export: drop --export-hf false")
         if self.hub_private_repo and not self.push_to_hub:  # privacy asked for, and nothing would be pushed
             raise ConfigError("--hub-private-repo is for --push-to-hub's repository: give --push-to-hub you/name too")
+        if self.decay_steps > self.total_steps():
+            raise ConfigError(
+                f"decay_steps {self.decay_steps} is more than the run's {self.total_steps()} steps: the decay counts "
+                "back from the last step; raise --max-steps or lower --decay-steps"
+            )
         if self.time_budget_minutes and self.warmup_steps < BUDGET_MIN_WARMUP:
             raise ConfigError(
                 f"time_budget_minutes needs warmup_steps >= {BUDGET_MIN_WARMUP}, got {self.warmup_steps}: the run "

@@ -504,10 +504,9 @@ def _optimizer_line(config: dict) -> str:
 def _schedule_line(config: dict) -> str:
     warmup, floor = config["warmup_steps"], config["min_lr_ratio"]
     if config["lr_schedule"] == "wsd":
-        return (
-            f"wsd: {warmup} warmup steps, constant, then linear decay over the last {config['decay_fraction']:g} of "
-            f"the steps to {floor:g}× the peak"
-        )
+        steps = config.get("decay_steps")  # not in the configs of runs from before it
+        last = f"{steps} steps" if steps else f"{config['decay_fraction']:g} of the steps"
+        return f"wsd: {warmup} warmup steps, constant, then linear decay over the last {last} to {floor:g}× the peak"
     return f"cosine: {warmup} warmup steps, then cosine decay to {floor:g}× the peak"
 
 

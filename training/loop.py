@@ -155,18 +155,21 @@ READ_ONLY_UNDER = {
     "muon_momentum": ("optimizer", "muon"),
     "muon_momentum_warmup_steps": ("optimizer", "muon"),
     "decay_fraction": ("lr_schedule", "wsd"),
+    "decay_steps": ("lr_schedule", "wsd"),
 }
 
 
 def unused_settings_warning(cfg: TrainConfig) -> str | None:
     """One warning line naming what the run config or flags set that this run's optimizer or schedule never reads
-    (--muon-lr under adamw, --decay-fraction under cosine): such a run trained as if they were not given, with no
-    word. None otherwise."""
+    (--muon-lr under adamw, --decay-fraction under cosine or beside --decay-steps): such a run trained as if they
+    were not given, with no word. None otherwise."""
     unused = [
         f"{name} ({key} {value} only)"
         for name, (key, value) in READ_ONLY_UNDER.items()
         if name in cfg.explicit and getattr(cfg, key) != value
     ]
+    if "decay_fraction" in cfg.explicit and cfg.decay_steps and cfg.lr_schedule == "wsd":  # decay_steps decides
+        unused.append("decay_fraction (decay_steps 0 only)")
     if not unused:
         return None
     return (
@@ -351,7 +354,8 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     total_steps = cfg.total_steps()
     scheduler = build_scheduler(
         optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
-        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, momentum_warmup=cfg.muon_momentum_warmup_steps,
+        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, decay_steps=cfg.decay_steps,
+        momentum_warmup=cfg.muon_momentum_warmup_steps,
     )  # fmt: skip
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
@@ -586,7 +590,8 @@ def describe_optimizer(cfg: TrainConfig, param_groups: list[dict], mixed_precisi
             momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
         ns = str(newton_schulz_dtype(mixed_precision)).removeprefix("torch.")
         text = f"Muon lr {cfg.muon_lr:g} {momentum}, Newton-Schulz in {ns}: {listing(muon)}; {text}"
-    decay = f" over the last {cfg.decay_fraction:g} of steps" if cfg.lr_schedule == "wsd" else ""
+    last = f"{cfg.decay_steps} steps" if cfg.decay_steps else f"{cfg.decay_fraction:g} of steps"
+    decay = f" over the last {last}" if cfg.lr_schedule == "wsd" else ""
     return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"
 
 

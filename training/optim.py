@@ -18,16 +18,18 @@ def lr_multiplier(
     min_lr_ratio: float,
     schedule: str = "cosine",
     decay_fraction: float = 0.2,
+    decay_steps: int = 0,
 ) -> float:
     """Fraction of each group's peak lr at optimizer step ``step`` (0-based): linear warmup, then
     cosine: a half cosine from 1 to min_lr_ratio at total_steps;
     wsd (warmup-stable-decay): 1 until the last ``decay_fraction`` of all steps, then a straight line to
-    min_lr_ratio at total_steps (where a short run's decay would start inside the warmup, the lower of the two)."""
+    min_lr_ratio at total_steps (where a short run's decay would start inside the warmup, the lower of the two);
+    ``decay_steps``, where set, is the decay's length in steps instead."""
     warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
     if step >= total_steps:
         return min_lr_ratio
     if schedule == "wsd":
-        decay_steps = decay_fraction * total_steps
+        decay_steps = decay_steps or decay_fraction * total_steps
         to_go = total_steps - step  # in [1, total_steps]
         decay = 1.0 if to_go >= decay_steps else min_lr_ratio + (1.0 - min_lr_ratio) * to_go / decay_steps
         return min(warmup, decay)
@@ -265,12 +267,13 @@ def build_scheduler(
     min_lr_ratio: float,
     schedule: str = "cosine",
     decay_fraction: float = 0.2,
+    decay_steps: int = 0,
     momentum_warmup: int = 0,
 ) -> Schedule:
     """One schedule for every group: its lr is its own initial lr times lr_multiplier (Muon's and AdamW's alike),
     and Muon's momentum warms up over the first momentum_warmup steps (0: none)."""
     multiplier = partial(
         lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
-        schedule=schedule, decay_fraction=decay_fraction,
+        schedule=schedule, decay_fraction=decay_fraction, decay_steps=decay_steps,
     )  # fmt: skip
     return Schedule(optimizer, multiplier, momentum_warmup=momentum_warmup)

@@ -366,6 +366,26 @@ def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_
     assert (position["epoch"], position["tokens"]) == (0, 4 * 512)
 
 
+def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prepared_books, tmp_path):
+    """The README's anneal: a stable run (no decay) of 4 steps, then --max-steps 7 --decay-steps 3 on another data
+    set with --on-new-data continue: steps 1-5 at the peak (after the warmup), then the line of a 3-step decay,
+    no jump; the changed config said in one line. The same command again (a requeued job) trains nothing more."""
+    curated, run_dir = tmp_path / "curated", tmp_path / "run"
+    prepare("default:hamlet,macbeth", curated, shard_tokens=40_000, val_fraction=0.1)
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--decay-fraction", "0"))
+    anneal = tiny_cmd(None, run_dir, curated, "--max-steps", "7", "--decay-steps", "3", "--on-new-data", "continue")
+    out = run(anneal).stdout
+    assert re.search(r"^resuming with a changed config \(checkpoint -> now\): data_dir .* max_steps 4 -> 7, "
+                     r"decay_steps 0 -> 3$", out, re.M), out  # fmt: skip
+    assert "wsd over the last 3 steps to 0.1 x peak lr" in out, out
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r}
+    peak = 3e-3
+    assert [lrs[s] / peak for s in range(1, 8)] == pytest.approx([0.5, 1, 1, 1, 1, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3])
+    again = run(anneal).stdout
+    assert "the run is at step 7 of 7: nothing to train" in again, again
+    assert {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r} == lrs
+
+
 def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tmp_path):
     """Two launches on one out_dir: the second names the holder and touches nothing; after kill -9 of the first
     the lock is free and the run resumes."""

@@ -261,6 +261,7 @@ BAD_VALUES = {
     "muon_momentum": (1.0, r"muon_momentum must be in \[0, 1\)"),
     "lr_schedule": ("linear", r"lr_schedule must be one of cosine, wsd, got 'linear'"),
     "decay_fraction": (1.5, r"decay_fraction must be in \[0, 1\]"),
+    "decay_steps": (201, r"decay_steps 201 is more than the run's 200 steps: .*raise --max-steps or lower"),
     "time_budget_minutes": (-5.0, r"time_budget_minutes must be >= 0 \(0: no time budget\)"),
     "resume": ("", r"resume must be auto, never or a checkpoint folder, got ''"),
 }
@@ -284,6 +285,7 @@ def test_boundary_values_accepted():
     TrainConfig(keep_checkpoints=1, checkpoint_interval=0, grad_clip=0.0, weight_decay=0.0, seed=0, beta1=0.0)
     TrainConfig(optimizer="muon", muon_momentum=0.0, lr_schedule="wsd", decay_fraction=0.0)
     TrainConfig(decay_fraction=1.0)
+    TrainConfig(decay_steps=200)
     TrainConfig(time_budget_minutes=0.5, warmup_steps=3)
 
 

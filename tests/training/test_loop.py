@@ -103,6 +103,12 @@ def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path
     # a sharding engine's AdamW in place of the default Muon (its note says so) leaves a given Muon lr unread too
     engine_cfg, _ = optimizer_for_engine(parse_config(["--muon-lr", "0.01"])[0], "FSDP")
     assert "muon_lr (optimizer muon only)" in unused_settings_warning(engine_cfg)
+    # --decay-steps decides the decay's length: a --decay-fraction beside it is not read either
+    both, _ = parse_config(["--max-steps", "14", "--decay-steps", "4", "--decay-fraction", "0.3"])
+    assert unused_settings_warning(both) == (
+        "warning: set but never read by this run's optimizer muon and lr_schedule wsd: decay_fraction (decay_steps 0 "
+        "only); they change nothing"
+    )
 
 
 def test_setup_prints_each_warning_once(prepared_books, tmp_path, capsys):

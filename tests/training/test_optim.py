@@ -86,6 +86,15 @@ def test_wsd_edge_cases_stay_continuous_and_monotone():
     assert values[: peak + 1] == sorted(values[: peak + 1]) and values[peak:] == sorted(values[peak:], reverse=True)
 
 
+def test_wsd_decay_steps_give_the_decay_in_steps_whatever_the_fraction():
+    """--decay-steps 4 of 14: peak up to and including the 4th-last step, then the line of a 4-step decay; no
+    rounding of a fraction (4/14 typed as 0.29 would start the decay below the peak)."""
+    anneal = {**WSD, "total_steps": 14, "warmup_steps": 2, "decay_steps": 4}
+    values = [lr_multiplier(s, **anneal) for s in range(14)]
+    assert values[1:11] == [1.0] * 10
+    assert values[10:] == pytest.approx([1.0, 0.1 + 0.9 * 3 / 4, 0.1 + 0.9 * 2 / 4, 0.1 + 0.9 / 4])
+
+
 def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generator, steps: int) -> None:
     """`steps` optimizer steps on random token batches drawn from `batches`."""
     for _ in range(steps):
