@@ -260,7 +260,9 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
     # the batch shape's change is said after the load, with accumulation and world size (TrainProgress.reshape);
     # a decay_fraction that decay_steps overrides is not read
     unread = {"micro_batch_size", *(("decay_fraction",) if cfg.decay_steps else ())}
-    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in saved.items() if v != now[k] and k not in unread]
+    # a field newer than the checkpoint's config.yaml: the run trained with its default (`theirs` holds it)
+    was = {**{k: getattr(theirs, k) for k in now if k not in ("resume", "on_new_data")}, **saved}
+    changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in was.items() if v != now[k] and k not in unread]
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
 

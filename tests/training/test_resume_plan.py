@@ -244,6 +244,22 @@ def test_the_config_line_leaves_the_micro_batch_to_the_resume_line(tmp_path):
     )
 
 
+def test_the_config_line_names_a_field_the_checkpoints_config_predates(tmp_path):
+    """An anneal of a run saved before --decay-steps existed (its config.yaml has no decay_steps): the line says
+    decay_steps 0 -> 4, not nothing; the decay_fraction it overrides is left out."""
+    run_dir = tmp_path / "run"
+    newest = fake_checkpoint(run_dir, 2)
+    saved = newest / "config.yaml"
+    saved.write_text("".join(line for line in saved.read_text().splitlines(True) if "decay_steps" not in line))
+    write_manifest(newest)  # the checkpoint as an older version saved it: intact
+    anneal = config(run_dir, max_steps=14, decay_steps=4, decay_fraction=0.3)
+    assert plan_resume(anneal) == (
+        newest,
+        [f"resuming with a changed config (checkpoint -> now): max_steps {TrainConfig().max_steps} -> 14, "
+         "decay_steps 0 -> 4"],
+    )  # fmt: skip
+
+
 def test_a_fresh_start_sets_the_whole_previous_run_aside(tmp_path):
     run_dir = tmp_path / "run"
     fake_checkpoint(run_dir, 2)
