@@ -383,7 +383,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         if changes or new_data:
             epoch = f" of epoch {train_loader.epoch}" if train_loader.epoch else ""
             data = new_data or f"data position {train_loader.tokens:,} tokens{epoch} kept"
-            accelerator.print(f"resume: {''.join(c + '; ' for c in changes)}{data}")
+            accelerator.print(f"resume: {', '.join(changes)}{'; ' if changes else ''}{data}")
         startup.lap("resume")
     # What the end of the run writes, decided by the main process, which writes it, before this launch writes
     # anything; every rank stops alike.

@@ -37,7 +37,7 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
     ]
     assert config[0] == config[1]
 
-    bad = ["--block-size", "128"]
+    bad = ["--n-head", "3"]  # tiny-cpu's 64 channels do not split into 3 heads
     cold = fresh(train_cmd(None, tmp_path / "bad-fresh", prepared_books, *bad))
     warm = run(train_cmd(None, tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
     assert WARM.forked() == forked + 2
@@ -60,14 +60,14 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
 
     # ranks that stop with an error: our line, then torchrun's summary quoting it once for each rank that had failed
     # when torchrun looked (one or both: it stops the other), and the exit status
-    bad = ["--block-size", "128"]
+    bad = ["--n-head", "3"]  # tiny-cpu's 64 channels do not split into 3 heads
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-fresh", prepared_books, *bad))
     warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
     assert WARM.forked() == forked + 6
     assert cold.returncode == 1, cold.stderr[-3000:]
     ours = [[line for line in p.stderr.splitlines() if "error: " in line] for p in (cold, warm)]
     said = ours[0][0]
-    assert said.startswith("error: block_size=128"), ours
+    assert said.startswith("error: n_embd 64 (the tiny-cpu preset's) is not divisible by n_head 3"), ours
     for lines in ours:
         assert lines[0] == said and 1 <= len(lines[1:]) <= 2, ours
         assert set(lines[1:]) == {f"  traceback : {said}"}, ours
