@@ -128,6 +128,14 @@ class LMHead(Linear):
         return linear_cross_entropy(x.flatten(0, 1), self.weight, targets.flatten(), fp8=fp8)
 
 
+VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied embedding/head matrix, listed under both names
+
+
+def real_vocab_rows(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """state_dict with the embedding/head cut to GPT-2's 50,257 ids: the rows past them are padding, never tokens."""
+    return {key: t[:REAL_VOCAB_SIZE] if key in VOCAB_ROWS else t for key, t in state_dict.items()}
+
+
 class GPT(nn.Module):
     # The block class FSDP2 shards one at a time when the launch YAML names none (accelerate reads the transformers
     # attribute; `accelerate config`'s default answer), so every FSDP2 YAML shards per Block.

@@ -28,10 +28,9 @@ from transformers.utils import logging as hf_logging
 from modeling.config import EOT_ID, PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfig
 from modeling.device import quiet_deepspeed
 from modeling.disk import swap_in, umask_modes
-from modeling.gpt import GPT
+from modeling.gpt import GPT, VOCAB_ROWS, real_vocab_rows
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix, listed under both names
 # GPT-2's vocab.json (token -> id) and merges.txt (pairs in rank order) contents
 VocabAndMerges = tuple[dict[str, int], list[tuple[str, str]]]
 
@@ -85,10 +84,8 @@ def to_hf_state_dict(model: GPT) -> dict[str, Tensor]:
     """model's weights as GPT2LMHeadModel's state dict (Conv1D weights transposed, vocab cut to 50,257)."""
     _check_exportable(model.config)
     out = {}
-    for key, tensor in model.state_dict().items():
-        if key in VOCAB_ROWS:
-            tensor = tensor[:REAL_VOCAB_SIZE]
-        elif key.endswith(CONV1D_WEIGHTS):
+    for key, tensor in real_vocab_rows(model.state_dict()).items():
+        if key.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
         out[key] = tensor.detach().contiguous()
     _check_keys_and_shapes(out, _meta_state_dict(GPT2LMHeadModel, hf_config(model.config)), "GPT2LMHeadModel")
@@ -256,9 +253,8 @@ def load_hf(folder: str | Path, config: GPTConfig | None = None) -> GPT:
                 f"its weights do not load ({type(err).__name__}: {said}); export the run again (python -m "
                 "training.export RUN) or give another folder"
             ) from None
-        # A padded folder's rows past GPT-2's ids are never tokens (load_hf_config keeps 50,257).
-        state_dict = {k: v[:REAL_VOCAB_SIZE] if k in VOCAB_ROWS else v for k, v in hf.state_dict().items()}
-        state_dict = from_hf_state_dict(state_dict, saved)
+        # a padded folder's rows past GPT-2's ids are never tokens (load_hf_config keeps 50,257)
+        state_dict = from_hf_state_dict(real_vocab_rows(hf.state_dict()), saved)
     state_dict["transformer.wpe.weight"] = state_dict["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state_dict, strict=True)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from modeling.config import REAL_VOCAB_SIZE, GPTConfig, get_preset
 from modeling.device import quiet_deepspeed
-from modeling.gpt import GPT
+from modeling.gpt import GPT, real_vocab_rows
 
 # A run folder's files and folders, as training writes them (besides its checkpoints/)
 CONFIG_FILE = "config.yaml"
@@ -286,9 +286,7 @@ def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, s
         raise RunError(f"{err}; {advice}") from None
     state = plain_state_dict(weights)
     if model.config.vocab_size == REAL_VOCAB_SIZE:  # runs started with --init-from before it kept a folder's 50,257
-        for key in ("transformer.wte.weight", "lm_head.weight"):  # ids saved them padded: ids past them are no tokens
-            if key in state:
-                state[key] = state[key][:REAL_VOCAB_SIZE]
+        state = real_vocab_rows(state)  # ids saved them padded
     mismatch = f"{checkpoint} does not fit the model that {run_dir / CONFIG_FILE} describes"
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
