@@ -197,6 +197,9 @@ def _short_dcp_shard(folder: Path) -> str | None:
     return None
 
 
+LAUNCH_CHOICES = ("resume", "on_new_data")  # config fields that are each launch's choice, not the run's
+
+
 def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
     """The run config saved in `folder` (a checkpoint or a run folder): its keys as saved, and the TrainConfig they
     make; None where none was saved. CheckpointError where it does not read."""
@@ -212,8 +215,8 @@ def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
         raise CheckpointError(f"{what} does not read as YAML ({' '.join(str(err).split())}); {mend}") from None
     if not isinstance(values, dict):
         raise CheckpointError(f"{what} is not a mapping of key: value; {mend}")
-    # resume and on_new_data are this launch's choices, not the run's (and older runs wrote '' for resume)
-    saved = {k: v for k, v in values.items() if k in now and k not in ("resume", "on_new_data")}
+    # older runs wrote '' for resume
+    saved = {k: v for k, v in values.items() if k in now and k not in LAUNCH_CHOICES}
     try:
         return saved, TrainConfig(**saved)
     except (ConfigError, TypeError) as err:
@@ -261,7 +264,7 @@ def compare_resume_config(cfg: TrainConfig, checkpoint: Path, source: str) -> st
     # a decay_fraction that decay_steps overrides is not read
     unread = {"micro_batch_size", *(("decay_fraction",) if cfg.decay_steps else ())}
     # a field newer than the checkpoint's config.yaml: the run trained with its default (`theirs` holds it)
-    was = {**{k: getattr(theirs, k) for k in now if k not in ("resume", "on_new_data")}, **saved}
+    was = {**{k: getattr(theirs, k) for k in now if k not in LAUNCH_CHOICES}, **saved}
     changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in was.items() if v != now[k] and k not in unread]
     return f"resuming with a changed config (checkpoint -> now): {', '.join(changed)}" if changed else None
 
