@@ -170,9 +170,16 @@ def _heads_advice(preset: str, heads: int, width: int, given: dict[str, int]) ->
     )
 
 
-def shape_name(preset: str, n_layer: int | None = None, n_head: int | None = None, n_embd: int | None = None) -> str:
-    """A scratch run's model as its run config names it: the preset, and what it sets over the preset's shape."""
-    given = [f"{name} {value}" for name, value in zip(SHAPE_FIELDS, (n_layer, n_head, n_embd)) if value is not None]
+def shape_name(
+    preset: str,
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    n_embd: int | None = None,
+    block_size: int | None = None,
+) -> str:
+    """A model as its run config names it: the preset (or init_from), and what the config sets over its shape."""
+    fields = zip((*SHAPE_FIELDS, "block_size"), (n_layer, n_head, n_embd, block_size))
+    given = [f"{name} {value}" for name, value in fields if value is not None]
     return f"{preset} with {', '.join(given)}" if given else preset
 
 

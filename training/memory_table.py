@@ -36,7 +36,7 @@ import torch
 
 from modeling.config import PRESETS, GPTConfig
 from modeling.gpt import GPT
-from modeling.runs import SHAPE_FIELDS
+from modeling.runs import SHAPE_FIELDS, shape_name
 from training.config import ConfigError, TrainConfig, load_yaml
 
 GIB = 2**30
@@ -140,9 +140,8 @@ def run_models(presets: list[str] | None, values: dict[str, Any], shape: dict[st
     models = {}
     for preset in presets or [values.get("preset", TrainConfig.preset)]:
         run = TrainConfig(**{**values, "preset": preset, **shape})  # its checks are the run's: one ConfigError line
-        given = [f"{name} {getattr(run, name)}" for name in SHAPE_FLAGS if getattr(run, name) is not None]
-        name = run.init_from or run.preset
-        models[f"{name} with {', '.join(given)}" if given else name] = run.model_config()
+        shape_fields = (getattr(run, name) for name in SHAPE_FLAGS)
+        models[shape_name(run.init_from or run.preset, *shape_fields)] = run.model_config()
     return models
 
 
