@@ -298,10 +298,12 @@ def render_model_card(run_dir: str | Path) -> str:
     manifest = _manifest(config, rows)
     val_line = score_lines = ""
     evals = {k: v for k, v in val[-1].items() if k != "step"} if val else {}
+    # the launches that went on from other data (--on-new-data continue), by their index in rows
+    switches = [i for i, r in enumerate(rows) if r.get("launch", {}).get("new_data")]
     if val:
         # the best since the run last went on from other data: earlier losses are another val split's
-        switched = max((i for i, r in enumerate(rows) if r.get("launch", {}).get("new_data")), default=-1)
-        best_val = min([r["val_loss"] for r in rows[switched + 1 :] if "val_loss" in r] or [val[-1]["val_loss"]])
+        since = rows[switches[-1] + 1 :] if switches else rows
+        best_val = min([r["val_loss"] for r in since if "val_loss" in r] or [val[-1]["val_loss"]])
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
         score_lines = "".join(
             f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals
@@ -324,7 +326,7 @@ A GPT-2-architecture model pretrained {origin} with bookgpt (a pretraining proje
 Accelerate, MIT-licensed).
 
 ## Training data
-{_data_section(config, manifest)}{_new_data_line(rows)}
+{_data_section(config, manifest)}{_new_data_line([rows[i]["step"] + 1 for i in switches])}
 
 ## Training
 | | |
@@ -413,9 +415,9 @@ def _data_section(config: dict, manifest: dict | None) -> str:
     )
 
 
-def _new_data_line(rows: list[dict]) -> str:
-    """Where the run went on from other data (--on-new-data continue), one sentence; '' where it never did."""
-    steps = [r["step"] + 1 for r in rows if r.get("launch", {}).get("new_data")]
+def _new_data_line(steps: list[int]) -> str:
+    """The steps from which the run went on from other data (--on-new-data continue), one sentence; '' where it
+    never did."""
     if not steps:
         return ""
     at = ("step " if len(steps) == 1 else "steps ") + ", ".join(f"{s:,}" for s in steps)
