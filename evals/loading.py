@@ -61,12 +61,12 @@ def load_model(
 
 
 def _from_export(folder: Path) -> GPT:
-    if not (folder / "config.json").is_file() and (folder / CONFIG_FILE).is_file():  # --model RUN, --run meant
-        raise EvalError(
-            f"{folder} is a run folder, not an HF-format export: give --run {folder} (its newest checkpoint, else its "
-            f"export/), or --model {folder / EXPORT_DIR}"
-        )
     if not (folder / "config.json").is_file():
+        if (folder / CONFIG_FILE).is_file():  # --model RUN, --run meant
+            raise EvalError(
+                f"{folder} is a run folder, not an HF-format export: give --run {folder} (its newest checkpoint, else "
+                f"its export/), or --model {folder / EXPORT_DIR}"
+            )
         raise EvalError(f"{folder} is not an HF-format export (no config.json); see the run's export/ folder")
     from modeling.hf_export import load_hf  # imports transformers: seconds that checkpoint loads do without
 
