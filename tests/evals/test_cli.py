@@ -151,7 +151,12 @@ def test_samples_print_as_they_are_written_and_ctrl_c_keeps_them(tiny_run):
     traceback): after the second starts printing, Ctrl-C stops the run with one line and the first stays."""
     # 300 samples of 100 tokens: minutes, long past the first's print (before, all were printed at the end)
     cmd = [sys.executable, "-m", "evals.generate", "--run", str(tiny_run), "--num-samples", "300", "--top-k", "0"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # as a terminal's foreground job: Ctrl-C reaches it, whatever this test process ignores (an ignored SIGINT is
+    # inherited, and a test run earlier in this pytest worker may have left it ignored)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         while proc.stdout.readline() not in (f"{SEPARATOR}\n", ""):  # the second sample is printing
             pass
