@@ -367,9 +367,10 @@ def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_
 
 
 def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prepared_books, tmp_path):
-    """The README's anneal: a stable run (no decay) of 4 steps, then --max-steps 7 --decay-steps 3 on another data
-    set with --on-new-data continue: steps 1-5 at the peak (after the warmup), then the line of a 3-step decay,
-    no jump; the changed config said in one line. The same command again (a requeued job) trains nothing more."""
+    """The anneal of docs/configuration.md: a stable run (no decay) of 4 steps, then --max-steps 7 --decay-steps 3
+    on another data set with --on-new-data continue: steps 1-5 at the peak (after the warmup), then the line of a
+    3-step decay, no jump; the changed config said in one line. The same command again (a requeued job) trains
+    nothing more."""
     curated, run_dir = tmp_path / "curated", tmp_path / "run"
     prepare("default:hamlet,macbeth", curated, shard_tokens=40_000, val_fraction=0.1)
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--decay-fraction", "0"))

@@ -117,12 +117,13 @@ def test_cli_takes_each_preset_once_and_refuses_none(capsys):
     )
 
 
-def test_the_readmes_table_is_the_command_it_names():
-    """The README shows `python -m training.memory_table --optimizer adamw` (its text says so): the same rows."""
+def test_the_docs_table_is_the_command_it_names():
+    """docs/distributed.md shows `python -m training.memory_table --optimizer adamw` (its text says so): the same
+    rows."""
     table = markdown_table(
         {name: get_preset(name) for name in PRESETS}, gpus=8, micro_batch_size=16, optimizer="adamw"
     ).strip()
-    assert table in (REPO / "README.md").read_text()
+    assert table in (REPO / "docs" / "distributed.md").read_text()
 
 
 def rows(out: str, name: str) -> list[str]:
