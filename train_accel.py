@@ -26,7 +26,7 @@ from modeling.disk import DiskFull
 from modeling.runtime import exit_process, finish, lost_peer, report_error
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.compile_cache import compile_disk_full_reported
-from training.config import ConfigError, config_to_yaml, parse_config
+from training.config import ConfigError, parse_config, print_config_yaml
 from training.export import ExportError
 from training.hub import HubError
 from training.loop import Run, TrainMetrics, due, evaluate, setup, trainer_for, write_outputs, write_sample
@@ -173,7 +173,7 @@ def main() -> None:
     stop_at_once_on_sigterm()  # docker stop, a SLURM preemption or the launcher's death during the start-up: one line
     cfg, print_only = parse_config()
     if print_only:
-        print(config_to_yaml(cfg), end="")
+        print(print_config_yaml(cfg), end="")
         return
     pid1_drops_sigterm = pid1_drops_sigterm_line()
     if pid1_drops_sigterm and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per machine (each its container)

@@ -581,3 +581,18 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
 
 def config_to_yaml(config: TrainConfig) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+
+
+def print_config_yaml(config: TrainConfig) -> str:
+    """The config as --print-config shows it: config_to_yaml's, each shape field left null followed by a comment with
+    the value the run takes (the preset's, or init_from's), so the text still gives the same run as a --config file.
+    The values themselves are not written in: set, they would name the model `PRESET with n_layer ...` on the run's
+    lines and model card, and with init_from they are refused."""
+    shape = None if config.init_from else config.model_config()  # init_from's is in its config.json (maybe the Hub)
+    lines = []
+    for line in config_to_yaml(config).splitlines():
+        name, _, value = line.partition(": ")
+        if name in (*SHAPE_FIELDS, "block_size") and value == "null":
+            line += f"  # {config.preset}'s: {getattr(shape, name)}" if shape else "  # init_from's"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -3,6 +3,8 @@ per bad input."""
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -42,6 +44,39 @@ def test_no_argument_gives_the_recipe_and_records_what_was_set_explicitly(tmp_pa
     assert cfg.explicit == {"optimizer", "lr_schedule"}
     cfg, _ = parse_config(["--optimizer", "adamw", "--lr-schedule", "cosine"])  # GPT-2's recipe, one flag away
     assert (cfg.optimizer, cfg.lr_schedule, cfg.explicit) == ("adamw", "cosine", {"optimizer", "lr_schedule"})
+
+
+@pytest.mark.slow
+def test_print_config_shows_the_shape_the_run_takes_and_reads_back_as_the_same_run(tmp_path):
+    """--print-config printed n_head: null where the run trains the preset's 2 heads. Each shape field left to the
+    preset is shown with the preset's value in a comment, so the printed YAML, given back as --config, is the same
+    run (the same model, named as before)."""
+    flags = ["--config", "configs/tiny_cpu.yaml", "--n-layer", "3"]
+    done = subprocess.run(
+        [sys.executable, "train_accel.py", *flags, "--print-config"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:5] == [
+        "preset: tiny-cpu",
+        "n_layer: 3",
+        "n_head: null  # tiny-cpu's: 2",
+        "n_embd: null  # tiny-cpu's: 64",
+        "block_size: null  # tiny-cpu's: 64",
+    ]
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(done.stdout)
+    again, _ = parse_config(["--config", str(printed)])
+    cfg, _ = parse_config(flags)
+    assert (
+        again == cfg and again.model_config() == cfg.model_config() and again.model_name() == "tiny-cpu with n_layer 3"
+    )
+    init = subprocess.run(
+        [sys.executable, "train_accel.py", "--init-from", "gpt2", "--print-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )  # its shape is in its config.json, on the Hub: not looked up to print the config
+    assert init.returncode == 0 and "n_embd: null  # init_from's\n" in init.stdout, init.stderr
 
 
 @pytest.mark.parametrize("old, new", RENAMED.items())
