@@ -43,6 +43,12 @@ def check_sampling(
         raise EvalError(f"--top-p must be above 0 and at most 1 (1: no cut-off), got {top_p}")
     if num_samples <= 0:
         raise EvalError(f"--num-samples must be positive, got {num_samples}")
+    if num_samples > 1 and temperature == 0:  # transformers' greedy generate refuses num_return_sequences > 1 too
+        raise EvalError(
+            f"--num-samples {num_samples} at --temperature 0: greedy decoding writes the same text every time, so the "
+            f"{num_samples} samples would be one text repeated; give --num-samples 1, or a --temperature above 0 "
+            "(e.g. 0.8) for different samples"
+        )
     if not -(2**63) <= seed < 2**64:  # the range torch.Generator.manual_seed takes
         raise EvalError(f"--seed must be a whole number from -2**63 to 2**64 - 1, got {seed}")
 

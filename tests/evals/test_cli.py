@@ -85,6 +85,11 @@ def test_generate_cli_prints_the_continuation(tiny_run, capsys):
     ]:
         with pytest.raises(SystemExit, match=message):
             generate_main([*nowhere, flag, value])
+    # greedy decoding printed the same text 3 times, as asked; transformers' greedy generate refuses this too
+    with pytest.raises(
+        SystemExit, match=r"^error: --num-samples 3 at --temperature 0: greedy decoding writes the same"
+    ):
+        generate_main([*nowhere, "--num-samples", "3", "--temperature", "0"])
 
 
 def generated(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
