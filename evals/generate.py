@@ -79,7 +79,13 @@ def generate_samples(
                 torch.tensor([tokens], device=device), max_new_tokens, temperature=temperature, top_k=top_k,
                 generator=generator, top_p=top_p, stop_id=EOT_ID,
             )[0, len(tokens) :].tolist()  # fmt: skip
-        yield prompt + get_encoding().decode(out[: out.index(EOT_ID)] if EOT_ID in out else out)
+        yield sample_text(prompt, out)
+
+
+def sample_text(prompt: str, new_ids: list[int]) -> str:
+    """The prompt followed by the sampled ids decoded up to the first <|endoftext|> the model wrote (its document's
+    end, not printed): training's samples are cut so too."""
+    return prompt + get_encoding().decode(new_ids[: new_ids.index(EOT_ID)] if EOT_ID in new_ids else new_ids)
 
 
 def read_prompt(prompt: str) -> str:

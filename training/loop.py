@@ -21,6 +21,7 @@ from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, prepare_command
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges, prompt_tokens
 from evals.data import load_examples
+from evals.generate import sample_text
 from evals.plot import plot_evals
 from evals.runner import evaluate_tasks, parse_tasks
 from modeling import fp8_head
@@ -747,15 +748,18 @@ def evaluate(run: Run) -> dict[str, float]:
 def write_sample(run: Run, step: int) -> None:
     """A sample (temperature 1, top-k 50) from the configured prompt, appended to samples.txt. Every rank calls
     it: with sharded weights (FSDP2, ZeRO-3) generate() gathers them collectively. Eager: blocks compiled in place
-    (regional compilation) would otherwise compile a graph for each new token's cache length."""
-    accelerator, model, encoding = run.accelerator, run.sampler, get_encoding()
+    (regional compilation) would otherwise compile a graph for each new token's cache length. The text ends at the
+    first <|endoftext|>, as evals.generate's samples do, cut after generating: stopping there could leave the ranks
+    at different numbers of forward passes, and their collectives waiting for each other."""
+    accelerator, model = run.accelerator, run.sampler
     model.eval()
-    idx = torch.tensor([prompt_tokens(run.cfg.sample_prompt)], device=accelerator.device)
+    prompt = prompt_tokens(run.cfg.sample_prompt)
+    idx = torch.tensor([prompt], device=accelerator.device)
     generator = torch.Generator(device=accelerator.device).manual_seed(step)
     with accelerator.autocast(), force_eager():
         out = model.generate(idx, run.cfg.sample_tokens, temperature=1.0, top_k=50, generator=generator)
     model.train()
-    text = encoding.decode(out[0].tolist())
+    text = sample_text(run.cfg.sample_prompt, out[0, len(prompt) :].tolist())
     if accelerator.is_main_process:
         samples = run.run_dir / SAMPLES_FILE
         kept = "it keeps every complete sample, the checkpoints are untouched"

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows, load_manifest
+from data_prep.tokenizer import EOT_ID
 from training.checkpoint import load_resume_state
 from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import (
@@ -26,6 +27,7 @@ from training.loop import (
     unused_settings_warning,
     warmup_warning,
     window_loss_sum,
+    write_sample,
 )
 from training.metrics import read_metrics
 from training.optim import build_optimizer, build_scheduler
@@ -302,6 +304,32 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
     assert sum(phases.values()) == pytest.approx(first[0]["time_to_first_step_s"])
     # a log whose window is empty (the first step is also a log step) has no throughput to report
     assert "tokens_per_sec" not in metrics.log(run.progress.step, out)
+
+
+def test_a_training_sample_ends_at_the_first_endoftext_after_every_token_was_generated(
+    prepared_books, tmp_path, capsys
+):
+    """samples.txt and the sample line ran on past <|endoftext|> into the next document, where evals.generate stops.
+    The text is cut there, while generate() still takes all sample_tokens forward passes: under FSDP2 or ZeRO-3 each
+    gathers weights with collectives, so every rank must take as many."""
+    cfg = TrainConfig(
+        preset="tiny-cpu", data_dir=str(prepared_books), out_dir=str(tmp_path / "run"), micro_batch_size=2,
+        total_batch_tokens=256, max_steps=4, sample_tokens=6, peak_tflops=1.0, export_hf=False,
+    )  # fmt: skip
+    run = setup(cfg)
+    model = run.sampler
+    with torch.no_grad():  # every position's final hidden state is v, and the end-of-text id's logit 100 from it
+        v = torch.randn(model.config.n_embd)
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(v)
+        model.lm_head.weight[EOT_ID] = 100 * v / v.norm() ** 2
+    passes = []
+    model.transformer.h[0].register_forward_hook(lambda *_: passes.append(1))
+    capsys.readouterr()
+    write_sample(run, 3)
+    assert len(passes) == cfg.sample_tokens
+    assert (run.run_dir / "samples.txt").read_text() == "--- step 3 ---\nROMEO:\n"
+    assert capsys.readouterr().out == "sample @ step 3: 'ROMEO:'\n"
 
 
 def test_a_checkpoint_another_engine_cannot_load_stops_with_one_line(tmp_path, fresh_accelerate_state):
