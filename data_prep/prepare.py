@@ -131,8 +131,6 @@ def prepare(
 
     log.info("Listing source %r", source)
     books = plan(source, mirror=mirror, streaming=streaming)
-    if books.ids is not None and books.text_bytes is not None:
-        log.info(size_estimate(source, len(books.ids), books.text_bytes, num_proc))
     # Inputs known by listing alone (sizes, mtimes, dataset fingerprints): a re-run can skip reading.
     key = _digest({**setup, "inputs": books.key}) if books.key else None
 
@@ -159,9 +157,14 @@ def prepare(
                 stray.unlink()
         with disk_full_reported(out, lambda: _kept(out, build, key)):
             try:
+                earlier = _EarlierTokens(out)
+                reusable = len(earlier.keys())
+                if books.ids is not None and books.text_bytes is not None:  # once the tokens to reuse are known
+                    log.info(size_estimate(source, len(books.ids), books.text_bytes, num_proc, reusable))
+                elif reusable:  # no estimate to say it in (a streamed source)
+                    log.info("Reusing the tokens of up to %d unchanged books from %s", reusable, out)
                 check_texts(books.paths[(progress or {"records_done": 0})["records_done"] :])
                 splits = _splitter(books, val_fraction, seed)
-                earlier = _EarlierTokens(out)
                 try:
                     manifest = _build(build, books, splits, setup, key, num_proc, progress, earlier)
                 except _SplitWithoutText as err:
@@ -211,17 +214,22 @@ def prepare(
     return out / MANIFEST_NAME
 
 
-def size_estimate(source: str, books: int, text_bytes: int, num_proc: int) -> str:
-    """One line: the books, their text, the tokens and shard disk to expect, and the time at our measured rate."""
+def size_estimate(source: str, books: int, text_bytes: int, num_proc: int, reusable: int = 0) -> str:
+    """One line: the books, their text, the tokens and shard disk to expect, and the time at our measured rate, which
+    is the time to tokenize every book: at most that where a rebuild reuses `reusable` books' tokens."""
     tokens = text_bytes / BYTES_PER_TOKEN
     seconds = tokens / (TOKENS_PER_SECOND * num_proc)
     took = f"~{seconds / 3600:.1f} h" if seconds >= 3600 else f"~{seconds / 60:.0f} min" if seconds >= 60 else "<1 min"
-    return (
+    took = f"at most {took}" if reusable and seconds >= 60 else took
+    line = (
         f"{source}: {books:,} books, {_amount(text_bytes, ' GB', ' MB', ' kB')} of text, "
         f"~{_amount(tokens, 'B', 'M', 'k')} tokens (at ~{BYTES_PER_TOKEN:g} bytes a token), "
         f"~{_amount(2 * tokens, ' GB', ' MB', ' kB')} of shards, {took} with {num_proc} process(es) at "
         f"~{TOKENS_PER_SECOND / 1e6:g}M tokens/s each (--num-proc N divides it)"
     )
+    if reusable:  # the books are read again, but only the added and changed ones are tokenized
+        line += f": the tokens of up to {reusable:,} unchanged books are reused from the dataset this replaces"
+    return line
 
 
 def _amount(value: float, giga: str, mega: str, kilo: str) -> str:
@@ -609,8 +617,6 @@ class _EarlierTokens:
             }
         except (DataPrepError, OSError, ValueError, KeyError, TypeError):  # unreadable: every book is tokenized
             self.where = {}
-        if self.where:
-            log.info("Reusing the tokens of up to %d unchanged books from %s", len(self.where), folder)
 
     def keys(self) -> frozenset[str]:
         return frozenset(self.where)

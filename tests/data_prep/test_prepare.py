@@ -385,6 +385,33 @@ def test_a_rebuild_over_an_earlier_dataset_says_which_books_changed_and_how_its_
     assert caplog.text.index("Replaced the earlier") < caplog.text.index(f"Wrote {out}: ")  # once it is done
 
 
+def test_the_estimate_of_a_rebuild_says_the_unchanged_books_are_not_tokenized_again(tmp_path, caplog):
+    """The estimate printed before a rebuild was the time to tokenize every book (PG-19: ~45 min), where a rebuild
+    tokenizes only the added and changed ones; and it came before a re-run that had nothing to do."""
+    books, out = _write_books(tmp_path / "books"), tmp_path / "data"
+
+    def estimates() -> list[str]:
+        return [line for line in caplog.messages if line.startswith(f"files:{books}: ")]
+
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{books}", out, val_fraction=0.25)
+        [fresh] = estimates()
+        assert fresh.startswith(f"files:{books}: 4 books, ") and fresh.endswith(" (--num-proc N divides it)")
+        caplog.clear()
+        prepare(f"files:{books}", out, val_fraction=0.25)
+        assert not estimates() and "is up to date" in caplog.text
+        (books / "book9.txt").write_text("Book 9, added.\n" + "Line of the added book.\n" * 50, encoding="utf-8")
+        caplog.clear()
+        prepare(f"files:{books}", out, val_fraction=0.25)
+    [rebuild] = estimates()
+    assert rebuild.startswith(f"files:{books}: 5 books, ") and rebuild.endswith(
+        "(--num-proc N divides it): the tokens of up to 4 unchanged books are reused from the dataset this replaces"
+    )
+    pg19 = prepare_module.size_estimate("pg19", 28_752, 11_500_000_000, 1, reusable=28_751)
+    assert ", at most ~44 min with 1 process(es) " in pg19 and "of up to 28,751 unchanged books are reused" in pg19
+    assert ", ~44 min with 1 process(es) " in prepare_module.size_estimate("pg19", 28_752, 11_500_000_000, 1)
+
+
 def _tokenized_texts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The texts the tokenizer is given from now on (by this process: num_proc 1)."""
     enc, seen = get_encoding(), []
