@@ -72,6 +72,16 @@ def intel_omp(name: str) -> bool:
     return name.startswith("KMP_") and not any((Path(torch.__file__).parent / "lib").glob("libiomp*"))
 
 
+def adds_only(folder: Path, before: str | None, after: str | None) -> bool:
+    """Whether PYTHONPATH `after` is `before` with entries naming `folder` added: the script's folder, first on a
+    fresh interpreter's sys.path anyway, so every import finds what it found. DeepSpeed's launch puts the working
+    folder (the repo) on its ranks' PYTHONPATH, and so do tests that run the project's modules from source."""
+    kept = before.split(os.pathsep) if before else []
+    entries = after.split(os.pathsep) if after else []
+    added = [p for p in entries if p not in kept]
+    return [p for p in entries if p in kept] == kept and all(Path(p).resolve() == folder for p in added)
+
+
 def import_what_it_imports(script: Path) -> None:
     for node in ast.parse(script.read_text()).body:
         if isinstance(node, ast.Import):
@@ -97,6 +107,8 @@ def why_fresh(script: Path, request: dict) -> str:
     env, before = request["env"], BEFORE_THE_IMPORTS
     changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
     changed = [k for k in changed if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit())]
+    if "PYTHONPATH" in changed and adds_only(script.parent, before.get("PYTHONPATH"), env.get("PYTHONPATH")):
+        changed.remove("PYTHONPATH")
     return ", ".join(f"{k}: {before.get(k)!r} -> {env.get(k)!r}" for k in changed)
 
 
