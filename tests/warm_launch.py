@@ -39,12 +39,13 @@ LATER_IMPORTS = ("torch._dynamo", "matplotlib.pyplot")
 # set by the first compile). conftest's environment_kept lets them change; the server need not have seen them, since
 # its imports read none of them and each copy takes its request's whole environment.
 PROCESS_SET_UP = {"PYTEST_CURRENT_TEST", "DS_ACCELERATOR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
-# What `accelerate launch` and torchrun give each rank, read when the run sets up, not by the imports; and the two
-# that route ranks here.
+# What `accelerate launch` and torchrun give each rank, read when the run sets up, not by the imports; the two that
+# route ranks here; and PWD, which the ranks' /bin/sh wrapper (PYTHON_EXEC) sets to their working folder, the
+# request's cwd, which the copy moves to.
 LAUNCHER_SET = {
     "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK",
     "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC",
-    "WARM_LAUNCH_SOCKET",
+    "WARM_LAUNCH_SOCKET", "PWD",
 }  # fmt: skip
 # torchrun's OMP_NUM_THREADS=1 for 2+ ranks where it is unset (a pytest run without workers): read when OpenMP loads,
 # with the imports, but a copy sets it as it would have been (torch.set_num_threads: OpenMP's and MKL's)

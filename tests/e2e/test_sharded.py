@@ -13,6 +13,7 @@ Each engine's checkpoints are read back on one process by evals, generate and tr
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -32,7 +33,7 @@ from evals.generate import main as generate_main
 from evals.loading import load_model
 from evals.runner import run_task
 from modeling.runs import RunError
-from testkit import REPO, free_port, fsdp_yaml, run, through_training_launch, train_cmd
+from testkit import REPO, WARM, free_port, fsdp_yaml, run, through_training_launch, train_cmd
 from training.checkpoint import check_zero_resume, checkpoint_dir
 from training.config import DEFAULT_DATA_DIR, ConfigError
 from training.export import export_checkpoint
@@ -228,9 +229,12 @@ def two_machines(
         launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dirs[rank], data_dirs[rank], *args[rank], launch_args=port)
         for rank in (0, 1)
     ]
-    machine1 = subprocess.Popen(cmds[1], cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = WARM.for_ranks(os.environ)  # each machine's rank a warm copy (testkit.WarmLaunches)
+    machine1 = subprocess.Popen(
+        cmds[1], cwd=cwds[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        machine0 = subprocess.run(cmds[0], cwd=cwds[0], capture_output=True, text=True, timeout=180)
+        machine0 = subprocess.run(cmds[0], cwd=cwds[0], env=env, capture_output=True, text=True, timeout=180)
         out1, err1 = machine1.communicate(timeout=120)
     finally:
         if machine1.poll() is None:
