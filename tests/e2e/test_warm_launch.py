@@ -2,12 +2,13 @@
 and for the ranks of ~25 `accelerate launch`es (tests/warm_exec.py, torchrun's PYTHON_EXEC): the same command gives
 the same run, bit for bit, the same output and the same exit status either way."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from testkit import REPO, WARM, run, train_cmd
+from testkit import REPO, TRAIN_ACCEL, WARM, run, train_cmd
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -84,3 +85,20 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
         for p, name in ((cold, "one-fresh"), (warm, "one-warm"))
     ]
     assert said[0] == [line.replace(str(WARM.python), sys.executable) for line in said[1]], said
+
+
+def test_what_a_launcher_adds_to_the_environment_is_served_warm(tmp_path):
+    """DeepSpeed's launch puts the working folder, the repo, on its ranks' PYTHONPATH, and the ranks' sh wrapper sets
+    PWD: neither changes what the server's imports found, so the ranks run warm (ZeRO's launches were fresh, ~3 s of
+    imports a rank). Another folder on PYTHONPATH could shadow a module: a fresh interpreter then."""
+    from warm_launch import BEFORE_THE_IMPORTS, why_fresh
+
+    def request(**env: str) -> dict:
+        return {"args": ["-u", str(TRAIN_ACCEL)], "cwd": str(tmp_path), "env": {**BEFORE_THE_IMPORTS, **env}}
+
+    path = BEFORE_THE_IMPORTS.get("PYTHONPATH")
+    with_repo = os.pathsep.join(filter(None, [path, str(REPO)]))
+    assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=with_repo, PWD=str(tmp_path))) == ""
+    assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), path])))) == ""
+    other = os.pathsep.join(filter(None, [str(tmp_path), path]))
+    assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=other)) == f"PYTHONPATH: {path!r} -> {other!r}"
