@@ -372,12 +372,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"argument --target: a val loss is a finite number >= 0, got {args.target}")
     recipes = args.recipe or [parse_recipe(r) for r in ("today", "default", PEER)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    speeds = cpu_matmul_speeds() if device.type == "cpu" else None  # ~1 s: the CPU's precision and the peer's
+    # ~1 s of matmuls, measured only where a choice hangs on them (the peer's bf16, the launch YAML when none is
+    # given): a flag rejected below is said at once
+    speeds = None
     script = peer.peer_script(args.peer_dir)
     if script is None:
         where = "no --peer-dir given" if args.peer_dir is None else f"no {peer.SCRIPT} in {args.peer_dir}"
         skip_peer = f"{where}; pass --peer-dir with a build-nanogpt checkout"
     else:  # its recipe trains in bf16
+        speeds = cpu_matmul_speeds() if device.type == "cpu" else None
         skip_peer = untimed_bf16(device, speeds["bf16"], speeds["no"]) if speeds else None
     if any(flags is None for _, flags in recipes) and skip_peer:
         print(f"{PEER}: skipped ({skip_peer})", flush=True)
@@ -400,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {err}")
     if args.accelerate_config is not None:
         launch_path = args.accelerate_config
-    elif speeds:  # the faster precision here, as `make train` picks it
-        yaml, line = pick(speeds)
+    elif device.type == "cpu":  # the faster precision here, as `make train` picks it
+        yaml, line = pick(speeds or cpu_matmul_speeds())
         print(line, flush=True)
         launch_path = REPO / yaml
     else:

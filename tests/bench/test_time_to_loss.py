@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench import time_to_loss
 from bench.time_to_loss import Curve, at, crossing, main, parse_recipe, plot, spread, val_targets
 from modeling.config import PADDED_VOCAB_SIZE
 from testkit import run
@@ -50,7 +51,17 @@ def test_target_is_the_given_one_even_zero_else_the_baselines_mean_final_val():
     assert val_targets(curves[2:], "today", 0.0) == {"val_loss": 0.0, "val_loss_opening": 0.0}  # not "unset"
 
 
-def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tmp_path):
+@pytest.fixture
+def unmeasured(monkeypatch):
+    """The CPU's matmul speeds (~1 s of matmuls) are not measured: a flag the CLI rejects is said before it."""
+
+    def measured() -> None:
+        raise AssertionError("the CPU's matmuls were measured before the flags were checked")
+
+    monkeypatch.setattr(time_to_loss, "cpu_matmul_speeds", measured)
+
+
+def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tmp_path, unmeasured):
     out = tmp_path / "ttl"
     argv = ["--recipe", "adamw=--optimizer adamw", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(out)]
     with pytest.raises(SystemExit) as exc:
@@ -60,7 +71,7 @@ def test_no_target_and_no_baseline_recipe_is_one_error_before_anything_trains(tm
 
 
 @pytest.mark.parametrize("target", ["-3", "nan", "inf"])
-def test_a_target_no_run_can_reach_is_argparses_one_line(tmp_path, capsys, target):
+def test_a_target_no_run_can_reach_is_argparses_one_line(tmp_path, capsys, target, unmeasured):
     """A val loss is >= 0: --target -3 trained every recipe for nothing (never reached), as nan and inf would."""
     out = tmp_path / "ttl"
     with pytest.raises(SystemExit) as exc:
@@ -70,7 +81,7 @@ def test_a_target_no_run_can_reach_is_argparses_one_line(tmp_path, capsys, targe
     assert last.endswith(f"error: argument --target: a val loss is a finite number >= 0, got {float(target)}"), last
 
 
-def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_trains(tmp_path):
+def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_trains(tmp_path, unmeasured):
     argv = ["--recipe", "today", "--recipe", "m=--muon-lr -1", "--seeds", "1", "--set", f"--data-dir {tmp_path}"]
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--out", str(tmp_path / "ttl")])
@@ -88,7 +99,7 @@ def test_a_recipe_flag_train_accel_does_not_take_is_one_error_before_anything_tr
         (["--seeds", "0"], "error: argument --seeds: must be at least 1, got 0"),
     ],
 )
-def test_bad_flags_are_one_error_before_anything_trains(tmp_path, capsys, flags, line):
+def test_bad_flags_are_one_error_before_anything_trains(tmp_path, capsys, flags, line, unmeasured):
     """An unclosed quote was shlex's traceback; --until-tokens 0 trained every recipe, then divided by zero."""
     argv = ["--recipe", "today", "--seeds", "1", "--set", f"--data-dir {tmp_path}", "--out", str(tmp_path / "ttl")]
     with pytest.raises(SystemExit) as exc:
@@ -112,7 +123,7 @@ def test_bad_flags_are_one_error_before_anything_trains(tmp_path, capsys, flags,
     ],
     ids=["missing", "fp16 on a CPU", "a key accelerate rejects", "a backend train_accel.py refuses"],
 )
-def test_a_launch_yaml_it_cannot_train_under_is_one_error_before_anything_is_made(tmp_path, yaml, line):
+def test_a_launch_yaml_it_cannot_train_under_is_one_error_before_anything_is_made(tmp_path, yaml, line, unmeasured):
     launch = tmp_path / "my.yaml"
     if yaml:
         launch.write_text(yaml)
