@@ -36,9 +36,11 @@ LIMITED = textwrap.dedent("""
 """)
 # 16,384 tokens a step; micro-batch 256 x 64 tokens (16,384 rows, over MAX_CHUNKS x CHUNK_ROWS) makes the fused
 # loss's logits chunks twice those of 128 (2,048 rows instead of 1,024: ~200 MB more for the logits, as much for
-# their gradient). Measured: micro-batch 256 peaks 439 MB above 128 (Zen 4, 2026-11-27); the cap sits half way.
+# their gradient). n_embd 16, a quarter of tiny-cpu's: the logits as large, the head's matmuls a quarter (the three
+# runs' CPU time ~40% less). Measured: micro-batch 256 peaks 416 MB above 128 (459 MB at n_embd 64; Zen 4,
+# 2026-12-06); the cap sits half way.
 HEADROOM = 200 * 2**20
-ARGS = ["--total-batch-tokens", "16384", "--max-steps", "2", "--lr", "3e-3", "--warmup-steps", "1",
+ARGS = ["--n-embd", "16", "--total-batch-tokens", "16384", "--max-steps", "2", "--lr", "3e-3", "--warmup-steps", "1",
         "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "1"]  # fmt: skip
 
 
