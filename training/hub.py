@@ -563,7 +563,9 @@ def push(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Push a finished run's transformers export to the Hugging Face Hub.")
+    parser = argparse.ArgumentParser(
+        prog="python -m training.hub", description="Push a finished run's transformers export to the Hugging Face Hub."
+    )
     parser.add_argument("run_dir", help="run folder (holds config.yaml, metrics.jsonl and export/)")
     parser.add_argument("--repo-id", required=True, help="Hub repository, e.g. you/bookgpt-small")
     parser.add_argument("--private", action="store_true", help="create the repository as private")

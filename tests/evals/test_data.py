@@ -128,3 +128,10 @@ def test_unknown_task_suggests_close_match():
         parse_tasks("hellaswg,lambada")
     with pytest.raises(EvalError, match="no eval task given"):
         parse_tasks(",")
+
+
+def test_usage_names_the_command_a_user_types(capsys):
+    """`python -m evals.data --help` shows the command to type, not argparse's `data.py`."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m evals.data "), "usage line"

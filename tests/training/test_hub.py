@@ -489,3 +489,13 @@ def test_the_card_names_a_model_of_the_runs_own_shape_by_that_shape(tmp_path, pr
     assert "| model | 3-layer, 48-wide, 2-head (context 128) |" in card
     write_run(tmp_path / "run", prepared_books, ROWS)  # the preset's own shape: named by the preset
     assert "# run: a tiny-cpu GPT trained with bookgpt" in render_model_card(tmp_path / "run")
+
+
+def test_usage_names_the_command_a_user_types(capsys):
+    """`python -m training.hub` without --repo-id: the usage and error lines say `python -m training.hub`, not
+    argparse's `hub.py` (which is not a command that runs here)."""
+    with pytest.raises(SystemExit):
+        main(["runs/x"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m training.hub "), err
+    assert "python -m training.hub: error: the following arguments are required: --repo-id" in err
