@@ -205,11 +205,15 @@ def prepare(
         totals["val"]["num_documents"],
     )
     if totals["val"]["num_tokens"] <= GPT2_CONTEXT:  # written, but the GPT-2 presets' runs could not use it
+        one_document = books.ids is not None and len(books.ids) == 1 and not books.splits  # split BY_POSITION
         log.warning(
             "the val split holds %d tokens, fewer than one window of the GPT-2 presets' %d-token context + 1: their "
-            "runs would stop at start-up (smaller block_size runs can use it); add books, as val takes whole books",
+            "runs would stop at start-up (smaller block_size runs can use it); %s",
             totals["val"]["num_tokens"],
             GPT2_CONTEXT,
+            "raise --val-fraction, the share of this one document's tokens val takes, or add books"
+            if one_document
+            else "add books, as val takes whole books",
         )
     return out / MANIFEST_NAME
 

@@ -137,8 +137,17 @@ def test_a_val_split_too_short_for_a_gpt2_window_is_said_when_written(tmp_path, 
     val = load_manifest(tmp_path / "data").splits["val"]["num_tokens"]
     assert val <= 1024
     assert (
-        f"the val split holds {val} tokens, fewer than one window of the GPT-2 presets' 1024-token context + 1"
-        in caplog.text
+        f"the val split holds {val} tokens, fewer than one window of the GPT-2 presets' 1024-token context + 1: their "
+        "runs would stop at start-up (smaller block_size runs can use it); raise --val-fraction, the share of this one "
+        "document's tokens val takes, or add books"
+    ) in caplog.text
+    few = _write_books(tmp_path / "few", n=3)  # whole books: val takes one or more of the three, ~150 tokens each
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        prepare(f"files:{few}", tmp_path / "few_data")
+    assert load_manifest(tmp_path / "few_data").splits["val"]["num_documents"] >= 1
+    assert caplog.text.rstrip().endswith(
+        "runs would stop at start-up (smaller block_size runs can use it); add books, as val takes whole books"
     )
     long = tmp_path / "long"
     long.mkdir()
