@@ -175,6 +175,8 @@ def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
     nothing there (inductor's ISA probe programs stay in the base folder). Without them (the scalar build's folder
     as the one cache) inductor serves the scalar build to the vectorizing process (torch 2.13): the cache key misses
     the ISA."""
+    # the probe programs conftest's set-up built, so that the first process does not build them again (~7 s of C++)
+    copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, tmp_path)
     compile_probe(tmp_path, isolate=True, env=SCALAR)
     (scalar,) = tmp_path.glob(PREFIX + "*")  # the scalar build's subfolder
     second = compile_probe(tmp_path, isolate=True)
