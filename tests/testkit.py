@@ -92,14 +92,20 @@ def fsdp_yaml(folder: Path, **answers: object) -> Path:
 
 
 def run(
-    cmd: list[str], expect_rc: int = 0, timeout: float = 600, env: dict[str, str] | None = None
+    cmd: list[str],
+    expect_rc: int = 0,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    warm: WarmLaunches | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
-    `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do an `accelerate launch` and its ranks."""
+    `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do an `accelerate launch` and its ranks.
+    warm: the server of another script (default WARM, train_accel.py's)."""
+    server = warm or WARM
     if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
-        env = WARM.for_ranks(env or os.environ)
-    warm = cmd[:2] == [sys.executable, str(TRAIN_ACCEL)] or cmd[:3] == ACCELERATE_LAUNCH
-    result = WARM.run(cmd, env or os.environ, timeout) if warm else None
+        env = server.for_ranks(env or os.environ)
+    launched = cmd[:2] == [sys.executable, str(server.script)] or cmd[:3] == ACCELERATE_LAUNCH
+    result = server.run(cmd, env or os.environ, timeout) if launched else None
     if result is None:
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -115,7 +121,10 @@ class WarmLaunches:
     fresh interpreters, and so do the other entry points (python -m training.launch's ranks run warm) and whatever
     the server finds its imports could tell apart (another environment)."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None) -> None:
+        """script: what the server imports and runs (another test script's launches; `accelerate launch` too); env:
+        the environment its launches have (default: this process's), which the server's imports must see."""
+        self.script, self.env = script, env
         self.lock = threading.Lock()
         self.folder: Path | None = None
 
@@ -137,9 +146,9 @@ class WarmLaunches:
             self.python.chmod(0o755)
             self.log = folder / "warm_launch.log"
             fds = [listener.fileno(), theirs.fileno()]
-            server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(TRAIN_ACCEL), *map(str, fds)]
+            server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(self.script), *map(str, fds)]
             # os.environ, not the C library's environment, which GNU readline's start in pytest gave COLUMNS and LINES
-            env = dict(os.environ)
+            env = dict(os.environ if self.env is None else self.env)
             with self.log.open("a") as log:
                 subprocess.Popen(server, cwd=REPO, env=env, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=log)  # fmt: skip
@@ -185,6 +194,14 @@ class WarmLaunches:
 
     def ended(self) -> RuntimeError:
         return RuntimeError(f"the warm launch server ended:\n{self.log.read_text()[-5000:]}")
+
+    def stop(self) -> None:
+        """End the server (closing CONTROL_FD) and remove its folder; WARM's lasts as long as the test process."""
+        with self.lock:
+            if self.folder is not None:
+                self.control.close()
+                self.folder_handle.cleanup()
+                self.folder = None
 
 
 def as_text(output: IO[bytes]) -> str:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from testkit import ACCELERATE_LAUNCH, REPO, free_port, run
+from testkit import ACCELERATE_LAUNCH, REPO, WarmLaunches, free_port, run
 
 pytestmark = pytest.mark.slow
 
@@ -65,27 +67,42 @@ finish(accelerator)  # as train_accel.py ends: gloo's teardown can abort a finis
 """
 
 
-def launch(tmp_path, launch_args: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def ds_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str], WarmLaunches]]:
+    """The script, and the warm server its ranks run in (testkit.WarmLaunches): each a copy of a process that has
+    imported torch and the script's modules, ~3 s of CPU less than a fresh interpreter."""
     pytest.importorskip("deepspeed")
-    script = tmp_path / "ds_steps.py"
+    folder = tmp_path_factory.mktemp("ds_steps")
+    script = folder / "ds_steps.py"
     script.write_text(SCRIPT)
+    # an extensions folder of the file's own: a JIT-compiled DeepSpeed op would land here
+    launcher = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder / "torch_extensions")}
+    # accelerate's DeepSpeed launcher puts its working folder (the repo) on the ranks' PYTHONPATH, whence the
+    # script imports the project's modules; the launcher itself, without it, starts fresh
+    warm = WarmLaunches(script, {**launcher, "PYTHONPATH": str(REPO)})
+    yield script, launcher, warm
+    warm.stop()
+
+
+def launch(ds_steps, tmp_path, launch_args: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
+    script, env, warm = ds_steps
     cmd = [
         *ACCELERATE_LAUNCH, *launch_args, "--main_process_port", str(free_port()),
         str(script), str(tmp_path / "rows.json"), "1",
     ]  # fmt: skip
-    # an extensions folder of its own: a JIT-compiled DeepSpeed op would land here
-    extensions = tmp_path / "torch_extensions"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(extensions)}
-    result = run(cmd, expect_rc=expect_rc, timeout=300, env=env)
+    forked = warm.forked()
+    result = run(cmd, expect_rc=expect_rc, timeout=300, env=env, warm=warm)
+    assert warm.forked() == forked + 2, warm.log.read_text()  # both ranks ran warm
     # training's collectives are gloo's: nothing compiled (DeepSpeed's shared-memory all-reduce takes 1.5-2 min)
+    extensions = Path(env["TORCH_EXTENSIONS_DIR"])
     assert not extensions.exists() or not any(extensions.iterdir())
     return result
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_a_step_reported_skipped_changes_no_weight(tmp_path, precision):
+def test_a_step_reported_skipped_changes_no_weight(ds_steps, tmp_path, precision):
     yaml = ["--config_file", "accelerate_configs/cpu_zero2.yaml", "--mixed_precision", precision]
-    result = launch(tmp_path, yaml)
+    result = launch(ds_steps, tmp_path, yaml)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["step"] for r in rows] == [1, 1, 2, 3]  # call 1 skipped, and counted as such
     assert [r["applied"] for r in rows] == [True, False, True, True]  # DeepSpeed's own account agrees
@@ -94,7 +111,7 @@ def test_a_step_reported_skipped_changes_no_weight(tmp_path, precision):
     assert rows[2]["weight"] != rows[1]["weight"]  # and training goes on
 
 
-def test_a_non_finite_update_deepspeed_applied_stops_the_run(tmp_path):
+def test_a_non_finite_update_deepspeed_applied_stops_the_run(ds_steps, tmp_path):
     """bf16 with DeepSpeed's check_grad_overflow off applies the NaN update: the Trainer stops and says so."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
@@ -104,6 +121,6 @@ def test_a_non_finite_update_deepspeed_applied_stops_the_run(tmp_path):
     }))  # fmt: skip
     args = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
             "--dynamo_backend", "no", "--deepspeed_config_file", str(config)]  # fmt: skip
-    result = launch(tmp_path, args, expect_rc=1)
+    result = launch(ds_steps, tmp_path, args, expect_rc=1)
     assert "DeepSpeed applied step 2's update with non-finite gradients" in result.stdout + result.stderr
     assert not (tmp_path / "rows.json").exists()
