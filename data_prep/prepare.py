@@ -205,7 +205,10 @@ def prepare(
         totals["val"]["num_documents"],
     )
     if totals["val"]["num_tokens"] <= GPT2_CONTEXT:  # written, but the GPT-2 presets' runs could not use it
-        one_document = books.ids is not None and len(books.ids) == 1 and not books.splits  # split BY_POSITION
+        # split BY_POSITION: the written corpus is one document (a book left out as empty or repeated counts none),
+        # its val part named ID#val
+        val_ids = (d["id"] for d in load_manifest(out, verify="none").documents() if d["split"] == "val")
+        one_document = any(doc_id.endswith("#val") for doc_id in val_ids)
         log.warning(
             "the val split holds %d tokens, fewer than one window of the GPT-2 presets' %d-token context + 1: their "
             "runs would stop at start-up (smaller block_size runs can use it); %s",

@@ -141,6 +141,12 @@ def test_a_val_split_too_short_for_a_gpt2_window_is_said_when_written(tmp_path, 
         "runs would stop at start-up (smaller block_size runs can use it); raise --val-fraction, the share of this one "
         "document's tokens val takes, or add books"
     ) in caplog.text
+    repeated = _write_books(tmp_path / "repeated", n=1)  # its second book a copy, left out: one document again
+    (repeated / "copy.txt").write_text((repeated / "book0.txt").read_text())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+        prepare(f"files:{repeated}", tmp_path / "repeated_data")
+    assert "raise --val-fraction, the share of this one document's tokens val takes, or add books" in caplog.text
     few = _write_books(tmp_path / "few", n=3)  # whole books: val takes one or more of the three, ~150 tokens each
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
