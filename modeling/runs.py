@@ -91,6 +91,7 @@ def is_hub_id(init_from: str) -> bool:
 
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd")  # what a run config may set over its preset's (None: the preset's)
+SHAPE_FLAGS = (*SHAPE_FIELDS, "block_size")  # and with the context: every field that sets the model's shape
 
 
 def model_shape(
@@ -178,7 +179,7 @@ def shape_name(
     block_size: int | None = None,
 ) -> str:
     """A model as its run config names it: the preset (or init_from), and what the config sets over its shape."""
-    fields = zip((*SHAPE_FIELDS, "block_size"), (n_layer, n_head, n_embd, block_size))
+    fields = zip(SHAPE_FLAGS, (n_layer, n_head, n_embd, block_size))
     given = [f"{name} {value}" for name, value in fields if value is not None]
     return f"{preset} with {', '.join(given)}" if given else preset
 

@@ -22,7 +22,7 @@ import yaml
 
 from modeling.config import GPTConfig, get_preset
 from modeling.fp8_head import DIM_MULTIPLE as FP8_DIM_MULTIPLE
-from modeling.runs import SHAPE_FIELDS, model_shape, shape_name
+from modeling.runs import SHAPE_FIELDS, SHAPE_FLAGS, model_shape, shape_name
 
 DEFAULT_DATA_DIR = "data/default"  # the embedded corpus; prepared automatically when missing
 AUTO = "auto"  # micro_batch_size's value for "the largest that fits" (training.micro_batch)
@@ -301,7 +301,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in (*SHAPE_FIELDS, "block_size", "max_tokens", "eval_limit"):
+        for name in (*SHAPE_FLAGS, "max_tokens", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (or null for the default), got {getattr(self, name)}")
         if not self.init_from or any(getattr(self, name) is not None for name in SHAPE_FIELDS):
@@ -592,7 +592,7 @@ def print_config_yaml(config: TrainConfig) -> str:
     lines = []
     for line in config_to_yaml(config).splitlines():
         name, _, value = line.partition(": ")
-        if name in (*SHAPE_FIELDS, "block_size") and value == "null":
+        if name in SHAPE_FLAGS and value == "null":
             line += f"  # {config.preset}'s: {getattr(shape, name)}" if shape else "  # init_from's"
         lines.append(line)
     return "\n".join(lines) + "\n"

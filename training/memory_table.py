@@ -36,7 +36,7 @@ import torch
 
 from modeling.config import PRESETS, GPTConfig
 from modeling.gpt import GPT
-from modeling.runs import SHAPE_FIELDS, shape_name
+from modeling.runs import SHAPE_FLAGS, shape_name
 from training.config import ConfigError, TrainConfig, load_yaml
 
 GIB = 2**30
@@ -129,9 +129,6 @@ def markdown_table(models: dict[str, GPTConfig], gpus: int, micro_batch_size: in
                 f"{b['optimizer'] / GIB:.2f} | {b['total'] / GIB:.2f} | {activations:.1f} | {checkpointed:.1f} |"
             )
     return "\n".join(lines)
-
-
-SHAPE_FLAGS = (*SHAPE_FIELDS, "block_size")  # train_accel.py's flags that set the model's shape over the preset's
 
 
 def run_models(presets: list[str] | None, values: dict[str, Any], shape: dict[str, int]) -> dict[str, GPTConfig]:
