@@ -5,11 +5,12 @@ step), and the losses must be the 1-process run's."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from testkit import ACCELERATE_LAUNCH, QUIET, REPO, run
+from testkit import ACCELERATE_LAUNCH, QUIET, REPO, WarmLaunches, run
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +26,22 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def probe(config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict:
+@pytest.fixture(scope="module")
+def warm_probe() -> Iterator[WarmLaunches]:
+    """The server the probe's ranks run in (testkit.WarmLaunches): each a copy of a process that has imported torch,
+    dynamo and the run's modules, not a fresh interpreter (the file's 6 ranks: ~5 s of CPU each)."""
+    warm = WarmLaunches(PROBE)
+    yield warm
+    warm.stop()
+
+
+def probe(warm: WarmLaunches, config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict:
     cmd = [*ACCELERATE_LAUNCH, "-q", "--config_file", str(REPO / "accelerate_configs" / config), *launch_args,
            str(PROBE), *TINY, *QUIET, "--data-dir", str(data_dir), "--out-dir", str(out_dir)]  # fmt: skip
-    result = run(cmd)
+    forked = warm.forked()
+    result = run(cmd, warm=warm)
+    ranks = 2 if config == "cpu_ddp2.yaml" else 1
+    assert warm.forked() == forked + 1 + ranks, warm.log.read_text()  # the launcher and its ranks ran warm
     # compiling DDP's forward, dynamo warned on every rank that it ignores DDP's profiler label
     assert "will be ignored" not in result.stderr, result.stderr[-2000:]
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
@@ -38,7 +51,9 @@ def probe(config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict
     "precision",
     ["no", pytest.param("bf16", marks=pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU"))],
 )
-def test_compiled_ddp_accumulates_without_all_reduce_and_matches_one_process(prepared_books, tmp_path, precision):
+def test_compiled_ddp_accumulates_without_all_reduce_and_matches_one_process(
+    prepared_books, tmp_path, warm_probe, precision
+):
     """cpu_ddp2.yaml compiled (mb 4 × accumulation 2 × 2 ranks) == 1 eager process (mb 4 × accumulation 4); every
     gradient all-reduce comes at the step's last micro-batch: the same number each step, none while accumulating.
 
@@ -50,8 +65,9 @@ def test_compiled_ddp_accumulates_without_all_reduce_and_matches_one_process(pre
     split at DDP's buckets."""
     mp = ["--mixed_precision", precision]
     per_block = [] if precision == "bf16" else ["--dynamo_use_regional_compilation"]
-    ddp = probe("cpu_ddp2.yaml", prepared_books, tmp_path / "ddp", "--dynamo_backend", "aot_eager", *per_block, *mp)
-    one = probe("cpu_eager.yaml", prepared_books, tmp_path / "one", *mp)
+    compiled = ["--dynamo_backend", "aot_eager", *per_block, *mp]
+    ddp = probe(warm_probe, "cpu_ddp2.yaml", prepared_books, tmp_path / "ddp", *compiled)
+    one = probe(warm_probe, "cpu_eager.yaml", prepared_books, tmp_path / "one", *mp)
     assert ddp["ddp_modules"] == 1 and ddp["graphs"] >= 1 and one["graphs"] == 0
     steps = ddp["steps"]
     assert [s["while_accumulating"] for s in steps] == [0] * 4, steps  # accelerator.no_sync held
