@@ -33,6 +33,7 @@ import torch
 import yaml
 from safetensors.torch import save_model
 from warm_exec import ask
+from warm_launch import package_of
 
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
@@ -100,11 +101,12 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
     `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do an `accelerate launch` and its ranks.
-    warm: the server of another script (default WARM, train_accel.py's)."""
+    warm: the server of another script (default WARM, train_accel.py's), or of a package's `python -m PACKAGE`."""
     server = warm or WARM
     if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
         env = server.for_ranks(env or os.environ)
-    launched = cmd[:2] == [sys.executable, str(server.script)] or cmd[:3] == ACCELERATE_LAUNCH
+    package = [sys.executable, "-m", package_of(server.script)]
+    launched = cmd[:2] == [sys.executable, str(server.script)] or cmd[:3] in (ACCELERATE_LAUNCH, package)
     result = server.run(cmd, env or os.environ, timeout) if launched else None
     if result is None:
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -122,7 +124,8 @@ class WarmLaunches:
     the server finds its imports could tell apart (another environment)."""
 
     def __init__(self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None) -> None:
-        """script: what the server imports and runs (another test script's launches; `accelerate launch` too); env:
+        """script: what the server imports and runs (another test script's launches, or a package's __main__.py for
+        `python -m PACKAGE`'s; `accelerate launch` too); env:
         the environment its launches have (default: this process's), which the server's imports must see."""
         self.script, self.env = script, env
         self.lock = threading.Lock()

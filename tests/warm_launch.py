@@ -2,7 +2,8 @@
 to run SCRIPT as `python [-u] SCRIPT ARGS` would, once per request: testkit.run's launches of train_accel.py and of
 `accelerate launch` (as `python -m accelerate.commands.launch`), and the runs that launcher starts (torchrun's ranks
 and its one-process launcher's run start warm_exec.py, which asks here), without the ~2-7 s a fresh interpreter spends
-importing torch, accelerate and dynamo.
+importing torch, accelerate and dynamo. SCRIPT may be a package's __main__.py (evals/__main__.py): the server then
+runs `python [-u] -m PACKAGE ARGS` (`python -m evals`) from the folder holding the package.
 
 Each copy starts from the same state, the imports done and nothing run, so a launch sees what a fresh process sees
 by the time its script's first line after the imports runs. A request is a connection to the listening socket
@@ -61,6 +62,16 @@ def set_up_by_the_process(name: str) -> bool:
     return name in PROCESS_SET_UP or name.startswith("_")
 
 
+def package_of(script: Path) -> str | None:
+    """The package `python -m` runs where SCRIPT is its __main__.py (evals/__main__.py: evals), else None."""
+    return script.parent.name if script.name == "__main__.py" else None
+
+
+def home(script: Path) -> Path:
+    """The folder first on sys.path: the script's, or for `python -m PACKAGE` the working folder, which holds it."""
+    return script.parent.parent if package_of(script) else script.parent
+
+
 def unread_by_the_imports(name: str) -> bool:
     return set_up_by_the_process(name) or name in LAUNCHER_SET or name.startswith(LAUNCHER_PREFIXES) or intel_omp(name)
 
@@ -74,7 +85,7 @@ def intel_omp(name: str) -> bool:
 
 
 def adds_only(folder: Path, before: str | None, after: str | None) -> bool:
-    """Whether PYTHONPATH `after` is `before` with entries naming `folder` added: the script's folder, first on a
+    """Whether PYTHONPATH `after` is `before` with entries naming `folder` added: the script's home, first on a
     fresh interpreter's sys.path anyway, so every import finds what it found. DeepSpeed's launch puts the working
     folder (the repo) on its ranks' PYTHONPATH, and so do tests that run the project's modules from source."""
     kept = before.split(os.pathsep) if before else []
@@ -99,8 +110,10 @@ def why_fresh(script: Path, request: dict) -> str:
     args = request["args"]
     run = args[1:] if args[:1] == ["-u"] else args  # the script or module, its arguments
     if run[:1] == ["-m"]:
-        if len(run) < 2 or run[1] not in MODULES:
+        if len(run) < 2 or run[1] not in (*MODULES, package_of(script)):
             return f"another module, {run[1:2]}"
+        if package_of(script) and Path(request["cwd"]).resolve() != home(script):
+            return f"another working folder, {request['cwd']}"  # first on a fresh interpreter's sys.path
     elif not run or run[0].startswith("-"):
         return f"interpreter arguments {args[:3]}"
     elif (Path(request["cwd"]) / run[0]).resolve() != script:
@@ -108,7 +121,7 @@ def why_fresh(script: Path, request: dict) -> str:
     env, before = request["env"], BEFORE_THE_IMPORTS
     changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
     changed = [k for k in changed if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit())]
-    if "PYTHONPATH" in changed and adds_only(script.parent, before.get("PYTHONPATH"), env.get("PYTHONPATH")):
+    if "PYTHONPATH" in changed and adds_only(home(script), before.get("PYTHONPATH"), env.get("PYTHONPATH")):
         changed.remove("PYTHONPATH")
     return ", ".join(f"{k}: {before.get(k)!r} -> {env.get(k)!r}" for k in changed)
 
@@ -179,7 +192,7 @@ def as_python_u() -> None:
 
 if __name__ == "__main__":
     script = Path(sys.argv[1]).resolve()
-    sys.path[0] = str(script.parent)  # as `python SCRIPT` has it, not this file's folder
+    sys.path[0] = str(home(script))  # as `python SCRIPT` (or -m) has it, not this file's folder
     import_what_it_imports(script)
     # what the imports set (dynamo's import sets TORCHINDUCTOR_CACHE_DIR where it is unset), as a fresh process's would
     set_by_the_imports = {k: v for k, v in os.environ.items() if k not in BEFORE_THE_IMPORTS}

@@ -6,6 +6,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,22 +17,39 @@ from evals.runner import run_task
 from modeling.config import GPTConfig
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
-from testkit import ACCELERATE_LAUNCH, REPO, SMALL_PAGES, TINY_MODEL, run
+from testkit import ACCELERATE_LAUNCH, REPO, SMALL_PAGES, TINY_MODEL, WarmLaunches, run
 from training.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.slow
 
 
-def run_cli(args: list[str], launcher: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
     shell = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # as in a user's shell
-    return run([*launcher, *args], timeout=300, env={**shell, "PYTHONPATH": str(REPO), **(env or {})})
+    return {**shell, "PYTHONPATH": str(REPO), **(env or {})}
 
 
-def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path):
+def run_cli(
+    args: list[str], launcher: list[str], env: dict[str, str] | None = None, warm: WarmLaunches | None = None
+) -> subprocess.CompletedProcess:
+    return run([*launcher, *args], timeout=300, env=cli_env(env), warm=warm)
+
+
+@pytest.fixture(scope="module")
+def warm_evals() -> Iterator[WarmLaunches]:
+    """The server `python -m evals` runs in, and the ranks of its launches (testkit.WarmLaunches): each a copy of a
+    process that has imported torch, accelerate and the eval modules, not a fresh interpreter (~4 s of CPU each)."""
+    warm = WarmLaunches(REPO / "evals" / "__main__.py", cli_env())
+    yield warm
+    warm.stop()
+
+
+def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path, warm_evals):
     args = ["--run", str(tiny_run), "--tasks", "hellaswag,lambada", "--limit", "12", "--batch-size", "5"]
-    one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"])
+    forked = warm_evals.forked()
+    one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"], warm=warm_evals)
     launch = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/cpu_ddp2.yaml"]
-    two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"])
+    two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"], warm=warm_evals)
+    assert warm_evals.forked() == forked + 4, warm_evals.log.read_text()  # the run, the launcher, its 2 ranks
     assert "1 process(es)" in one.stdout and "2 process(es)" in two.stdout
     # accelerate imports DeepSpeed where installed, which warned on each rank that it found no GPU
     assert "[WARNING]" not in one.stdout + one.stderr + two.stdout + two.stderr
@@ -113,12 +131,15 @@ def test_generation_reuses_the_memory_each_token_frees(tmp_path):
     assert faults < mlp_activations // 10, (faults, mlp_activations)
 
 
-def test_a_bad_argument_under_two_processes_is_one_line(tmp_path):
+def test_a_bad_argument_under_two_processes_is_one_line(tmp_path, warm_evals):
     """Both processes of a launch reach the same bad input: the line is printed once, last (not once per process,
     then the launcher's line about rank 0's exit status)."""
     yaml = str(REPO / "accelerate_configs" / "cpu_ddp2.yaml")
     cmd = [sys.executable, "-m", "training.launch", "-q", "--config_file", yaml, "-m", "evals"]
-    result = run([*cmd, "--run", str(tmp_path / "nowhere"), "--tasks", "lambada"], expect_rc=1, timeout=300)
+    forked = warm_evals.forked()
+    args = ["--run", str(tmp_path / "nowhere"), "--tasks", "lambada"]
+    result = run([*cmd, *args], expect_rc=1, timeout=300, env=cli_env(), warm=warm_evals)
+    assert warm_evals.forked() == forked + 2, warm_evals.log.read_text()  # the ranks ran warm
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: run folder {tmp_path / 'nowhere'} does not exist"], result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == errors[0]
