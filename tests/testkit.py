@@ -98,18 +98,22 @@ def run(
     timeout: float = 600,
     env: dict[str, str] | None = None,
     warm: WarmLaunches | None = None,
+    output: IO[bytes] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root to completion; assert its exit status, showing the command and its output.
     `python train_accel.py ...` runs in a warm copy (WarmLaunches), and so do an `accelerate launch` and its ranks.
-    warm: the server of another script (default WARM, train_accel.py's), or of a package's `python -m PACKAGE`."""
+    warm: the server of another script (default WARM, train_accel.py's), or of a package's `python -m PACKAGE`.
+    output: one file for the command's stdout and stderr both, as a job's log takes them (the result's are empty)."""
     server = warm or WARM
     if cmd[:3] in (ACCELERATE_LAUNCH, TRAINING_LAUNCH):
         env = server.for_ranks(env or os.environ)
     package = [sys.executable, "-m", package_of(server.script)]
     launched = cmd[:2] == [sys.executable, str(server.script)] or cmd[:3] in (ACCELERATE_LAUNCH, package)
-    result = server.run(cmd, env or os.environ, timeout) if launched else None
+    result = server.run(cmd, env or os.environ, timeout, output) if launched else None
     if result is None:
-        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        into = {"capture_output": True} if output is None else {"stdout": output, "stderr": subprocess.STDOUT}
+        result = subprocess.run(cmd, cwd=REPO, env=env, text=True, timeout=timeout, **into)
+        result.stdout, result.stderr = result.stdout or "", result.stderr or ""
     assert result.returncode == expect_rc, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
 
@@ -169,8 +173,11 @@ class WarmLaunches:
         self.start()
         return {**env, "PYTHON_EXEC": str(self.python), "WARM_LAUNCH_SOCKET": str(self.folder / "socket")}
 
-    def run(self, cmd: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-        """The finished launch, or None where it must start fresh (the server's imports saw another environment)."""
+    def run(
+        self, cmd: list[str], env: Mapping[str, str], timeout: float, output: IO[bytes] | None = None
+    ) -> subprocess.CompletedProcess | None:
+        """The finished launch, or None where it must start fresh (the server's imports saw another environment).
+        output: one file for the copy's stdout and stderr both (the result's are then empty)."""
         self.start()
         with (
             socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock,
@@ -178,7 +185,7 @@ class WarmLaunches:
             tempfile.TemporaryFile() as out,
             tempfile.TemporaryFile() as err,
         ):
-            stdio = [stdin.fileno(), out.fileno(), err.fileno()]
+            stdio = [stdin.fileno(), *([out.fileno(), err.fileno()] if output is None else [output.fileno()] * 2)]
             answer = ask(sock, str(self.folder / "socket"), cmd[1:], str(REPO), env, stdio)
             if not answer:
                 raise self.ended()

@@ -322,8 +322,10 @@ def test_a_log_of_stdout_and_stderr_together_holds_each_line_whole(prepared_book
                     "--total-batch-tokens", "256", "--log-interval", "2", "--eval-interval", "2", "--eval-windows", "4",
                     "--checkpoint-interval", "0")  # fmt: skip
     log = tmp_path / "job.out"
-    with log.open("w") as out:
-        subprocess.run(cmd, cwd=testkit.REPO, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=300)
+    forked = testkit.WARM.forked()
+    with log.open("wb") as out:
+        testkit.run(cmd, timeout=300, output=out)
+    assert testkit.WARM.forked() == forked + 1  # a warm copy, whose stdout and stderr were this file
     text = log.read_bytes().decode()  # as written: read_text() would turn carriage returns into newlines
     assert "\r" not in text, text
     lines = text.splitlines()
