@@ -5,6 +5,7 @@ the same run, bit for bit, the same output and the same exit status either way."
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,21 @@ def test_what_a_launcher_adds_to_the_environment_is_served_warm(tmp_path):
     assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), path])))) == ""
     other = os.pathsep.join(filter(None, [str(tmp_path), path]))
     assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=other)) == f"PYTHONPATH: {path!r} -> {other!r}"
+
+
+def test_a_packages_main_is_served_as_python_m_from_the_folder_holding_it(tmp_path):
+    """A server of a package's __main__.py (tests/e2e/test_evals_cli.py's, of evals) serves `python [-u] -m evals`
+    run from the repo, where a fresh interpreter finds the package (its working folder first on sys.path); from
+    another folder, or for another module, a fresh interpreter."""
+    from warm_launch import BEFORE_THE_IMPORTS, why_fresh
+
+    main = REPO / "evals" / "__main__.py"
+
+    def request(*args: str, cwd: Path = REPO) -> dict:
+        return {"args": list(args), "cwd": str(cwd), "env": dict(BEFORE_THE_IMPORTS)}
+
+    assert why_fresh(main, request("-m", "evals", "--run", "x")) == ""
+    assert why_fresh(main, request("-u", "-m", "evals")) == ""  # a rank, as torchrun starts it
+    assert why_fresh(main, request("-m", "accelerate.commands.launch")) == ""
+    assert why_fresh(main, request("-m", "evals", cwd=tmp_path)) == f"another working folder, {tmp_path}"
+    assert why_fresh(main, request("-m", "evals.generate")) == "another module, ['evals.generate']"
