@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from evals.data import provision
-from testkit import REPO, run
+from testkit import REPO, TRAIN_ACCEL, WarmLaunches, run
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
@@ -21,10 +23,28 @@ STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nc
 STEPS += ["cpu_speed", "gpus", "fsdp"]
 
 
-def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
+@pytest.fixture
+def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]:
+    """(the script's environment, its server): its PYTHON asks a warm launch server first (testkit.WarmLaunches), so
+    its `accelerate launch` commands and their train_accel.py runs are forks of a server that has done their imports,
+    2-5 s of CPU less each. Every other command it gives PYTHON (pytest, bench, evals, the probe script), and a run
+    whose environment the server's imports could tell apart (the train step's TORCH_LOGS), starts a fresh
+    interpreter."""
+    python = tmp_path / "python"  # named before the server starts: its environment is the script's, PYTHON too
+    # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
+    env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
+    env |= {"PYTHON": str(python), "PWD": str(REPO), "OLDPWD": str(REPO)}
+    warm = WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"})  # and the script's export
+    env = warm.for_ranks(env)
+    python.symlink_to(warm.python)
+    yield env, warm
+    warm.stop()
+
+
+def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_python):
     provision()  # the HellaSwag step reads the eval data from the cache
     out = tmp_path / "first light"  # a space in the path too
-    env = {**os.environ, "PYTHON": sys.executable}
+    env, warm = warm_python
     result = run([SCRIPT, str(out), "--dry-run", "--data-dir", str(prepared_books)], timeout=900, env=env)
     summary = (out / "summary.md").read_text()
     for i, name in enumerate(STEPS, 1):
@@ -88,6 +108,7 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path):
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") or "/checkpoints" in n for n in names)  # no weights in the pack
+    assert warm.forked() == 4, warm.log.read_text()  # the fp8 and fsdp steps' launches and runs were warm copies
 
 
 @pytest.mark.parametrize(
