@@ -48,6 +48,9 @@ LAUNCHER_SET = {
     "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC",
     "WARM_LAUNCH_SOCKET", "PWD",
 }  # fmt: skip
+# Read by NCCL when a run starts its process group, never by the imports (gloo reads none): the first-light script's
+# nccl step sets NCCL_DEBUG for its launches
+AT_PROCESS_GROUP = {"NCCL_DEBUG"}
 # torchrun's OMP_NUM_THREADS=1 for 2+ ranks where it is unset (a pytest run without workers): read when OpenMP loads,
 # with the imports, but a copy sets it as it would have been (torch.set_num_threads: OpenMP's and MKL's)
 THREADS = "OMP_NUM_THREADS"
@@ -73,7 +76,12 @@ def home(script: Path) -> Path:
 
 
 def unread_by_the_imports(name: str) -> bool:
-    return set_up_by_the_process(name) or name in LAUNCHER_SET or name.startswith(LAUNCHER_PREFIXES) or intel_omp(name)
+    return (
+        set_up_by_the_process(name)
+        or name in LAUNCHER_SET | AT_PROCESS_GROUP
+        or name.startswith(LAUNCHER_PREFIXES)
+        or intel_omp(name)
+    )
 
 
 def intel_omp(name: str) -> bool:
