@@ -121,17 +121,19 @@ ADAMW="adamw-cosine=--optimizer adamw --lr-schedule cosine"  # the recipe step's
 if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, about a minute of CPU time
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
+    # --peak-tflops: a given MFU peak spares each run the CPU's matmul probes (~1.5 s), which a GPU run never makes
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 2 --eval-windows 2
-        --sample-interval 2 --checkpoint-interval 2 --micro-batch-size auto)
-    DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
+        --sample-interval 2 --checkpoint-interval 2 --micro-batch-size auto --peak-tflops 1)
+    DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --peak-tflops 1)
     FSDP_YAML=(accelerate_configs/cpu_fsdp2.yaml --dynamo_backend eager)  # test_sharded.py compiles it (aot_eager)
     FSDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 2 --eval-windows 2
-        --sample-interval 0 --checkpoint-interval 2)
+        --sample-interval 0 --checkpoint-interval 2 --peak-tflops 1)
     TESTS=(tests/modeling/test_fused_ce.py::test_ignored_rows_get_zero_gradient "$VERDICT_TEST")
     # 8 val windows: its 12 evals (2 recipes x 3 points x 2 val sets) on tiny_cpu.yaml's 64 took 20 of its 32 s
-    RECIPE_ARGS=(--config configs/tiny_cpu.yaml --set "--max-steps 2 --eval-windows 8 --data-dir '$DATA'"
-        --eval-every 1 --seeds 1 --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
-    SHORT_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1)
+    RECIPE_ARGS=(--config configs/tiny_cpu.yaml
+        --set "--max-steps 2 --eval-windows 8 --peak-tflops 1 --data-dir '$DATA'" --eval-every 1 --seeds 1
+        --accelerate-config "$TRAIN_YAML" --recipe default --recipe "$ADAMW")
+    SHORT_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --peak-tflops 1)
     # the GPU YAMLs compile per block; cpu_eager.yaml compiles nothing: dynamo's eager backend, per block
     TRAIN_COMPILE=(--dynamo_backend eager --dynamo_use_regional_compilation)
     LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
