@@ -51,6 +51,9 @@ LAUNCHER_SET = {
 # Read by NCCL when a run starts its process group, never by the imports (gloo reads none): the first-light script's
 # nccl step sets NCCL_DEBUG for its launches
 AT_PROCESS_GROUP = {"NCCL_DEBUG"}
+# torch's log settings, read by its import (torch._logging._init_logs), which a copy calls again where the request's
+# differ (as torch's own tests do): the first-light script's train step sets TORCH_LOGS=recompiles,graph_breaks
+LOGS = "TORCH_LOGS"
 # torchrun's OMP_NUM_THREADS=1 for 2+ ranks where it is unset (a pytest run without workers): read when OpenMP loads,
 # with the imports, but a copy sets it as it would have been (torch.set_num_threads: OpenMP's and MKL's)
 THREADS = "OMP_NUM_THREADS"
@@ -128,7 +131,11 @@ def why_fresh(script: Path, request: dict) -> str:
         return f"another script, {run[0]}"
     env, before = request["env"], BEFORE_THE_IMPORTS
     changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
-    changed = [k for k in changed if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit())]
+    changed = [
+        k
+        for k in changed
+        if not unread_by_the_imports(k) and not (k == THREADS and env.get(k, "").isdigit()) and k != LOGS
+    ]
     if "PYTHONPATH" in changed and adds_only(home(script), before.get("PYTHONPATH"), env.get("PYTHONPATH")):
         changed.remove("PYTHONPATH")
     return ", ".join(f"{k}: {before.get(k)!r} -> {env.get(k)!r}" for k in changed)
@@ -218,6 +225,10 @@ if __name__ == "__main__":
     if args[0] == "-u":
         as_python_u()
         args = args[1:]
+    if os.environ.get(LOGS) != BEFORE_THE_IMPORTS.get(LOGS):  # its handlers on the copy's stderr, set up above
+        import torch._logging
+
+        torch._logging._init_logs()
     if args[0] == "-m":
         # accelerate's one-process launcher starts its run as `sys.executable SCRIPT`: through warm_exec.py too
         sys.executable = os.environ.get("PYTHON_EXEC", sys.executable)

@@ -27,9 +27,8 @@ STEPS += ["cpu_speed", "gpus", "fsdp"]
 def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]:
     """(the script's environment, its server): its PYTHON asks a warm launch server first (testkit.WarmLaunches), so
     its `accelerate launch` commands and their train_accel.py runs are forks of a server that has done their imports,
-    2-5 s of CPU less each. Every other command it gives PYTHON (pytest, bench, evals, the probe script), and a run
-    whose environment the server's imports could tell apart (the train step's TORCH_LOGS), starts a fresh
-    interpreter."""
+    2-5 s of CPU less each. Every other command it gives PYTHON (pytest, bench, evals, the probe script) starts a
+    fresh interpreter."""
     python = tmp_path / "python"  # named before the server starts: its environment is the script's, PYTHON too
     # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
     env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
@@ -108,8 +107,8 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_pyth
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") or "/checkpoints" in n for n in names)  # no weights in the pack
-    # warm copies: the launches of the fp8, nccl (2) and fsdp steps, and their runs but the nccl probe script
-    assert warm.forked() == 7, warm.log.read_text()
+    # warm copies: the launches of the train, fp8, nccl (2) and fsdp steps, and their runs but the nccl probe script
+    assert warm.forked() == 9, warm.log.read_text()
 
 
 @pytest.mark.parametrize(
