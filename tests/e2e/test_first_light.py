@@ -72,7 +72,10 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_pyth
     assert "## 13-fsdp.log" in summary and "## fsdp/metrics.jsonl" in summary, summary
     assert (out / "fsdp" / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0").is_dir()
     # the train step compiles per block, as the GPU YAMLs do (dynamo's eager backend here), said in its section
-    assert "\ndynamo EAGER per block\n" in summary[summary.index("## 03-train.log") :], summary
+    train = summary[summary.index("## 03-train.log") :]
+    assert "\ndynamo EAGER per block\n" in train, summary
+    # and the recompiles dynamo logs under the step's TORCH_LOGS (its per-block wrapper's, at new input kinds)
+    assert "[__recompiles] Recompiling function" in train[: train.index("\n## ", 1)], summary
     for f in ("train/metrics.jsonl", "train/loss.png", "train/export/config.json", "nccl/metrics.jsonl",
               "fsdp/export/config.json"):  # fmt: skip
         assert (out / f).is_file(), f
