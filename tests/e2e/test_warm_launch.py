@@ -103,6 +103,9 @@ def test_what_a_launcher_adds_to_the_environment_is_served_warm(tmp_path):
     assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), path])))) == ""
     other = os.pathsep.join(filter(None, [str(tmp_path), path]))
     assert why_fresh(TRAIN_ACCEL, request(PYTHONPATH=other)) == f"PYTHONPATH: {path!r} -> {other!r}"
+    # the first-light script's nccl and train steps: NCCL's log level, read when a process group starts, and torch's
+    # logs, which a copy sets up again
+    assert why_fresh(TRAIN_ACCEL, request(NCCL_DEBUG="INFO", TORCH_LOGS="recompiles,graph_breaks")) == ""
 
 
 def test_a_packages_main_is_served_as_python_m_from_the_folder_holding_it(tmp_path):
