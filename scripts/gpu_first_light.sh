@@ -118,7 +118,7 @@ export PYTHONUNBUFFERED=1
 
 VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one
 ADAMW="adamw-cosine=--optimizer adamw --lr-schedule cosine"  # the recipe step's baseline: GPT-2's AdamW + cosine
-if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, about a minute of CPU time
+if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 1.5-2 minutes of CPU time
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
     # --peak-tflops: a given MFU peak spares each run the CPU's matmul probes (~1.5 s), which a GPU run never makes
