@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from data_prep.loader import load_manifest
@@ -27,6 +28,8 @@ from evals.data import provision
 from testkit import (
     NEEDS_UNSHARE_PID,
     REPO,
+    TRAIN_ACCEL,
+    WARM,
     copy_isa_probes,
     fill_disk,
     hub_endpoint,
@@ -39,6 +42,7 @@ from testkit import (
 )
 from training.checkpoint import checkpoint_damage, list_checkpoints
 from training.metrics import read_metrics
+from training.runlock import LOCK_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +79,17 @@ def start_until(
 
 
 def start_and_wait(
-    cmd: list[str], run_dir: Path, until_step: int, env: dict[str, str] | None = None
+    cmd: list[str], run_dir: Path, until_step: int, env: dict[str, str] | None = None, warm: bool = False
 ) -> subprocess.Popen:
-    """Start a run in its own process group and return once it has logged `until_step` (still running)."""
+    """Start a run in its own process group and return once it has logged `until_step` (still running). warm: its
+    training processes run in copies of the warm launch server (testkit.WARM) instead of fresh interpreters (~3 s of
+    imports each): `python train_accel.py` through tests/warm_exec.py, which passes the signals it gets on to its copy
+    and whose death kills the copy with SIGKILL, and an `accelerate launch`'s ranks alike (PYTHON_EXEC; the launcher
+    itself stays a fresh process). Not where a test reads the run's pid: that is the copy's."""
+    if warm:
+        env = WARM.for_ranks(env or os.environ)
+        if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)]:
+            cmd = [env["PYTHON_EXEC"], *cmd[1:]]
     return start_until(cmd, lambda: logged_steps(run_dir) >= until_step, env)
 
 
@@ -171,12 +183,8 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(
     args = [*TWELVE, *options]
     straight, killed = straight_runs(accelerate_config, options), tmp_path / "killed"
 
-    proc = start_and_wait(tiny_cmd(accelerate_config, killed, prepared_books, *args), killed, until_step=5)
-    kill_tree(proc.pid)  # the launcher and every rank
-    proc.wait()
-    time.sleep(1)  # let the killed ranks' pipes close
+    newest = kill_after(tiny_cmd(accelerate_config, killed, prepared_books, *args), killed, step=5)
     assert logged_steps(killed) < 12
-    newest = list_checkpoints(killed)[-1]
     resumed = run(tiny_cmd(accelerate_config, killed, prepared_books, *args, "--resume", "auto"))
     assert f"resumed from {newest} at step {int(newest.name.split('-')[1])}" in resumed.stdout
 
@@ -189,10 +197,12 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(
 
 
 def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
-    """Run `cmd` until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
-    proc = start_and_wait(cmd, run_dir, until_step=step)
-    kill_tree(proc.pid)
+    """Run `cmd` (warm) until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
+    proc = start_and_wait(cmd, run_dir, until_step=step, warm=True)
+    kill_tree(proc.pid)  # the launcher and every rank; the warm copies die of their keepers' SIGKILL
     proc.wait()
+    with FileLock(run_dir / LOCK_NAME).acquire(timeout=60):  # rank 0's copy is gone once its run-folder lock is free
+        pass
     time.sleep(1)  # let the killed ranks' pipes close
     return list_checkpoints(run_dir)[-1]
 
@@ -231,10 +241,7 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     common = [*MUON, "--warmup-steps", "3", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
     budget = [*common, "--max-steps", "5000", "--time-budget-minutes", "0.1"]  # 6 s of steps: ~100-300 here
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    proc = start_and_wait(tiny_cmd(None, killed, prepared_books, *budget), killed, until_step=6)
-    kill_tree(proc.pid)
-    proc.wait()
-    time.sleep(1)
+    kill_after(tiny_cmd(None, killed, prepared_books, *budget), killed, step=6)
     decided = {r["step"]: r["total_steps"] for r in read_metrics(killed / "metrics.jsonl") if "total_steps" in r}
     assert min(decided) == 3  # at the end of the warmup
     resumed = run(tiny_cmd(None, killed, prepared_books, *budget, "--resume", "auto"))
@@ -258,8 +265,8 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
     run_dir = tmp_path / "run"
     cmd = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
-    proc = start_and_wait(cmd, run_dir, until_step=3)
-    proc.send_signal(signal.SIGTERM)
+    proc = start_and_wait(cmd, run_dir, until_step=3, warm=True)
+    proc.send_signal(signal.SIGTERM)  # passed on to the run
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     step = logged_steps(run_dir)
