@@ -30,6 +30,7 @@ from testkit import (
     REPO,
     TRAIN_ACCEL,
     WARM,
+    WarmLaunches,
     copy_isa_probes,
     fill_disk,
     hub_endpoint,
@@ -620,15 +621,24 @@ def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepare
     filler = fill_disk(disk)
     run_dir = tmp_path / "run"
     cmd = tiny_cmd("cpu.yaml", run_dir, prepared_books, launch_args=["-q"])  # as make train launches
-    probes = run(cmd, expect_rc=1, env=env)
-    assert probes.stderr.strip().splitlines()[-1] == f"error: disk full while writing {cache}: {todo}", probes.stderr
+    # the launcher and the run in copies of a server whose imports saw this cache folder: testkit.WARM's would start
+    # fresh interpreters for it, ~3 s of imports each
+    warm = WarmLaunches(env=env)
+    try:
+        probes = run(cmd, expect_rc=1, env=env, warm=warm)
+        assert probes.stderr.strip().splitlines()[-1] == f"error: disk full while writing {cache}: {todo}", (
+            probes.stderr
+        )
 
-    # the probes built (here: copied from the suite's cache, whose ISA subfolders hold the kernels), the kernels fail
-    filler.unlink()
-    shutil.rmtree(cache)
-    copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, cache)
-    fill_disk(disk)
-    kernels = run(cmd, expect_rc=1, env=env)
+        # the probes built (here: copied from the suite's cache, whose ISA subfolders hold the kernels), the kernels
+        # fail
+        filler.unlink()
+        shutil.rmtree(cache)
+        copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, cache)
+        fill_disk(disk)
+        kernels = run(cmd, expect_rc=1, env=env, warm=warm)
+    finally:
+        warm.stop()
     folder = cache / Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this ISA's
     assert "Traceback" not in kernels.stderr, kernels.stderr[-3000:]
     assert kernels.stderr.strip().splitlines()[-1] == f"error: disk full while writing {folder}: {todo}"
