@@ -65,10 +65,18 @@ def logged_steps(run_dir: Path) -> int:
 
 
 def start_until(
-    cmd: list[str], ready: Callable[[], bool], env: dict[str, str] | None = None, cwd: Path = REPO
+    cmd: list[str], ready: Callable[[], bool], env: dict[str, str] | None = None, cwd: Path = REPO, warm: bool = False
 ) -> subprocess.Popen:
     """Start `cmd` in its own process group (as a terminal runs a job), its stdout and stderr in one pipe, and return
-    once ready() holds (still running)."""
+    once ready() holds (still running). warm: its training processes run in copies of the warm launch server
+    (testkit.WARM) instead of fresh interpreters (~3 s of imports each): `python train_accel.py` through
+    tests/warm_exec.py, which passes the signals it gets on to its copy and whose death kills the copy with SIGKILL,
+    and an `accelerate launch`'s ranks alike (PYTHON_EXEC; the launcher itself stays a fresh process). Not where a
+    test reads the run's pid (that is the copy's) or needs what a copy does not inherit (ignored signals)."""
+    if warm:
+        env = WARM.for_ranks(env or os.environ)
+        if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)]:
+            cmd = [env["PYTHON_EXEC"], *cmd[1:]]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 300
@@ -82,16 +90,9 @@ def start_until(
 def start_and_wait(
     cmd: list[str], run_dir: Path, until_step: int, env: dict[str, str] | None = None, warm: bool = False
 ) -> subprocess.Popen:
-    """Start a run in its own process group and return once it has logged `until_step` (still running). warm: its
-    training processes run in copies of the warm launch server (testkit.WARM) instead of fresh interpreters (~3 s of
-    imports each): `python train_accel.py` through tests/warm_exec.py, which passes the signals it gets on to its copy
-    and whose death kills the copy with SIGKILL, and an `accelerate launch`'s ranks alike (PYTHON_EXEC; the launcher
-    itself stays a fresh process). Not where a test reads the run's pid: that is the copy's."""
-    if warm:
-        env = WARM.for_ranks(env or os.environ)
-        if cmd[:2] == [sys.executable, str(TRAIN_ACCEL)]:
-            cmd = [env["PYTHON_EXEC"], *cmd[1:]]
-    return start_until(cmd, lambda: logged_steps(run_dir) >= until_step, env)
+    """Start a run in its own process group and return once it has logged `until_step` (still running); warm: as
+    start_until's."""
+    return start_until(cmd, lambda: logged_steps(run_dir) >= until_step, env, warm=warm)
 
 
 # A transformers package that fails to import on one rank (torchrun's RANK) and hands over to the real one elsewhere.
@@ -545,11 +546,12 @@ def test_sigterm_at_start_up_ends_with_one_line(prepared_books, tmp_path, during
     cmd = [sys.executable, str(REPO / "train_accel.py"), "--preset", "tiny-cpu", "--max-steps", "2",
            "--out-dir", str(run_dir)]  # fmt: skip
     if during == "the default corpus's preparation":  # in a fresh folder, once its first batch of books is written
-        proc = start_until(cmd, (tmp_path / "data" / ".default.build" / "progress.json").is_file, cwd=tmp_path)
+        proc = start_until(cmd, (tmp_path / "data" / ".default.build" / "progress.json").is_file, cwd=tmp_path,
+                           warm=True)  # fmt: skip
     else:  # HellaSwag's whole validation set: minutes for this model on two cores
         provision()
         cmd += ["--data-dir", str(prepared_books), "--eval-tasks", "hellaswag"]
-        proc = start_until(cmd, (run_dir / "config.yaml").is_file, cwd=tmp_path)
+        proc = start_until(cmd, (run_dir / "config.yaml").is_file, cwd=tmp_path, warm=True)
     before = ""
     if during == "a Ctrl-C's exit":  # the SIGTERM once the Ctrl-C's line is out: the process is exiting
         proc.send_signal(signal.SIGINT)
