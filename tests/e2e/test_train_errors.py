@@ -22,7 +22,7 @@ from modeling.config import PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
-from testkit import REPO, TINY_MODEL, TRAIN_ACCEL, hub_endpoint, make_train_recipe, run, train_cmd
+from testkit import REPO, TINY_MODEL, TRAIN_ACCEL, WarmLaunches, hub_endpoint, make_train_recipe, run, train_cmd
 from training.checkpoint import list_checkpoints, write_manifest
 
 pytestmark = pytest.mark.slow
@@ -210,7 +210,13 @@ def test_a_compiling_launch_on_a_machine_without_a_cpp_compiler_stops_at_start_u
     before = snapshot(data, run_dir)
     env = {**os.environ, "CXX": "/nowhere/g++"}
     cmd = train_cmd("cpu.yaml", run_dir, data, "--resume", "never", launch_args=["-q"])
-    result = run(cmd, expect_rc=1, timeout=300, env=env)
+    # the launcher and the run in copies of a server whose imports saw this CXX (inductor reads it as it loads):
+    # testkit.WARM's would start two fresh interpreters for it
+    warm = WarmLaunches(env=env)
+    try:
+        result = run(cmd, expect_rc=1, timeout=300, env=env, warm=warm)
+    finally:
+        warm.stop()
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ "
