@@ -168,6 +168,12 @@ class WarmLaunches:
         self.start()
         return sum(line.startswith("forked ") for line in self.log.read_text().splitlines())
 
+    def last_forked(self) -> int:
+        """The pid of the copy the server made last (its log's `forked PID: ARGS` line)."""
+        self.start()
+        last = [line for line in self.log.read_text().splitlines() if line.startswith("forked ")][-1]
+        return int(last.split()[1].rstrip(":"))
+
     def for_ranks(self, env: Mapping[str, str]) -> dict[str, str]:
         """The environment of an `accelerate launch` whose ranks are to run warm."""
         self.start()

@@ -198,13 +198,17 @@ def test_sigkill_then_resume_auto_is_bitwise_identical(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
-    """Run `cmd` (warm) until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
-    proc = start_and_wait(cmd, run_dir, until_step=step, warm=True)
+def kill_warm(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL a launch started warm (start_until) and every rank (a lost node); returns once its run is gone."""
     kill_tree(proc.pid)  # the launcher and every rank; the warm copies die of their keepers' SIGKILL
     proc.wait()
     with FileLock(run_dir / LOCK_NAME).acquire(timeout=60):  # rank 0's copy is gone once its run-folder lock is free
         pass
+
+
+def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
+    """Run `cmd` (warm) until it has logged `step`, SIGKILL it and every rank (a lost node); its newest checkpoint."""
+    kill_warm(start_and_wait(cmd, run_dir, until_step=step, warm=True), run_dir)
     time.sleep(1)  # let the killed ranks' pipes close
     return list_checkpoints(run_dir)[-1]
 
@@ -400,8 +404,11 @@ def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tm
     """Two launches on one out_dir: the second names the holder and touches nothing; after kill -9 of the first
     the lock is free and the run resumes."""
     run_dir = tmp_path / "run"
+    forked = WARM.forked()
     first = start_and_wait(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "2"),
-                           run_dir, until_step=3)  # fmt: skip
+                           run_dir, until_step=3, warm=True)  # fmt: skip
+    assert WARM.forked() == forked + 1, WARM.log.read_text()[-3000:]  # a warm copy: its pid is the server's to say
+    pid = WARM.last_forked()  # the run's own process
     try:
         second = run(
             tiny_cmd("cpu_eager.yaml", run_dir, prepared_books, "--resume", "auto", launch_args=["-q"]), expect_rc=1
@@ -410,13 +417,12 @@ def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tm
         line = second.stderr.strip().splitlines()[-1]
         assert re.fullmatch(
             rf"error: out_dir {run_dir} is in use by another run \(host {re.escape(socket.gethostname())}, "
-            rf"pid {first.pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \w+\); wait for it to end or stop it, .*",
+            rf"pid {pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \w+\); wait for it to end or stop it, .*",
             line,
         ), line
-        assert first.poll() is None  # the first run trains on
+        assert first.poll() is None  # the first run trains on (its client lives as long as it does)
     finally:
-        kill_tree(first.pid)
-        first.wait()
+        kill_warm(first, run_dir)
     newest = list_checkpoints(run_dir)[-1]
     resumed = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps",
                            str(int(newest.name.split("-")[1]) + 1), "--resume", "auto"))  # fmt: skip
