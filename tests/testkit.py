@@ -123,9 +123,11 @@ class WarmLaunches:
     the same code, arguments, environment and working folder as `python train_accel.py ...`, its own process, exit
     status and output, without the ~3-7 s a fresh interpreter spends importing torch, accelerate and dynamo. An
     `accelerate launch` run to completion likewise, and the runs it starts: torchrun's ranks and its one-process
-    launcher's run start warm_exec.py (PYTHON_EXEC), which asks the server. Launches that signal or kill a run start
-    fresh interpreters, and so do the other entry points (python -m training.launch's ranks run warm) and whatever
-    the server finds its imports could tell apart (another environment)."""
+    launcher's run start warm_exec.py (PYTHON_EXEC), which asks the server and passes the signals it gets on to the
+    copy (tests/e2e/test_resume.py's signal and kill tests start their runs so). Fresh interpreters: runs that need
+    what a copy lacks (an ignored signal inherited, a PID namespace), the other entry points (python -m
+    training.launch's ranks run warm) and whatever the server finds its imports could tell apart (another
+    environment)."""
 
     def __init__(self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None) -> None:
         """script: what the server imports and runs (another test script's launches, or a package's __main__.py for
