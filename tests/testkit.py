@@ -213,8 +213,15 @@ class WarmLaunches:
     def ended(self) -> RuntimeError:
         return RuntimeError(f"the warm launch server ended:\n{self.log.read_text()[-5000:]}")
 
+    def __enter__(self) -> WarmLaunches:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
-        """End the server (closing CONTROL_FD) and remove its folder; WARM's lasts as long as the test process."""
+        """End the server (closing CONTROL_FD) and remove its folder; WARM's lasts as long as the test process. A
+        `with WarmLaunches(...) as warm:` block stops its server at the end."""
         with self.lock:
             if self.folder is not None:
                 self.control.close()

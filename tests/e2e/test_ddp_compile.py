@@ -30,9 +30,8 @@ def native_bf16() -> bool:
 def warm_probe() -> Iterator[WarmLaunches]:
     """The server the probe's ranks run in (testkit.WarmLaunches): each a copy of a process that has imported torch,
     dynamo and the run's modules, not a fresh interpreter (the file's 6 ranks: ~5 s of CPU each)."""
-    warm = WarmLaunches(PROBE)
-    yield warm
-    warm.stop()
+    with WarmLaunches(PROBE) as warm:
+        yield warm
 
 
 def probe(warm: WarmLaunches, config: str, data_dir: Path, out_dir: Path, *launch_args: str) -> dict:

@@ -79,9 +79,8 @@ def ds_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
     launcher = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder / "torch_extensions")}
     # accelerate's DeepSpeed launcher puts its working folder (the repo) on the ranks' PYTHONPATH, whence the
     # script imports the project's modules; the launcher itself, without it, starts fresh
-    warm = WarmLaunches(script, {**launcher, "PYTHONPATH": str(REPO)})
-    yield script, launcher, warm
-    warm.stop()
+    with WarmLaunches(script, {**launcher, "PYTHONPATH": str(REPO)}) as warm:
+        yield script, launcher, warm
 
 
 def launch(ds_steps, tmp_path, launch_args: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:

@@ -38,9 +38,8 @@ def run_cli(
 def warm_evals() -> Iterator[WarmLaunches]:
     """The server `python -m evals` runs in, and the ranks of its launches (testkit.WarmLaunches): each a copy of a
     process that has imported torch, accelerate and the eval modules, not a fresh interpreter (~4 s of CPU each)."""
-    warm = WarmLaunches(REPO / "evals" / "__main__.py", cli_env())
-    yield warm
-    warm.stop()
+    with WarmLaunches(REPO / "evals" / "__main__.py", cli_env()) as warm:
+        yield warm
 
 
 def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path, warm_evals):

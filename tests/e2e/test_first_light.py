@@ -33,11 +33,10 @@ def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]
     # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
     env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
     env |= {"PYTHON": str(python), "PWD": str(REPO), "OLDPWD": str(REPO)}
-    warm = WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"})  # and the script's export
-    env = warm.for_ranks(env)
-    python.symlink_to(warm.python)
-    yield env, warm
-    warm.stop()
+    with WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"}) as warm:  # the script's export
+        env = warm.for_ranks(env)
+        python.symlink_to(warm.python)
+        yield env, warm
 
 
 def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_python):

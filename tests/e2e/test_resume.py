@@ -631,8 +631,7 @@ def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepare
     cmd = tiny_cmd("cpu.yaml", run_dir, prepared_books, launch_args=["-q"])  # as make train launches
     # the launcher and the run in copies of a server whose imports saw this cache folder: testkit.WARM's would start
     # fresh interpreters for it, ~3 s of imports each
-    warm = WarmLaunches(env=env)
-    try:
+    with WarmLaunches(env=env) as warm:
         probes = run(cmd, expect_rc=1, env=env, warm=warm)
         assert probes.stderr.strip().splitlines()[-1] == f"error: disk full while writing {cache}: {todo}", (
             probes.stderr
@@ -645,8 +644,6 @@ def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepare
         copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, cache)
         fill_disk(disk)
         kernels = run(cmd, expect_rc=1, env=env, warm=warm)
-    finally:
-        warm.stop()
     folder = cache / Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name  # this ISA's
     assert "Traceback" not in kernels.stderr, kernels.stderr[-3000:]
     assert kernels.stderr.strip().splitlines()[-1] == f"error: disk full while writing {folder}: {todo}"

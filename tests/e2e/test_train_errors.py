@@ -212,11 +212,8 @@ def test_a_compiling_launch_on_a_machine_without_a_cpp_compiler_stops_at_start_u
     cmd = train_cmd("cpu.yaml", run_dir, data, "--resume", "never", launch_args=["-q"])
     # the launcher and the run in copies of a server whose imports saw this CXX (inductor reads it as it loads):
     # testkit.WARM's would start two fresh interpreters for it
-    warm = WarmLaunches(env=env)
-    try:
+    with WarmLaunches(env=env) as warm:
         result = run(cmd, expect_rc=1, timeout=300, env=env, warm=warm)
-    finally:
-        warm.stop()
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: torch.compile builds C++ kernels on the CPU, and this machine has no working C++ "
