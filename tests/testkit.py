@@ -129,11 +129,14 @@ class WarmLaunches:
     training.launch's ranks run warm) and whatever the server finds its imports could tell apart (another
     environment)."""
 
-    def __init__(self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None, modules: Sequence[str] = ()
+    ) -> None:
         """script: what the server imports and runs (another test script's launches, or a package's __main__.py for
         `python -m PACKAGE`'s; `accelerate launch` too); env:
-        the environment its launches have (default: this process's), which the server's imports must see."""
-        self.script, self.env = script, env
+        the environment its launches have (default: this process's), which the server's imports must see; modules:
+        also served as `python -m MODULE` run from the repo, in copies of the same server (script's imports)."""
+        self.script, self.env, self.modules = script, env, modules
         self.lock = threading.Lock()
         self.folder: Path | None = None
 
@@ -155,7 +158,8 @@ class WarmLaunches:
             self.python.chmod(0o755)
             self.log = folder / "warm_launch.log"
             fds = [listener.fileno(), theirs.fileno()]
-            server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(self.script), *map(str, fds)]
+            server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(self.script), *map(str, fds),
+                      *self.modules]  # fmt: skip
             # os.environ, not the C library's environment, which GNU readline's start in pytest gave COLUMNS and LINES
             env = dict(os.environ if self.env is None else self.env)
             with self.log.open("a") as log:

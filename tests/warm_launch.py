@@ -3,16 +3,19 @@ to run SCRIPT as `python [-u] SCRIPT ARGS` would, once per request: testkit.run'
 `accelerate launch` (as `python -m accelerate.commands.launch`), and the runs that launcher starts (torchrun's ranks
 and its one-process launcher's run start warm_exec.py, which asks here), without the ~2-7 s a fresh interpreter spends
 importing torch, accelerate and dynamo. SCRIPT may be a package's __main__.py (evals/__main__.py): the server then
-runs `python [-u] -m PACKAGE ARGS` (`python -m evals`) from the folder holding the package.
+runs `python [-u] -m PACKAGE ARGS` (`python -m evals`) from the folder holding the package. MODULE... after CONTROL_FD:
+each also served, as `python [-u] -m MODULE ARGS` (`python -m bench.ladder`) run from SCRIPT's folder, whose imports
+are most of a module's own (torch, accelerate, dynamo).
 
 Each copy starts from the same state, the imports done and nothing run, so a launch sees what a fresh process sees
 by the time its script's first line after the imports runs. A request is a connection to the listening socket
 (AF_UNIX, SOCK_SEQPACKET): a JSON {"args", "cwd", "env"} (args: the interpreter's, flags first) with the copy's
 stdin, stdout and stderr as passed fds. One the imports could tell apart (another script or module, a flag other
-than -u, an environment that differs in a variable a launcher does not set) is answered "fresh": its client starts
-a fresh interpreter. Otherwise a keeper process forks the copy, answers its pid, passes on each signal number the client
-sends, kills the copy when the client goes away (killed, as torchrun's own death would leave it), and answers the
-copy's exit status as subprocess gives it (-N: killed by signal N). The server ends when testkit closes CONTROL_FD.
+than -u, an environment that differs in a variable a launcher does not set, a client pinned to other CPUs: taskset) is
+answered "fresh": its client starts a fresh interpreter. Otherwise a keeper process forks the copy, answers its pid,
+passes on each signal number the client sends, kills the copy when the client goes away (killed, as torchrun's own
+death would leave it), and answers the copy's exit status as subprocess gives it (-N: killed by signal N). The server
+ends when testkit closes CONTROL_FD.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import sys
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -116,19 +121,23 @@ def import_what_it_imports(script: Path) -> None:
         importlib.import_module(name)
 
 
-def why_fresh(script: Path, request: dict) -> str:
-    """What a fresh interpreter would see differently from a copy of this one ('' if nothing)."""
+def why_fresh(script: Path, request: dict, modules: Sequence[str] = ()) -> str:
+    """What a fresh interpreter would see differently from a copy of this one ('' if nothing). modules: those served
+    as `python -m MODULE` besides MODULES and SCRIPT's package."""
     args = request["args"]
     run = args[1:] if args[:1] == ["-u"] else args  # the script or module, its arguments
     if run[:1] == ["-m"]:
-        if len(run) < 2 or run[1] not in (*MODULES, package_of(script)):
+        if len(run) < 2 or run[1] not in (*MODULES, package_of(script), *modules):
             return f"another module, {run[1:2]}"
-        if package_of(script) and Path(request["cwd"]).resolve() != home(script):
+        if (package_of(script) or run[1] in modules) and Path(request["cwd"]).resolve() != home(script):
             return f"another working folder, {request['cwd']}"  # first on a fresh interpreter's sys.path
     elif not run or run[0].startswith("-"):
         return f"interpreter arguments {args[:3]}"
     elif (Path(request["cwd"]) / run[0]).resolve() != script:
         return f"another script, {run[0]}"
+    # a client pinned to other CPUs (taskset): a fresh interpreter would run on those, a copy runs on the server's
+    if "cpus" in request and set(request["cpus"]) != os.sched_getaffinity(0):
+        return f"CPUs {sorted(os.sched_getaffinity(0))} -> {sorted(request['cpus'])}"
     env, before = request["env"], BEFORE_THE_IMPORTS
     changed = sorted(k for k in env.keys() | before.keys() if env.get(k) != before.get(k))
     changed = [
@@ -141,9 +150,9 @@ def why_fresh(script: Path, request: dict) -> str:
     return ", ".join(f"{k}: {before.get(k)!r} -> {env.get(k)!r}" for k in changed)
 
 
-def serve(script: Path, listener: socket.socket, control: socket.socket) -> dict:
+def serve(script: Path, listener: socket.socket, control: socket.socket, modules: Sequence[str] = ()) -> dict:
     """Answer requests until CONTROL closes (then exit); returns a request in the copy made for it, its stdio
-    already on the request's files."""
+    already on the request's files. modules: also served as `python -m MODULE` (why_fresh)."""
     while True:
         ready, _, _ = select.select([listener, control], [], [])
         with suppress(ChildProcessError):
@@ -157,15 +166,16 @@ def serve(script: Path, listener: socket.socket, control: socket.socket) -> dict
         if os.fork() == 0:
             listener.close()
             control.close()
-            return keep(script, conn)
+            return keep(script, conn, modules)
         conn.close()
 
 
-def keep(script: Path, conn: socket.socket) -> dict:
+def keep(script: Path, conn: socket.socket, modules: Sequence[str]) -> dict:
     """The keeper of one request: returns it in the copy; itself exits when the copy has."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     request = json.loads(message)
-    reason = why_fresh(script, request)
+    request["cpus"] = sorted(os.sched_getaffinity(client_pid(conn)))
+    reason = why_fresh(script, request, modules)
     if reason:
         print(f"fresh: {reason}", flush=True)
         conn.send(b"fresh")
@@ -195,6 +205,12 @@ def keep(script: Path, conn: socket.socket) -> dict:
             select.select([copy], [], [])
 
 
+def client_pid(conn: socket.socket) -> int:
+    """The pid of the process that connected (SO_PEERCRED: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
 def as_python_u() -> None:
     """stdout and stderr as `python -u` makes them: write-through text over unbuffered files."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
@@ -213,7 +229,7 @@ if __name__ == "__main__":
     set_by_the_imports = {k: v for k, v in os.environ.items() if k not in BEFORE_THE_IMPORTS}
     gc.freeze()  # the imports' objects are never collected: a copy's collections (its exit's too) skip them, 1.5 s
     listener = socket.socket(fileno=int(sys.argv[2]))
-    request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])))
+    request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])), sys.argv[4:])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_the_imports, **request["env"]})

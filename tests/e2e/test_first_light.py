@@ -21,19 +21,21 @@ SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
 # in the script's order (its ALL_STEPS)
 STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
 STEPS += ["cpu_speed", "gpus", "fsdp"]
+# the `python -m MODULE` commands of the recipe, ladder, loss, hellaswag and cpu_speed steps
+MODULES = ("bench.time_to_loss", "bench.ladder", "bench.loss_speed", "evals", "bench.profile")
 
 
 @pytest.fixture
 def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]:
     """(the script's environment, its server): its PYTHON asks a warm launch server first (testkit.WarmLaunches), so
-    its `accelerate launch` commands and their train_accel.py runs are forks of a server that has done their imports,
-    2-5 s of CPU less each. Every other command it gives PYTHON (pytest, bench, evals, the probe script) starts a
-    fresh interpreter."""
+    its `accelerate launch` commands, their train_accel.py runs and its bench and evals modules are forks of a server
+    that has done their imports, 2-5 s of CPU less each. Every other command it gives PYTHON (pytest, the environment
+    check, the probe script) starts a fresh interpreter."""
     python = tmp_path / "python"  # named before the server starts: its environment is the script's, PYTHON too
     # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
     env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
     env |= {"PYTHON": str(python), "PWD": str(REPO), "OLDPWD": str(REPO)}
-    with WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"}) as warm:  # the script's export
+    with WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"}, MODULES) as warm:  # its export
         env = warm.for_ranks(env)
         python.symlink_to(warm.python)
         yield env, warm
@@ -109,8 +111,9 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_pyth
         names = tar.getnames()
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") or "/checkpoints" in n for n in names)  # no weights in the pack
-    # warm copies: the launches of the train, fp8, nccl (2) and fsdp steps, and their runs but the nccl probe script
-    assert warm.forked() == 9, warm.log.read_text()
+    # warm copies: the launches of the train, fp8, nccl (2) and fsdp steps, and their runs but the nccl probe script;
+    # the six bench and evals commands
+    assert warm.forked() == 9 + 6, warm.log.read_text()
 
 
 @pytest.mark.parametrize(

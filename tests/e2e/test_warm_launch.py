@@ -124,3 +124,28 @@ def test_a_packages_main_is_served_as_python_m_from_the_folder_holding_it(tmp_pa
     assert why_fresh(main, request("-m", "accelerate.commands.launch")) == ""
     assert why_fresh(main, request("-m", "evals", cwd=tmp_path)) == f"another working folder, {tmp_path}"
     assert why_fresh(main, request("-m", "evals.generate")) == "another module, ['evals.generate']"
+
+
+def test_the_modules_a_server_is_given_are_served_as_python_m_from_the_repo_on_its_cpus(tmp_path):
+    """A server given modules (the first-light script's bench and evals commands) serves `python -m MODULE` for
+    each, run from the repo, with SCRIPT's imports done; another module, another working folder (where another
+    module of that name may be found), or a client pinned to other CPUs (taskset, which a copy would not inherit)
+    gets a fresh interpreter."""
+    from warm_launch import BEFORE_THE_IMPORTS, why_fresh
+
+    modules = ("bench.ladder", "evals")
+
+    def request(*args: str, cwd: Path = REPO, **extra: object) -> dict:
+        return {"args": list(args), "cwd": str(cwd), "env": dict(BEFORE_THE_IMPORTS), **extra}
+
+    assert why_fresh(TRAIN_ACCEL, request("-m", "bench.ladder", "--rungs", "11"), modules) == ""
+    assert why_fresh(TRAIN_ACCEL, request("-m", "evals", "--tasks", "hellaswag"), modules) == ""
+    assert why_fresh(TRAIN_ACCEL, request("-m", "bench.ladder")) == "another module, ['bench.ladder']"
+    assert why_fresh(TRAIN_ACCEL, request("-m", "bench.profile"), modules) == "another module, ['bench.profile']"
+    assert why_fresh(TRAIN_ACCEL, request("-m", "bench.ladder", cwd=tmp_path), modules) == (
+        f"another working folder, {tmp_path}"
+    )
+    ours = sorted(os.sched_getaffinity(0))
+    assert why_fresh(TRAIN_ACCEL, request("-m", "bench.ladder", cpus=ours), modules) == ""
+    other = [ours[-1] + 1]
+    assert why_fresh(TRAIN_ACCEL, request(str(TRAIN_ACCEL), cpus=other)) == f"CPUs {ours} -> {other}"
