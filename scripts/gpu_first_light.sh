@@ -121,7 +121,8 @@ ADAMW="adamw-cosine=--optimizer adamw --lr-schedule cosine"  # the recipe step's
 if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 1.5-2 minutes of CPU time
     PRESET=tiny-cpu DEVICE=cpu MB=2 TRAIN_YAML=accelerate_configs/cpu_eager.yaml
     DDP_YAML=accelerate_configs/cpu_ddp2.yaml  # MULTI_GPU: one process over gloo where there is no CUDA
-    # --peak-tflops: a given MFU peak spares each run the CPU's matmul probes (~1.5 s), which a GPU run never makes
+    # --peak-tflops: a given MFU peak spares each run (and the ladder step) the CPU's matmul probes (~1.5 s), which a
+    # GPU run never makes (a GPU's is its datasheet's); the cpu_speed step measures its own, the MFU it reports
     TRAIN_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --eval-interval 2 --eval-windows 2
         --sample-interval 2 --checkpoint-interval 2 --micro-batch-size auto --peak-tflops 1)
     DDP_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --peak-tflops 1)
@@ -136,7 +137,8 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     SHORT_ARGS=(--config configs/tiny_cpu.yaml --max-steps 2 --log-interval 1 --peak-tflops 1)
     # the GPU YAMLs compile per block; cpu_eager.yaml compiles nothing: dynamo's eager backend, per block
     TRAIN_COMPILE=(--dynamo_backend eager --dynamo_use_regional_compilation)
-    LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager)
+    LADDER_ARGS=(--rungs 0,11 --warmup 1 --steps 1 --accelerate-config "$TRAIN_YAML" --dynamo-backend eager
+        --peak-tflops 1)
     LOSS_ARGS=(--warmup 1 --steps 1 --micro-batch-size 1 --dynamo-backend eager)
     HELLASWAG=${HELLASWAG_LIMIT:-4}
     CPU_TESTS=(tests/modeling/test_fused_ce.py::test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy)
