@@ -130,13 +130,20 @@ class WarmLaunches:
     environment)."""
 
     def __init__(
-        self, script: Path = TRAIN_ACCEL, env: Mapping[str, str] | None = None, modules: Sequence[str] = ()
+        self,
+        script: Path = TRAIN_ACCEL,
+        env: Mapping[str, str] | None = None,
+        modules: Sequence[str] = (),
+        compile_ready: bool = False,
     ) -> None:
         """script: what the server imports and runs (another test script's launches, or a package's __main__.py for
         `python -m PACKAGE`'s; `accelerate launch` too); env:
         the environment its launches have (default: this process's), which the server's imports must see; modules:
-        also served as `python -m MODULE` run from the repo, in copies of the same server (script's imports)."""
-        self.script, self.env, self.modules = script, env, modules
+        also served as `python -m MODULE` run from the repo, in copies of the same server (script's imports);
+        compile_ready: the server picks inductor's CPU vector ISA once, not each compiling copy (warm_launch.py's
+        set_up_cpu_compiles)."""
+        self.script, self.env = script, env
+        self.options = [*(["--compile-ready"] if compile_ready else []), *modules]
         self.lock = threading.Lock()
         self.folder: Path | None = None
 
@@ -159,7 +166,7 @@ class WarmLaunches:
             self.log = folder / "warm_launch.log"
             fds = [listener.fileno(), theirs.fileno()]
             server = [sys.executable, str(REPO / "tests" / "warm_launch.py"), str(self.script), *map(str, fds),
-                      *self.modules]  # fmt: skip
+                      *self.options]  # fmt: skip
             # os.environ, not the C library's environment, which GNU readline's start in pytest gave COLUMNS and LINES
             env = dict(os.environ if self.env is None else self.env)
             with self.log.open("a") as log:

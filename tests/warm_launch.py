@@ -5,7 +5,8 @@ and its one-process launcher's run start warm_exec.py, which asks here), without
 importing torch, accelerate and dynamo. SCRIPT may be a package's __main__.py (evals/__main__.py): the server then
 runs `python [-u] -m PACKAGE ARGS` (`python -m evals`) from the folder holding the package. MODULE... after CONTROL_FD:
 each also served, as `python [-u] -m MODULE ARGS` (`python -m bench.ladder`) run from SCRIPT's folder, whose imports
-are most of a module's own (torch, accelerate, dynamo).
+are most of a module's own (torch, accelerate, dynamo). With --compile-ready first among them, the server also sets up
+the CPU compile cache as a compiling run does first (set_up_cpu_compiles).
 
 Each copy starts from the same state, the imports done and nothing run, so a launch sees what a fresh process sees
 by the time its script's first line after the imports runs. A request is a connection to the listening socket
@@ -67,6 +68,21 @@ BEFORE_THE_IMPORTS = dict(os.environ)  # what the server's imports saw
 # torch loads, which a copy cannot)
 MODULES = ("accelerate.commands.launch",)
 LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
+
+
+COMPILE_READY = "--compile-ready"
+
+
+def set_up_cpu_compiles() -> None:
+    """What a run compiling on the CPU does first (training.compile_cache.set_up_compile_cache), done once here
+    rather than in each copy: inductor picks its vector ISA once per process, loading each ISA's probe library in a
+    fresh interpreter of its own (~1.4 s of CPU a compiling process). The same pick, from the same environment (a
+    request with another is answered fresh); its TORCHINDUCTOR_CACHE_DIR is the request's again in the copy."""
+    import torch
+
+    from training.compile_cache import set_up_compile_cache
+
+    set_up_compile_cache(torch.device("cpu"))
 
 
 def set_up_by_the_process(name: str) -> bool:
@@ -228,8 +244,12 @@ if __name__ == "__main__":
     # what the imports set (dynamo's import sets TORCHINDUCTOR_CACHE_DIR where it is unset), as a fresh process's would
     set_by_the_imports = {k: v for k, v in os.environ.items() if k not in BEFORE_THE_IMPORTS}
     gc.freeze()  # the imports' objects are never collected: a copy's collections (its exit's too) skip them, 1.5 s
+    modules = sys.argv[4:]
+    if modules[:1] == [COMPILE_READY]:
+        modules = modules[1:]
+        set_up_cpu_compiles()
     listener = socket.socket(fileno=int(sys.argv[2]))
-    request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])), sys.argv[4:])
+    request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])), modules)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_the_imports, **request["env"]})

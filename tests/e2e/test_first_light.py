@@ -29,13 +29,15 @@ MODULES = ("bench.time_to_loss", "bench.ladder", "bench.loss_speed", "evals", "b
 def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]:
     """(the script's environment, its server): its PYTHON asks a warm launch server first (testkit.WarmLaunches), so
     its `accelerate launch` commands, their train_accel.py runs and its bench and evals modules are forks of a server
-    that has done their imports, 2-5 s of CPU less each. Every other command it gives PYTHON (pytest, the environment
-    check, the probe script) starts a fresh interpreter."""
+    that has done their imports, 2-5 s of CPU less each, and picked inductor's CPU vector ISA once for those that
+    compile. Every other command it gives PYTHON (pytest, the environment check, the probe script) starts a fresh
+    interpreter."""
     python = tmp_path / "python"  # named before the server starts: its environment is the script's, PYTHON too
     # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
     env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
     env |= {"PYTHON": str(python), "PWD": str(REPO), "OLDPWD": str(REPO)}
-    with WarmLaunches(TRAIN_ACCEL, {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"}, MODULES) as warm:  # its export
+    exported = {**env, "SHLVL": "1", "PYTHONUNBUFFERED": "1"}  # the script's export
+    with WarmLaunches(TRAIN_ACCEL, exported, MODULES, compile_ready=True) as warm:
         env = warm.for_ranks(env)
         python.symlink_to(warm.python)
         yield env, warm
