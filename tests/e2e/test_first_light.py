@@ -21,17 +21,18 @@ SCRIPT = str(REPO / "scripts" / "gpu_first_light.sh")
 # in the script's order (its ALL_STEPS)
 STEPS = ["environment", "tests", "train", "recipe", "fp8", "ladder", "loss", "nccl", "hellaswag", "cpu"]
 STEPS += ["cpu_speed", "gpus", "fsdp"]
-# the `python -m MODULE` commands of the recipe, ladder, loss, hellaswag and cpu_speed steps
-MODULES = ("bench.time_to_loss", "bench.ladder", "bench.loss_speed", "evals", "bench.profile")
+# the `python -m MODULE` commands of the tests, recipe, ladder, loss, hellaswag and cpu_speed steps (the cpu step's
+# pytest has a folder of its own on PYTHONPATH: a fresh interpreter)
+MODULES = ("pytest", "bench.time_to_loss", "bench.ladder", "bench.loss_speed", "evals", "bench.profile")
 
 
 @pytest.fixture
 def warm_python(tmp_path: Path) -> Iterator[tuple[dict[str, str], WarmLaunches]]:
     """(the script's environment, its server): its PYTHON asks a warm launch server first (testkit.WarmLaunches), so
-    its `accelerate launch` commands, their train_accel.py runs and its bench and evals modules are forks of a server
-    that has done their imports, 2-5 s of CPU less each, and picked inductor's CPU vector ISA once for those that
-    compile. Every other command it gives PYTHON (pytest, the environment check, the probe script) starts a fresh
-    interpreter."""
+    its `accelerate launch` commands, their train_accel.py runs, its bench and evals modules and the tests step's
+    pytest are forks of a server that has done their imports, 2-5 s of CPU less each, and picked inductor's CPU vector
+    ISA once for those that compile. Every other command it gives PYTHON (the cpu step's pytest, the environment
+    check, the probe script) starts a fresh interpreter."""
     python = tmp_path / "python"  # named before the server starts: its environment is the script's, PYTHON too
     # bash's own variables as the script's commands have them: SHLVL 1 (none before), OLDPWD the folder it starts in
     env = {k: v for k, v in os.environ.items() if k != "SHLVL"}
@@ -114,8 +115,8 @@ def test_dry_run_writes_every_figure_and_log(prepared_books, tmp_path, warm_pyth
     assert "./summary.md" in names and "./ladder/ladder.json" in names and "./train/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") or "/checkpoints" in n for n in names)  # no weights in the pack
     # warm copies: the launches of the train, fp8, nccl (2) and fsdp steps, and their runs but the nccl probe script;
-    # the six bench and evals commands
-    assert warm.forked() == 9 + 6, warm.log.read_text()
+    # the tests step's pytest, the six bench and evals commands
+    assert warm.forked() == 9 + 7, warm.log.read_text()
 
 
 @pytest.mark.parametrize(
