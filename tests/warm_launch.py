@@ -68,9 +68,7 @@ BEFORE_THE_IMPORTS = dict(os.environ)  # what the server's imports saw
 # torch loads, which a copy cannot)
 MODULES = ("accelerate.commands.launch",)
 LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
-
-
-COMPILE_READY = "--compile-ready"
+COMPILE_READY = "--compile-ready"  # the option, first after CONTROL_FD, for set_up_cpu_compiles before serving
 
 
 def set_up_cpu_compiles() -> None:
@@ -243,11 +241,11 @@ if __name__ == "__main__":
     import_what_it_imports(script)
     # what the imports set (dynamo's import sets TORCHINDUCTOR_CACHE_DIR where it is unset), as a fresh process's would
     set_by_the_imports = {k: v for k, v in os.environ.items() if k not in BEFORE_THE_IMPORTS}
-    gc.freeze()  # the imports' objects are never collected: a copy's collections (its exit's too) skip them, 1.5 s
     modules = sys.argv[4:]
     if modules[:1] == [COMPILE_READY]:
         modules = modules[1:]
         set_up_cpu_compiles()
+    gc.freeze()  # the imports' objects are never collected: a copy's collections (its exit's too) skip them, 1.5 s
     listener = socket.socket(fileno=int(sys.argv[2]))
     request = serve(script, listener, socket.socket(fileno=int(sys.argv[3])), modules)
     os.chdir(request["cwd"])
