@@ -193,10 +193,16 @@ class WarmLaunches:
         return {**env, "PYTHON_EXEC": str(self.python), "WARM_LAUNCH_SOCKET": str(self.folder / "socket")}
 
     def run(
-        self, cmd: list[str], env: Mapping[str, str], timeout: float, output: IO[bytes] | None = None
+        self,
+        cmd: list[str],
+        env: Mapping[str, str],
+        timeout: float,
+        output: IO[bytes] | None = None,
+        cwd: Path = REPO,
     ) -> subprocess.CompletedProcess | None:
         """The finished launch, or None where it must start fresh (the server's imports saw another environment).
-        output: one file for the copy's stdout and stderr both (the result's are then empty)."""
+        output: one file for the copy's stdout and stderr both (the result's are then empty); cwd: its working
+        folder (a machine's own, tests/e2e/test_sharded.py's two-machine launches)."""
         self.start()
         with (
             socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock,
@@ -205,7 +211,7 @@ class WarmLaunches:
             tempfile.TemporaryFile() as err,
         ):
             stdio = [stdin.fileno(), *([out.fileno(), err.fileno()] if output is None else [output.fileno()] * 2)]
-            answer = ask(sock, str(self.folder / "socket"), cmd[1:], str(REPO), env, stdio)
+            answer = ask(sock, str(self.folder / "socket"), cmd[1:], str(cwd), env, stdio)
             if not answer:
                 raise self.ended()
             if answer == b"fresh":

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -229,18 +230,13 @@ def two_machines(
         launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dirs[rank], data_dirs[rank], *args[rank], launch_args=port)
         for rank in (0, 1)
     ]
-    env = WARM.for_ranks(os.environ)  # each machine's rank a warm copy (testkit.WarmLaunches)
-    machine1 = subprocess.Popen(
-        cmds[1], cwd=cwds[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        machine0 = subprocess.run(cmds[0], cwd=cwds[0], env=env, capture_output=True, text=True, timeout=180)
-        out1, err1 = machine1.communicate(timeout=120)
-    finally:
-        if machine1.poll() is None:
-            machine1.kill()
-            machine1.communicate()
-    return [(machine0.returncode, machine0.stdout, machine0.stderr), (machine1.returncode, out1, err1)]
+    # each machine's launcher and rank a warm copy (testkit.WarmLaunches), the two launches at once
+    env, forked = WARM.for_ranks(os.environ), WARM.forked()
+    with ThreadPoolExecutor(2) as pool:
+        launches = [pool.submit(WARM.run, cmds[rank], env, 180, cwd=cwds[rank]) for rank in (1, 0)]
+        machine1, machine0 = [launch.result() for launch in launches]
+    assert WARM.forked() == forked + 4, WARM.log.read_text()[-3000:]  # not one fresh interpreter
+    return [(m.returncode, m.stdout, m.stderr) for m in (machine0, machine1)]
 
 
 def test_two_machine_launch_matches_single_machine_ddp(prepared_books, tmp_path, ddp_run):
