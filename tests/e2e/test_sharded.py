@@ -368,13 +368,18 @@ def two_training_machines(run_dir: Path, data_dir: Path, watched: int) -> Iterat
         through_training_launch(launch_cmd(f"2node_cpu_rank{rank}.yaml", run_dir, data_dir, *args, launch_args=port))
         for rank in (0, 1)
     ]
+    # the launchers fresh (training.launch quiets libtorch's C++ logs before torch loads), their ranks warm copies,
+    # which get the launcher's signals through tests/warm_exec.py and die with it (testkit.WarmLaunches)
+    env, forked = WARM.for_ranks(os.environ), WARM.forked()
     machines = [
-        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in cmds
     ]
     try:
         for line in machines[watched].stderr:  # the progress lines (no terminal)
             if line.startswith("step 2/"):
                 break
+        assert WARM.forked() == forked + 2, WARM.log.read_text()[-3000:]  # both ranks
         yield machines
     finally:
         for m in machines:
@@ -404,7 +409,8 @@ def test_a_machine_whose_peer_died_says_so_in_one_line(prepared_books, tmp_path)
     gloo's "Connection reset by peer ... GLHF!" line, naming neither what happened nor how to go on. Now its last
     line says so and what to do, with no traceback."""
     with two_training_machines(tmp_path / "run", prepared_books, watched=1) as machines:
-        [trainer] = psutil.Process(machines[1].pid).children()  # torchrun's one training process on machine 1
+        # torchrun's one training process on machine 1 (tests/warm_exec.py: its warm copy dies with it)
+        [trainer] = psutil.Process(machines[1].pid).children()
         trainer.kill()
         out, err = machines[0].communicate(timeout=120)
     assert machines[0].returncode == 1 and "Traceback" not in err, err[-3000:]
