@@ -288,8 +288,11 @@ def test_make_train_in_a_terminal_draws_one_full_bar_below_the_runs_lines(prepar
     the run prints while it is up (start-up, evals, the first save) go above it, each on lines of its own. Under
     accelerate 1.16 the one-process launcher passes the run's stderr through a pipe: a bar drawn there was 10
     characters wide, with each such line glued to its end."""
+    # 256-token steps: the recipe's configs/cpu_small.yaml would make each 8,192 (16 micro-batches), ~8 s of
+    # steps that have nothing to do with the bar either
     args = train_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "4", "--time-budget-minutes", "0",
-                     "--eval-interval", "2", "--eval-windows", "4", "--checkpoint-interval", "0")[2:]  # fmt: skip
+                     "--micro-batch-size", "4", "--total-batch-tokens", "256", "--eval-interval", "2",
+                     "--eval-windows", "4", "--checkpoint-interval", "0")[2:]  # fmt: skip
     # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with the bar)
     recipe = testkit.make_train_recipe(yaml="cpu_eager.yaml")
     status, screen = testkit.run_in_terminal(["bash", "-c", f"{recipe} {shlex.join(args)}"], columns=100)
