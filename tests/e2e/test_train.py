@@ -255,12 +255,13 @@ def test_a_model_of_ones_own_shape_trains_resumes_and_exports_at_that_shape(prep
     is that shape with n_positions = block_size."""
     run = tmp_path / "run"
     args = ["--n-layer", "3", "--n-head", "4", "--n-embd", "48", "--block-size", "128", "--micro-batch-size", "4",
-            "--total-batch-tokens", "512", "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", "1",
-            "--export-hf", "true"]  # fmt: skip
+            "--total-batch-tokens", "512", "--log-interval", "1", "--eval-interval", "0",
+            "--warmup-steps", "1"]  # fmt: skip
     first = launch(None, run, prepared_books, *args, "--max-steps", "2")
     assert "tiny-cpu with n_layer 3, n_head 4, n_embd 48: " in first.stdout
     assert "4 × 128 tokens × 1 accumulation" in first.stdout
-    again = launch(None, run, prepared_books, *args, "--max-steps", "3")
+    # the relaunch exports (transformers' import and the export, ~5 s, once): what it trained, read back
+    again = launch(None, run, prepared_books, *args, "--max-steps", "3", "--export-hf", "true")
     assert "resumed from" in again.stdout and len(losses(run)) == 3
     exported = json.loads((run / "export" / "config.json").read_text())
     shape = {k: exported[k] for k in ("n_layer", "n_head", "n_embd", "n_positions")}
