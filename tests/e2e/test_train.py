@@ -136,7 +136,10 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_whatever_mfu_peak_is_given(
         launch_args=["--dynamo_backend", "no"],
     )  # fmt: skip
     assert "--peak-tflops" in cmd
-    stdout = testkit.run(cmd, env=env, timeout=300).stdout
+    # the launcher and the run in copies of a server whose imports saw this ISA: testkit.WARM's would start two fresh
+    # interpreters for it
+    with testkit.WarmLaunches(env=env) as warm:
+        stdout = testkit.run(cmd, env=env, timeout=300, warm=warm).stdout
     assert "warning: this CPU has no native bf16 matmuls: bf16 runs " in stdout
     assert "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one" in stdout
 
