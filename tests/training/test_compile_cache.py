@@ -145,27 +145,34 @@ def test_without_a_c_compiler_or_python_headers_a_gpu_compile_is_one_line(tmp_pa
 
 
 PROBE = textwrap.dedent("""
-    import json, sys, torch
+    import json, os, sys, torch
+    from pathlib import Path
     from torch._dynamo.utils import counters
-    if sys.argv[1] == "isolate":
-        from training.compile_cache import set_up_compile_cache
-        set_up_compile_cache(torch.device('cpu'))
-    else:  # the rest of the set-up: its graph pass is part of the cache's key
-        from modeling import inductor_passes
-        inductor_passes.install()
+    from training.compile_cache import set_up_compile_cache
     f = lambda x: torch.nn.functional.gelu(x * 2 + 1).sum(-1)
     x = torch.randn(37, 40)  # ragged against every vector width
-    torch.testing.assert_close(torch.compile(f)(x), f(x))
-    print(json.dumps(counters["inductor"]))
+    inherited = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for folder in sys.argv[1:]:
+        if folder == "isolate":
+            set_up_compile_cache(torch.device("cpu"))
+        else:  # the inherited folder as the one cache, the rest of the set-up done (its graph pass is in the key)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = inherited
+        torch._dynamo.reset()
+        counters.clear()
+        torch.testing.assert_close(torch.compile(f)(x), f(x))
+        files = sorted(str(p) for p in Path(inherited).rglob("*"))  # what the inherited folder holds after it
+        print(json.dumps({"counters": counters["inductor"], "inherited_files": files}))
 """)
 
 
-def compile_probe(cache: Path, isolate: bool, env: dict[str, str] | None = None) -> dict[str, int]:
-    """Compile a small function in a fresh process on the cache folder `cache`; inductor's cache counters."""
+def compile_probe(cache: Path, *folders: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Compile a small function in a fresh process that inherits the cache folder `cache`, once per entry of
+    `folders`: in the set-up's subfolder ("isolate") or in `cache` itself ("inherited"); after each compile,
+    inductor's cache counters and the files in `cache`."""
     inherited = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     env = {**inherited, "TORCHINDUCTOR_CACHE_DIR": str(cache), **(env or {})}
-    cmd = [sys.executable, "-c", PROBE, "isolate" if isolate else "shared"]
-    return json.loads(run(cmd, env=env).stdout.splitlines()[-1])
+    cmd = [sys.executable, "-c", PROBE, *folders]
+    return [json.loads(line) for line in run(cmd, env=env).stdout.splitlines()[-len(folders) :]]
 
 
 @pytest.mark.slow
@@ -177,14 +184,15 @@ def test_a_graph_compiled_for_another_isa_is_compiled_anew(tmp_path):
     the ISA."""
     # the probe programs conftest's set-up built, so that the first process does not build them again (~7 s of C++)
     copy_isa_probes(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent, tmp_path)
-    compile_probe(tmp_path, isolate=True, env=SCALAR)
+    compile_probe(tmp_path, "isolate", env=SCALAR)
     (scalar,) = tmp_path.glob(PREFIX + "*")  # the scalar build's subfolder
-    second = compile_probe(tmp_path, isolate=True)
-    assert second.get("fxgraph_cache_hit", 0) == 0 and second["fxgraph_cache_miss"] == 1
-    scalar_files = sorted(scalar.rglob("*"))
-    assert compile_probe(scalar, isolate=True)["fxgraph_cache_hit"] == 1
-    assert sorted(scalar.rglob("*")) == scalar_files
-
-    copy_isa_probes(tmp_path, scalar)  # without the set-up, inductor would build its probes in the scalar folder
-    served = compile_probe(scalar, isolate=False).get("fxgraph_cache_hit", 0)
-    assert served == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
+    (second,) = compile_probe(tmp_path, "isolate")
+    assert second["counters"].get("fxgraph_cache_hit", 0) == 0 and second["counters"]["fxgraph_cache_miss"] == 1
+    scalar_files = sorted(str(p) for p in scalar.rglob("*"))
+    # the third process, which then compiles once more without the set-up's subfolder (a fourth process's imports
+    # spared: its ISA was picked, so no probe programs are built in the scalar folder either)
+    found, served = compile_probe(scalar, "isolate", "inherited")
+    assert found["counters"]["fxgraph_cache_hit"] == 1
+    assert found["inherited_files"] == scalar_files
+    served_hits = served["counters"].get("fxgraph_cache_hit", 0)
+    assert served_hits == 1, "torch keys its compile cache on the vector ISA now: training.compile_cache can go"
