@@ -29,8 +29,9 @@ def native_bf16() -> bool:
 @pytest.fixture(scope="module")
 def warm_probe() -> Iterator[WarmLaunches]:
     """The server the probe's ranks run in (testkit.WarmLaunches): each a copy of a process that has imported torch,
-    dynamo and the run's modules, not a fresh interpreter (the file's 6 ranks: ~5 s of CPU each)."""
-    with WarmLaunches(PROBE) as warm:
+    dynamo and the run's modules and picked inductor's ISA, not a fresh interpreter (the file's 6 ranks: ~5 s of CPU
+    each)."""
+    with WarmLaunches(PROBE, compile_ready=True) as warm:
         yield warm
 
 
