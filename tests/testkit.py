@@ -33,7 +33,7 @@ import torch
 import yaml
 from safetensors.torch import save_model
 from warm_exec import ask
-from warm_launch import package_of
+from warm_launch import COMPILE_READY, package_of
 
 from modeling.config import GPTConfig, get_preset
 from modeling.gpt import GPT
@@ -143,7 +143,7 @@ class WarmLaunches:
         compile_ready: the server picks inductor's CPU vector ISA once, not each compiling copy (warm_launch.py's
         set_up_cpu_compiles)."""
         self.script, self.env = script, env
-        self.options = [*(["--compile-ready"] if compile_ready else []), *modules]
+        self.options = [*([COMPILE_READY] if compile_ready else []), *modules]
         self.lock = threading.Lock()
         self.folder: Path | None = None
 
@@ -176,16 +176,18 @@ class WarmLaunches:
             theirs.close()
             self.folder = folder
 
+    def forks(self) -> list[str]:
+        """The server log's line for each copy it has made, `forked PID: ARGS`, oldest first."""
+        self.start()
+        return [line for line in self.log.read_text().splitlines() if line.startswith("forked ")]
+
     def forked(self) -> int:
         """Copies the server has made."""
-        self.start()
-        return sum(line.startswith("forked ") for line in self.log.read_text().splitlines())
+        return len(self.forks())
 
     def last_forked(self) -> int:
-        """The pid of the copy the server made last (its log's `forked PID: ARGS` line)."""
-        self.start()
-        last = [line for line in self.log.read_text().splitlines() if line.startswith("forked ")][-1]
-        return int(last.split()[1].rstrip(":"))
+        """The pid of the copy the server made last."""
+        return int(self.forks()[-1].split()[1].rstrip(":"))
 
     def for_ranks(self, env: Mapping[str, str]) -> dict[str, str]:
         """The environment of an `accelerate launch` whose ranks are to run warm."""
