@@ -11,7 +11,9 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -185,6 +187,15 @@ class WarmLaunches:
         """Copies the server has made."""
         return len(self.forks())
 
+    @contextmanager
+    def forking(self, copies: int) -> Iterator[None]:
+        """A block whose launches the server answers with exactly `copies` copies (no fresh interpreter among them,
+        nothing else served meanwhile), checked as the block ends without an error."""
+        before = self.forked()
+        yield
+        made = self.forked() - before
+        assert made == copies, f"{made} warm copies, not {copies}:\n{self.log.read_text()[-3000:]}"
+
     def last_forked(self) -> int:
         """The pid of the copy the server made last."""
         return int(self.forks()[-1].split()[1].rstrip(":"))
@@ -272,11 +283,15 @@ def make_train_recipe(args: str = "", yaml: str | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     make = ["make", "-n", "--no-print-directory", "-o", "install", "train", f"VENV={venv}", f"ARGS={args}"]
     recipe = subprocess.run(make, cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
-    if yaml is None:
-        return recipe
-    picked = "--config_file $yaml "
-    assert picked in recipe, recipe
-    return recipe.replace(picked, f"--config_file {REPO / 'accelerate_configs' / yaml} ")
+    return recipe if yaml is None else launching(yaml, recipe)
+
+
+def launching(yaml: str, recipe: str) -> str:
+    """`make train`'s recipe (as make prints it, or the Makefile's text) set to launch accelerate_configs/<yaml>
+    without picking one: training.pick_cpu_config's matmul probe (~4 s of CPU) left out, the rest as it is."""
+    pick = re.compile(r"yaml=\$\$?\([^\n]*? -m training\.pick_cpu_config\)")
+    assert len(pick.findall(recipe)) == 1, recipe
+    return pick.sub(lambda _: f"yaml={shlex.quote(str(REPO / 'accelerate_configs' / yaml))}", recipe)
 
 
 def run_in_terminal(

@@ -44,11 +44,10 @@ def warm_evals() -> Iterator[WarmLaunches]:
 
 def test_one_and_two_processes_give_identical_results(tiny_run, tmp_path, warm_evals):
     args = ["--run", str(tiny_run), "--tasks", "hellaswag,lambada", "--limit", "12", "--batch-size", "5"]
-    forked = warm_evals.forked()
-    one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"], warm=warm_evals)
     launch = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/cpu_ddp2.yaml"]
-    two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"], warm=warm_evals)
-    assert warm_evals.forked() == forked + 4, warm_evals.log.read_text()  # the run, the launcher, its 2 ranks
+    with warm_evals.forking(4):  # the run, the launcher, its 2 ranks
+        one = run_cli([*args, "--json", str(tmp_path / "one.json")], [sys.executable, "-m", "evals"], warm=warm_evals)
+        two = run_cli([*args, "--json", str(tmp_path / "two.json")], [*launch, "-m", "evals"], warm=warm_evals)
     assert "1 process(es)" in one.stdout and "2 process(es)" in two.stdout
     # accelerate imports DeepSpeed where installed, which warned on each rank that it found no GPU
     assert "[WARNING]" not in one.stdout + one.stderr + two.stdout + two.stderr
@@ -135,10 +134,9 @@ def test_a_bad_argument_under_two_processes_is_one_line(tmp_path, warm_evals):
     then the launcher's line about rank 0's exit status)."""
     yaml = str(REPO / "accelerate_configs" / "cpu_ddp2.yaml")
     cmd = [sys.executable, "-m", "training.launch", "-q", "--config_file", yaml, "-m", "evals"]
-    forked = warm_evals.forked()
     args = ["--run", str(tmp_path / "nowhere"), "--tasks", "lambada"]
-    result = run([*cmd, *args], expect_rc=1, timeout=300, env=cli_env(), warm=warm_evals)
-    assert warm_evals.forked() == forked + 2, warm_evals.log.read_text()  # the ranks ran warm
+    with warm_evals.forking(2):  # the ranks ran warm
+        result = run([*cmd, *args], expect_rc=1, timeout=300, env=cli_env(), warm=warm_evals)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: run folder {tmp_path / 'nowhere'} does not exist"], result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == errors[0]

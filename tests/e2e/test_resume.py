@@ -34,6 +34,7 @@ from testkit import (
     copy_isa_probes,
     fill_disk,
     hub_endpoint,
+    launching,
     make_train_recipe,
     rendered,
     run,
@@ -404,10 +405,9 @@ def test_a_second_launch_on_a_run_folder_in_use_stops_at_once(prepared_books, tm
     """Two launches on one out_dir: the second names the holder and touches nothing; after kill -9 of the first
     the lock is free and the run resumes."""
     run_dir = tmp_path / "run"
-    forked = WARM.forked()
-    first = start_and_wait(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "2"),
-                           run_dir, until_step=3, warm=True)  # fmt: skip
-    assert WARM.forked() == forked + 1, WARM.log.read_text()[-3000:]  # a warm copy: its pid is the server's to say
+    with WARM.forking(1):  # a warm copy: its pid is the server's to say
+        first = start_and_wait(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500",
+                                        "--checkpoint-interval", "2"), run_dir, until_step=3, warm=True)  # fmt: skip
     pid = WARM.last_forked()  # the run's own process
     try:
         second = run(
@@ -483,7 +483,7 @@ def test_ctrl_c_on_make_train_saves_and_ends_with_our_line(prepared_books, tmp_p
     run_dir = tmp_path / "run"
     args = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
                     "--time-budget-minutes", "0")[2:]  # fmt: skip
-    # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with a signal)
+    # the recipe as it is, launching eager unpicked (the picked YAML compiles: ~30 s unrelated to a signal)
     recipe = make_train_recipe(yaml="cpu_eager.yaml")
     status, screen = run_in_terminal(["bash", "-c", f"{recipe} {shlex.join(args)}"], columns=400,
                                      interrupt=lambda: logged_steps(run_dir) >= 3)  # fmt: skip
@@ -506,12 +506,9 @@ def test_sigterm_to_make_train_reaches_the_run_which_saves(prepared_books, tmp_p
                     "--time-budget-minutes", "0")[2:]  # fmt: skip
     venv = Path(sys.executable).parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not a sub-make
-    # the Makefile as it is, launching eager (its picked YAML compiles: ~40 s that have nothing to do with a signal)
-    picked = "--config_file $$yaml "
-    makefile = (REPO / "Makefile").read_text()
-    assert picked in makefile
+    # the Makefile as it is, launching eager unpicked (the picked YAML compiles: ~40 s unrelated to a signal)
     eager = tmp_path / "Makefile"
-    eager.write_text(makefile.replace(picked, f"--config_file {REPO / 'accelerate_configs' / 'cpu_eager.yaml'} "))
+    eager.write_text(launching("cpu_eager.yaml", (REPO / "Makefile").read_text()))
     make = ["make", "-f", str(eager), "--no-print-directory", "-o", "install", "train", f"VENV={venv}",
             f"ARGS={shlex.join(args)}"]  # fmt: skip
     proc = start_until(make, lambda: logged_steps(run_dir) >= 3, env=env)

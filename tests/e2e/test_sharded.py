@@ -234,11 +234,10 @@ def two_machines(
         for rank in (0, 1)
     ]
     # each machine's launcher and rank a warm copy (testkit.WarmLaunches), the two launches at once
-    env, forked = WARM.for_ranks(os.environ), WARM.forked()
-    with ThreadPoolExecutor(2) as pool:
+    env = WARM.for_ranks(os.environ)
+    with WARM.forking(4), ThreadPoolExecutor(2) as pool:  # not one fresh interpreter
         launches = [pool.submit(WARM.run, cmds[rank], env, 180, cwd=cwds[rank]) for rank in (1, 0)]
         machine1, machine0 = [launch.result() for launch in launches]
-    assert WARM.forked() == forked + 4, WARM.log.read_text()[-3000:]  # not one fresh interpreter
     return [(m.returncode, m.stdout, m.stderr) for m in (machine0, machine1)]
 
 
@@ -373,16 +372,16 @@ def two_training_machines(run_dir: Path, data_dir: Path, watched: int) -> Iterat
     ]
     # the launchers fresh (training.launch quiets libtorch's C++ logs before torch loads), their ranks warm copies,
     # which get the launcher's signals through tests/warm_exec.py and die with it (testkit.WarmLaunches)
-    env, forked = WARM.for_ranks(os.environ), WARM.forked()
-    machines = [
-        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd in cmds
-    ]
+    env, machines = WARM.for_ranks(os.environ), []
     try:
-        for line in machines[watched].stderr:  # the progress lines (no terminal)
-            if line.startswith("step 2/"):
-                break
-        assert WARM.forked() == forked + 2, WARM.log.read_text()[-3000:]  # both ranks
+        with WARM.forking(2):  # both ranks
+            for cmd in cmds:
+                machines.append(
+                    subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                )
+            for line in machines[watched].stderr:  # the progress lines (no terminal)
+                if line.startswith("step 2/"):
+                    break
         yield machines
     finally:
         for m in machines:

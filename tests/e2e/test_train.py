@@ -297,7 +297,7 @@ def test_make_train_in_a_terminal_draws_one_full_bar_below_the_runs_lines(prepar
     args = train_cmd(None, tmp_path / "run", prepared_books, "--max-steps", "4", "--time-budget-minutes", "0",
                      "--micro-batch-size", "4", "--total-batch-tokens", "256", "--eval-interval", "2",
                      "--eval-windows", "4", "--checkpoint-interval", "0")[2:]  # fmt: skip
-    # the recipe as it is, launching eager (its picked YAML compiles: ~30 s that have nothing to do with the bar)
+    # the recipe as it is, launching eager unpicked (the picked YAML compiles: ~30 s unrelated to the bar)
     recipe = testkit.make_train_recipe(yaml="cpu_eager.yaml")
     status, screen = testkit.run_in_terminal(["bash", "-c", f"{recipe} {shlex.join(args)}"], columns=100)
     lines = testkit.rendered(screen, columns=100)
@@ -331,10 +331,8 @@ def test_a_log_of_stdout_and_stderr_together_holds_each_line_whole(prepared_book
                     "--total-batch-tokens", "256", "--log-interval", "2", "--eval-interval", "2", "--eval-windows", "4",
                     "--checkpoint-interval", "0")  # fmt: skip
     log = tmp_path / "job.out"
-    forked = testkit.WARM.forked()
-    with log.open("wb") as out:
+    with log.open("wb") as out, testkit.WARM.forking(1):  # a warm copy, whose stdout and stderr were this file
         testkit.run(cmd, timeout=300, output=out)
-    assert testkit.WARM.forked() == forked + 1  # a warm copy, whose stdout and stderr were this file
     text = log.read_bytes().decode()  # as written: read_text() would turn carriage returns into newlines
     assert "\r" not in text, text
     lines = text.splitlines()

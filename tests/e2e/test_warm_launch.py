@@ -23,9 +23,8 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
     args = ["--max-steps", "3", "--micro-batch-size", "4", "--total-batch-tokens", "512", "--log-interval", "1",
             "--eval-interval", "3", "--eval-windows", "4", "--checkpoint-interval", "3"]  # fmt: skip
     cold = fresh(train_cmd(None, tmp_path / "fresh", prepared_books, *args))
-    forked = WARM.forked()
-    warm = run(train_cmd(None, tmp_path / "warm", prepared_books, *args))
-    assert WARM.forked() == forked + 1, WARM.log.read_text()  # it went through the server
+    with WARM.forking(1):  # it went through the server
+        warm = run(train_cmd(None, tmp_path / "warm", prepared_books, *args))
     assert cold.returncode == 0, cold.stderr[-3000:]
     runs = [read_metrics(tmp_path / name / "metrics.jsonl") for name in ("fresh", "warm")]
     losses = [[(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows if "step" in r] for rows in runs]
@@ -41,8 +40,8 @@ def test_a_warm_launch_is_a_fresh_one(prepared_books, tmp_path):
 
     bad = ["--n-head", "3"]  # tiny-cpu's 64 channels do not split into 3 heads
     cold = fresh(train_cmd(None, tmp_path / "bad-fresh", prepared_books, *bad))
-    warm = run(train_cmd(None, tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
-    assert WARM.forked() == forked + 2
+    with WARM.forking(1):
+        warm = run(train_cmd(None, tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
     assert (cold.returncode, cold.stdout, cold.stderr) == (1, warm.stdout, warm.stderr), (cold.stderr, warm.stderr)
 
 
@@ -50,9 +49,8 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
     args = ["--max-steps", "2", "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--log-interval", "1",
             "--eval-interval", "2", "--eval-windows", "4", "--checkpoint-interval", "2"]  # fmt: skip
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "fresh", prepared_books, *args))
-    forked = WARM.forked()
-    warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "warm", prepared_books, *args))
-    assert WARM.forked() == forked + 3, WARM.log.read_text()  # the launcher and both ranks went through the server
+    with WARM.forking(3):  # the launcher and both ranks went through the server
+        warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "warm", prepared_books, *args))
     assert cold.returncode == 0, cold.stderr[-3000:]
     runs = [read_metrics(tmp_path / name / "metrics.jsonl") for name in ("fresh", "warm")]
     losses = [[(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows if "step" in r] for rows in runs]
@@ -64,8 +62,8 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
     # when torchrun looked (one or both: it stops the other), and the exit status
     bad = ["--n-head", "3"]  # tiny-cpu's 64 channels do not split into 3 heads
     cold = fresh(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-fresh", prepared_books, *bad))
-    warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
-    assert WARM.forked() == forked + 6
+    with WARM.forking(3):
+        warm = run(train_cmd("cpu_ddp2.yaml", tmp_path / "bad-warm", prepared_books, *bad), expect_rc=1)
     assert cold.returncode == 1, cold.stderr[-3000:]
     ours = [[line for line in p.stderr.splitlines() if "error: " in line] for p in (cold, warm)]
     said = ours[0][0]
@@ -76,8 +74,8 @@ def test_an_accelerate_launch_and_the_runs_it_starts_run_warm_as_fresh_ones(prep
 
     # accelerate's one-process launcher: its run too
     cold = fresh(train_cmd("cpu_eager.yaml", tmp_path / "one-fresh", prepared_books, *bad))
-    warm = run(train_cmd("cpu_eager.yaml", tmp_path / "one-warm", prepared_books, *bad), expect_rc=1)
-    assert WARM.forked() == forked + 8, WARM.log.read_text()
+    with WARM.forking(2):  # the launcher and its run
+        warm = run(train_cmd("cpu_eager.yaml", tmp_path / "one-warm", prepared_books, *bad), expect_rc=1)
     assert cold.returncode == 1, cold.stderr[-3000:]
     # the launcher's traceback's frames (indented lines) start in warm_launch.py; its CalledProcessError names the
     # command it ran, the warm client here
