@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from modeling.device import X86
+from modeling.device import X86, amd_cpu
 
 
 def _onednn_beats_mkl() -> bool:
@@ -33,13 +33,8 @@ def _onednn_beats_mkl() -> bool:
     kernels beat MKL's. ATen's CPU capability stands for the ISA, so ATEN_CPU_CAPABILITY=avx2 takes MKL, as a Zen 3."""
     if not X86 or not torch.backends.mkldnn.is_available():
         return False
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    except OSError:  # not Linux: keep torch's choice
-        return False
+    # not Linux (no /proc/cpuinfo to name the vendor): keep torch's choice
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and amd_cpu()
 
 
 ONEDNN_FP32 = _onednn_beats_mkl()  # read once: torch.compile guards on it as a constant

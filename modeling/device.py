@@ -72,5 +72,14 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return fields["model name"] + (f" ({', '.join(details)})" if details else "")
 
 
+def amd_cpu() -> bool:
+    """Whether /proc/cpuinfo names AMD as the CPU's vendor (False where there is none to read: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return False
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu_model()}"

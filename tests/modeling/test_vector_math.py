@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modeling.device import amd_cpu
 from testkit import REPO
 
 PROBE = textwrap.dedent("""
@@ -22,7 +23,9 @@ PROBE = textwrap.dedent("""
     first = [logits.exp(), logits.abs().log()]
     print(all(torch.equal(a, b) for a, b in zip(first, [logits.exp(), logits.abs().log()])))
 """)
-PROCESSES = 24  # without the warm-up 1 to 3 in 12 processes differed on a Xeon with AMX (BENCHMARKS.md)
+# Without the warm-up 1 to 3 in 12 processes differed on a Xeon with AMX, 0 in 48 on an AMD Zen 4 (24 of them with
+# both cores busy beside): on AMD CPUs, where no wrong first call has been seen, one wave (BENCHMARKS.md)
+PROCESSES = 4 if amd_cpu() else 24
 # Started together, so that each wave's processes read torch's libraries from the disk and set VML up side by side:
 # other work on the cores makes a wrong first call more likely, not less (BENCHMARKS.md), and 4 at once take half
 # the time (150 s -> 72 s on a 2-core Zen 3).
