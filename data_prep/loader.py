@@ -81,18 +81,39 @@ def prepare_command(data_dir: str | Path, source: str = "default") -> str:
     return f"python -m data_prep.prepare --source {shlex.quote(source)} --out {shlex.quote(str(data_dir))}"
 
 
+# What a folder's books are, by the source that prepares them (data_prep.sources.folder_source)
+_HELD = {"files": (".txt files", "these books"), "pg19": ("a copy of PG-19", "it"), "hf": ("dataset files", "them")}
+
+
 def _missing_dataset(data_dir: Path) -> str:
     """What a --data-dir without a manifest is, and the command that prepares one: a mistyped path, a folder of the
-    books themselves, or a folder to prepare into (from the user's books: the embedded corpus only where asked for,
-    which would otherwise train under the name of the user's own data)."""
+    books themselves (a library's tree, a copy of PG-19), or a folder to prepare into (from the user's books: the
+    embedded corpus only where asked for, which would otherwise train under the name of the user's own data). prepare
+    writes only into a new or empty folder: a folder holding anything is never offered as its --out."""
     if not data_dir.exists():
         what = f"no prepared dataset in {data_dir}: no such folder (check --data-dir)"
-    elif data_dir.is_dir() and next(data_dir.glob("*.txt"), None) is not None:
+    elif data_dir.is_dir() and any(data_dir.iterdir()):
+        from data_prep.sources import folder_source  # on this error's path alone
+        from modeling.runs import METRICS_FILE
+
+        if (data_dir / METRICS_FILE).is_file():  # its samples.txt is no book
+            return (
+                f"{data_dir} is a training run's folder, not a prepared dataset ({MANIFEST_NAME} is missing): "
+                "--data-dir takes the folder prepare writes (e.g. data/default); check --data-dir"
+            )
+        source = folder_source(data_dir)
+        if source is None:
+            return (
+                f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing), and it holds other files, so "
+                f"prepare cannot write there: check --data-dir, or prepare your books into another folder with:\n  "
+                f"{prepare_command(f'{data_dir}-prepared', 'files:PATH/TO/BOOKS')}"
+            )
+        held, them = _HELD[source.partition(":")[0]]
         what = (
-            f"{data_dir} holds .txt files, not a prepared dataset ({MANIFEST_NAME} is missing): --data-dir takes the "
+            f"{data_dir} holds {held}, not a prepared dataset ({MANIFEST_NAME} is missing): --data-dir takes the "
             "folder prepare writes"
         )
-        return f"{what}; prepare these books with:\n  {prepare_command(f'{data_dir}-prepared', f'files:{data_dir}')}"
+        return f"{what}; prepare {them} with:\n  {prepare_command(f'{data_dir}-prepared', source)}"
     else:
         what = f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing)"
     return (

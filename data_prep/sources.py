@@ -357,6 +357,29 @@ def _other_files(folder: Path) -> str:
     return f" (it holds {held}: books are read from .txt files only)"
 
 
+def folder_source(folder: Path) -> str | None:
+    """The source that prepares the books a folder holds, by its first 10,000 visible files: files: for .txt books at
+    any depth, pg19: for a copy of PG-19's parquet files, hf: for other parquet or arrow files; None for none of these
+    (a run folder's .json and .jsonl files are not a dataset's)."""
+    files = list(itertools.islice(_visible_files(folder), 10_000))
+    if any(p.suffix.lower() == ".txt" for p in files):
+        return f"files:{folder}"
+    parquet = [p for p in files if p.suffix == ".parquet"]
+    if parquet and _has_pg19_columns(parquet[0]):
+        return f"pg19:{folder}"
+    return f"hf:{folder}" if parquet or any(p.suffix == ".arrow" for p in files) else None
+
+
+def _has_pg19_columns(parquet: Path) -> bool:
+    try:
+        import pyarrow.parquet as pq  # lazily, as datasets: a training machine may have neither
+
+        names = pq.read_schema(parquet).names
+    except (ImportError, OSError, ValueError):  # pyarrow's ArrowInvalid (not parquet) is a ValueError
+        return False
+    return all(column in names for column in PG19_COLUMNS)
+
+
 def _plan_files(arg: str) -> Plan:
     path = Path(arg).expanduser()
     if glob.has_magic(arg):

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+import shlex
 import shutil
 from collections import Counter
 from itertools import islice
@@ -22,7 +23,9 @@ from data_prep.loader import (
     prepare_command,
     spread,
 )
+from data_prep.prepare import main as prepare_main
 from data_prep.prepare import prepare
+from testkit import write_pg19_copy
 
 BLOCK = 64
 
@@ -375,6 +378,62 @@ def test_missing_dataset_prints_the_prepare_command_for_the_users_books(tmp_path
     assert command == f"  python -m data_prep.prepare --source {source} --out {out}"
 
 
+@pytest.mark.parametrize("folder", ["library", "pg19", "parquet", "other", "run"])
+def test_a_data_dir_holding_files_is_never_offered_as_prepares_out(tmp_path, monkeypatch, folder):
+    """--data-dir at a library's tree (its books in subfolders), at a local copy of PG-19 or another dataset's parquet
+    files, at any other folder with files in it or at a run's folder: the command printed prepares into a new folder,
+    as prepare takes no other (it named the folder itself, and prepare then stopped: 'exists and is not a prepared
+    dataset'); a run's samples.txt is not taken for a book."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    data = tmp_path / folder
+    if folder == "pg19":
+        write_pg19_copy(data)
+    elif folder == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        (data / "data").mkdir(parents=True)
+        books = [f"Book {i}: it was a dark and stormy night.\n" * 50 for i in range(4)]
+        pq.write_table(pa.table({"text": books}), data / "data" / "train-00000-of-00001.parquet")
+    else:
+        (data / "austen").mkdir(parents=True)
+        (data / "notes.md").write_text("Books to read.\n")
+    if folder == "run":
+        (data / "metrics.jsonl").write_text('{"step": 1, "train_loss": 10.8}\n')
+        (data / "samples.txt").write_text("step 1: ROMEO: the the the\n")
+    if folder == "library":
+        (data / "austen" / "emma.txt").write_text("Emma Woodhouse, handsome, clever, and rich.\n" * 50)
+        (data / "austen" / "persuasion.txt").write_text("Sir Walter Elliot, of Kellynch Hall.\n" * 50)
+    with pytest.raises(DataPrepError) as err:
+        TokenLoader(data, "train", BLOCK, 8)
+    if folder == "run":
+        assert str(err.value) == (
+            f"{data} is a training run's folder, not a prepared dataset (manifest.json is missing): --data-dir takes "
+            "the folder prepare writes (e.g. data/default); check --data-dir"
+        )
+        return
+    said, command = str(err.value).split("\n")
+    expected = {
+        "library": (f"{data} holds .txt files", "these books", f"files:{data}"),
+        "pg19": (f"{data} holds a copy of PG-19", "it", f"pg19:{data}"),
+        "parquet": (f"{data} holds dataset files", "them", f"hf:{data}"),
+        "other": (f"no prepared dataset in {data} (manifest.json is missing), and it holds other files", "", ""),
+    }[folder]
+    assert said.startswith(expected[0])
+    if folder == "other":
+        assert said.endswith("so prepare cannot write there: check --data-dir, or prepare your books into another "
+                             "folder with:")  # fmt: skip
+        assert command == f"  python -m data_prep.prepare --source files:PATH/TO/BOOKS --out {data}-prepared"
+        return
+    assert said.endswith(f"(manifest.json is missing): --data-dir takes the folder prepare writes; prepare "
+                         f"{expected[1]} with:")  # fmt: skip
+    assert command == f"  python -m data_prep.prepare --source {expected[2]} --out {data}-prepared"
+    assert prepare_main(shlex.split(command)[3:]) == 0  # the command as printed prepares them
+    assert load_manifest(f"{data}-prepared", verify="sha256").num_tokens("val") > 0
+
+
 def test_truncated_or_altered_shard_is_named(prepared_books, tmp_path):
     data = _copy(prepared_books, tmp_path)
     shard = data / "train_001.bin"
@@ -407,7 +466,6 @@ def test_manifest_from_another_tokenizer_is_refused(prepared_books, tmp_path):
 
 def test_format_1_dataset_still_loads_and_prepare_migrates_it(prepared_books, tmp_path):
     """Format 1 kept per-document metadata inside manifest.json; its shards are the same bytes."""
-    from data_prep.prepare import prepare
 
     data = _copy(prepared_books, tmp_path)
     documents = list(load_manifest(data).documents())
