@@ -345,16 +345,17 @@ def _visible_files(folder: Path) -> Iterator[Path]:
             yield p
 
 
-def _other_files(folder: Path) -> str:
-    """What a folder without .txt books holds instead, as the listing sees it, e.g. " (it holds 3 .md, 1 .epub: books
-    are read from .txt files only)", of its first 10,000 files; "" for an empty folder or a pattern."""
+def _other_files(folder: Path, read: str = ".txt files") -> str:
+    """What a folder without the files books are `read` from holds instead, as the listing sees it, e.g. " (it holds
+    3 .md, 1 .epub: books are read from .txt files only)", of its first 10,000 files; "" for an empty folder or a
+    pattern."""
     if not folder.is_dir():
         return ""
     suffixes = Counter(p.suffix.lower() or "no suffix" for p in itertools.islice(_visible_files(folder), 10_000))
     if not suffixes:
         return ""
     held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
-    return f" (it holds {held}: books are read from .txt files only)"
+    return f" (it holds {held}: books are read from {read} only)"
 
 
 def folder_source(folder: Path) -> str | None:
@@ -599,16 +600,22 @@ def _plan_pg19(arg: str) -> Plan:
 
     location = str(Path(arg).expanduser()) if arg else PG19_HUB
     where = f"pg19:{arg}" if arg else f"pg19 (the Hub dataset {PG19_HUB})"
+    a_copy = (
+        f"give the folder of a local copy of {PG19_HUB} (its data/*.parquet files, e.g. from `hf download {PG19_HUB} "
+        "--repo-type dataset --local-dir FOLDER`), or drop the folder to stream it"
+    )
     if arg and not Path(location).is_dir():
-        raise DataPrepError(
-            f"{where}: no such folder; give the folder of a local copy of {PG19_HUB} (its data/*.parquet files, e.g. "
-            f"from `hf download {PG19_HUB} --repo-type dataset --local-dir FOLDER`), or drop the folder to stream it"
-        )
+        raise DataPrepError(f"{where}: no such folder; {a_copy}")
+    if arg and not any(p.suffix == ".parquet" for p in _visible_files(Path(location))):
+        # datasets would read its other files (a library's .txt, a prepared dataset's .json) and fail obscurely
+        held = _other_files(Path(location), "PG-19's parquet files")
+        raise DataPrepError(f"{where} holds no parquet files{held}; {a_copy}")
     try:
         # One resolution of the data files, the Hub's or the folder's, by datasets' own rules (data/{split}-*).
         builder = datasets.load_dataset_builder(location, batch_size=PG19_BATCH_ROWS)
         files = builder.config.data_files or {}
         listing = []  # (split, file, its origin metadata, rows, text bytes, urls)
+        file = location  # the one being read, which a failure names
         for split in PG19_SPLITS:
             if split not in files:
                 raise DataPrepError(f"{where} has no {split} split (found: {sorted(files)})")
@@ -632,9 +639,15 @@ def _plan_pg19(arg: str) -> Plan:
     except DataPrepError:
         raise
     except Exception as e:  # hub, network and file-format failures have no common base class
+        said = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        if arg and file != location:  # a local copy's file, cut short by a failed download say: no network involved
+            raise DataPrepError(
+                f"could not read {file} of {where} ({said}); download that file again from {PG19_HUB}"
+            ) from None
+        if arg:
+            raise DataPrepError(f"could not list {where} ({said}); {a_copy}") from None
         raise DataPrepError(
-            f"could not list {where} ({type(e).__name__}: {e}); check the network (or give a local copy: "
-            f"--source pg19:FOLDER)"
+            f"could not list {where} ({said}); check the network (or give a local copy: --source pg19:FOLDER)"
         ) from None
 
     ids = [_pg19_id(split, url) for split, *_, urls in listing for url in urls]

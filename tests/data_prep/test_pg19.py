@@ -147,3 +147,33 @@ def test_pg19_errors_say_what_to_do(pg19_copy, tmp_path, monkeypatch):
     with pytest.raises(DataPrepError, match=r"could not list pg19 \(the Hub dataset emozilla/pg19\) .*pg19:FOLDER"):
         prepare("pg19", tmp_path / "d")
     assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_a_pg19_folder_that_is_no_copy_of_it_says_so_not_to_check_the_network(pg19_copy, tmp_path):
+    """pg19:FOLDER at a folder of .txt books, at a prepared dataset (data/pg19 for ~/pg19) or with a file damaged: one
+    line saying what the folder holds or which file to download again (each said to check the network, which a
+    local copy does not use, after datasets' own error on the folder's other files)."""
+    library = tmp_path / "library"
+    library.mkdir()
+    (library / "emma.txt").write_text("Emma Woodhouse, handsome, clever, and rich.\n")
+    prepared = tmp_path / "prepared"
+    prepare(f"pg19:{pg19_copy}", prepared)
+    copy_of = (
+        "give the folder of a local copy of emozilla/pg19 (its data/*.parquet files, e.g. from `hf download "
+        "emozilla/pg19 --repo-type dataset --local-dir FOLDER`), or drop the folder to stream it"
+    )
+    read_from = "books are read from PG-19's parquet files only"
+    for folder, holds in ((library, f" (it holds 1 .txt: {read_from})"), (prepared, "")):
+        with pytest.raises(DataPrepError) as err:
+            prepare(f"pg19:{folder}", tmp_path / "out")
+        if folder == prepared:
+            holds = re.search(r" \(it holds [^)]*\)", str(err.value)).group()  # its .bin, .json and .jsonl files
+            assert ".bin" in holds and read_from in holds
+        assert str(err.value) == f"pg19:{folder} holds no parquet files{holds}; {copy_of}"
+    damaged = pg19_copy / "data" / "test-00000-of-00001-29a571947c0b5ccc.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a download cut short
+    with pytest.raises(DataPrepError) as err:
+        prepare(f"pg19:{pg19_copy}", tmp_path / "out")
+    assert str(err.value).startswith(f"could not read {damaged} of pg19:{pg19_copy} (")
+    assert str(err.value).endswith("); download that file again from emozilla/pg19")
+    assert not (tmp_path / "out").exists()
