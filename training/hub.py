@@ -84,8 +84,9 @@ def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
     recorded = [r["launch"]["data"] for r in reversed(rows) if r.get("launch", {}).get("data")]
     if recorded:
         # a run that went on from other data (--on-new-data continue) trained on each launch's: the card names every
-        # source with its license, and the newest data's splits (its val split gave the last val loss)
-        return {**recorded[0], "sources": [s for m in reversed(recorded) for s in _recorded_sources(m)]}
+        # source with its license, and the newest data's splits and sources (its val split gave the last val loss)
+        every = [s for m in reversed(recorded) for s in _recorded_sources(m)]
+        return {**recorded[0], "sources": every, "val_sources": _recorded_sources(recorded[0])}
     launched = [r["launch"]["data_path"] for r in reversed(rows) if "data_path" in r.get("launch", {})]
     for folder in [*launched[:1], config["data_dir"]]:
         if (found := data_for_the_card(folder)) is not None:
@@ -134,7 +135,10 @@ def card_data(run_name: str, config: dict, manifest: dict | None, evals: dict[st
     hub_datasets = sorted({s["dataset"] for s in sources if s["dataset"]})
     results = []
     if "val_loss" in evals:
-        data = hub_datasets[0] if len(sources) == 1 and hub_datasets else "+".join(s["source"] for s in sources)
+        # the newest data's val split: a run that went on from other data trained on more sources than it measured
+        held_out = data_sources({"sources": manifest["val_sources"]}) if "val_sources" in (manifest or {}) else sources
+        val_datasets = [s["dataset"] for s in held_out if s["dataset"]]
+        data = val_datasets[0] if len(held_out) == 1 and val_datasets else "+".join(s["source"] for s in held_out)
         results.append(
             EvalResult(
                 task_type="text-generation",

@@ -307,6 +307,9 @@ def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finis
     assert "From step 2 the run went on from the start of other data" in card
     # the best val loss is the new val split's: the 3.0 was measured on the other data's
     assert "| val loss (final / best) | 4.2500 / 4.2500 |" in card
+    # and the metadata names that split's data alone (it named files:library+default:..., the val split of neither)
+    results = [(r.dataset_type, r.metric_value) for r in ModelCard(card).data.eval_results if r.metric_type == "loss"]
+    assert results == [("default:hamlet,macbeth,tempest,twelfth_night", 4.25)]
 
 
 def test_write_model_card_fills_repo_id(finished_run):
