@@ -112,11 +112,12 @@ def data_sources(manifest: dict | None) -> list[dict]:
 def shown_source(source: str, dataset: str | None) -> str:
     """A source spec as a model card shows it: a local folder or file by its name (files:library, hf:books.parquet),
     not by where it lay on the machine that trained, which is that machine's business and means nothing to the card's
-    readers; Hub datasets, Gutenberg ids and the default corpus as given."""
+    readers (a local copy of PG-19 too, whose Hub dataset the card names beside it); Hub datasets, Gutenberg ids and
+    the default corpus as given."""
     parts = []
     for part in SOURCE_START.split(source):
         kind, sep, arg = part.strip().partition(":")
-        if dataset or kind not in ("files", "hf", "pg19") or not arg:
+        if kind not in ("files", "hf", "pg19") or not arg or (kind == "hf" and dataset):  # a Hub id: no path
             parts.append(part.strip())
             continue
         path, colon, rest = arg.partition(":") if kind == "hf" else (arg, "", "")

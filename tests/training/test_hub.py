@@ -141,6 +141,7 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
     assert "public domain" not in cards["pg19"].text and "public domain" not in cards["files"].text
     # a local folder by its name: where it lay on the machine that trained is no business of the card's readers
     assert "| `files:books` |  | unknown |" in cards["files"].text and str(tmp_path) not in str(cards["files"])
+    assert "| `pg19:pg19` | [emozilla/pg19]" in cards["pg19"].text and str(tmp_path) not in str(cards["pg19"])
     assert "The license of some of this data is unknown" in cards["files"].text
     assert [card.data.license for card in cards.values()] == ["mit", "mit", "unknown"]  # bookgpt's, unless the data's
     # is unknown: the metadata said mit above the text's "unknown"
@@ -152,7 +153,8 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
         ("files:/home/me/library", None, "files:library"),
         ("files:~/books/*.txt", None, "files:books/*.txt"),
         ("hf:/data/shelf/books.parquet:train:body", None, "hf:books.parquet:train:body"),
-        ("pg19:/mnt/pg19", "emozilla/pg19", "pg19:/mnt/pg19"),  # named by its Hub dataset in the card anyway
+        ("pg19:/home/me/pg19", "emozilla/pg19", "pg19:pg19"),  # the card names its Hub dataset beside it
+        ("pg19", "emozilla/pg19", "pg19"),
         ("hf:someone/books:train", "someone/books", "hf:someone/books:train"),
         ("default+files:/srv/extra/", None, "default+files:extra"),
         ("gutenberg:145,2701", None, "gutenberg:145,2701"),
