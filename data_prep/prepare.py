@@ -59,7 +59,7 @@ from data_prep.sources import (
     source_licenses,
 )
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
-from modeling.disk import DiskFull, cannot_write, disk_full_reported
+from modeling.disk import DiskFull, cannot_write, disk_full_reported, mount_of
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ def prepare(
                 reusable = len(earlier.keys())
                 if books.ids is not None and books.text_bytes is not None:  # once the tokens to reuse are known
                     log.info(size_estimate(source, len(books.ids), books.text_bytes, num_proc, reusable))
+                    _warn_of_space(build, 2 * books.text_bytes / BYTES_PER_TOKEN)
                 elif reusable:  # no estimate to say it in (a streamed source)
                     log.info("Reusing the tokens of up to %d unchanged books from %s", reusable, out)
                 check_texts(books.paths[(progress or {"records_done": 0})["records_done"] :])
@@ -237,6 +238,23 @@ def size_estimate(source: str, books: int, text_bytes: int, num_proc: int, reusa
     if reusable:  # the books are read again, but only the added and changed ones are tokenized
         line += f": the tokens of up to {reusable:,} unchanged books are reused from the dataset this replaces"
     return line
+
+
+def _warn_of_space(build: Path, shard_bytes: float) -> None:
+    """One warning line where the shards estimated will not fit the free space of the build's disk, less what a
+    resumed build already wrote there: said at the start, not found hours in (PG-19: ~45 minutes of one process for
+    ~5.8 GB). Only a warning, as the estimate is one (verse takes 3.25 bytes a token, not 4)."""
+    written = sum(p.stat().st_size for p in build.iterdir() if p.suffix == ".bin")
+    free = shutil.disk_usage(build).free
+    if shard_bytes - written > free:
+        log.warning(
+            "warning: the shards need ~%s%s and %s has %s free: free space or choose an --out on another disk, or "
+            "the preparation stops where the disk fills (the same command then continues after the books done)",
+            _amount(shard_bytes - written, " GB", " MB", " kB"),
+            " more" if written else "",
+            mount_of(build),
+            _amount(free, " GB", " MB", " kB"),
+        )
 
 
 def _amount(value: float, giga: str, mega: str, kilo: str) -> str:

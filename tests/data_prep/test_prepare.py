@@ -678,8 +678,9 @@ def test_exclusive_holds_other_processes_off_and_frees_on_exit(tmp_path):
 def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_bytes(
     prepared_books, tmpfs, monkeypatch, capsys, caplog
 ):
-    """The disk fills up mid-way (room for about half the shards): one line says so and what was kept; after space
-    is freed the same command continues after the books done and writes exactly what an uninterrupted run wrote."""
+    """The disk fills up mid-way (room for about half the shards): a warning said so at the start (it was found only
+    where the disk filled), one line says so and what was kept; after space is freed the same command continues
+    after the books done and writes exactly what an uninterrupted run wrote."""
     monkeypatch.setattr(prepare_module, "BATCH_DOCS", 1)  # a progress record after every book
     disk = tmpfs("2m")
     shards = sum(p.stat().st_size for p in prepared_books.glob("*.bin"))
@@ -687,7 +688,16 @@ def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_byt
     out = disk / "books"
     command = ["--source", "default:hamlet,macbeth,tempest,twelfth_night", "--out", str(out),
                "--shard-tokens", "40000", "--val-fraction", "0.1"]  # fmt: skip  # the prepared_books fixture's
-    assert main(command) == 1
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        assert main(command) == 1
+    estimate = re.search(r"~([\d.]+ kB) of shards", caplog.text)[1]
+    warning = (
+        rf"warning: the shards need ~{estimate} and {disk} has [\d.]+ kB free: free space or choose an --out on "
+        r"another disk, or the preparation stops where the disk fills \(the same command then continues after the "
+        r"books done\)"
+    )
+    assert any(re.fullmatch(warning, message) for message in caplog.messages), caplog.messages
+    caplog.clear()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(
         rf"error: disk full while writing {out}: free space on {disk} and run the same command again; the ([123]) "
@@ -701,6 +711,7 @@ def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_byt
     with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         assert main(command) == 0
     assert f"Resuming the killed preparation in {disk}/.books.build after {done} books" in caplog.text
+    assert "warning: the shards need" not in caplog.text  # with room for the rest
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
     assert all((out / p.name).read_bytes() == p.read_bytes() for p in prepared_books.iterdir())
 
