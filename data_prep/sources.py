@@ -134,13 +134,17 @@ def parse_spec(spec: str) -> list[tuple[str, str]]:
         if kind == "hf" and arg.partition(":")[0].strip("/").lower() in PG19_NAMES:
             # datasets would download every split and keep an Arrow copy of train (~11.5 GB beside the ~7 GB of
             # parquet), and PG-19's validation and test books would be trained on or dropped
-            raise DataPrepError(
-                f"source {part.strip()!r} reads PG-19 as a generic dataset (its train split alone, all of it cached "
-                f"by datasets first, the titles lost): use --source pg19 (streams {PG19_HUB}, keeps PG-19's "
-                "validation and test books for val, resumes where it stopped), or --source pg19:FOLDER for a local copy"
-            )
+            raise DataPrepError(_pg19_as_hf(part.strip(), "--source pg19:FOLDER for a local copy"))
         parts.append((kind, arg))
     return parts
+
+
+def _pg19_as_hf(part: str, instead: str) -> str:
+    return (
+        f"source {part!r} reads PG-19 as a generic dataset (its train split alone, all of it cached by datasets "
+        f"first, the titles lost): use --source pg19 (streams {PG19_HUB}, keeps PG-19's validation and test books "
+        f"for val, resumes where it stopped), or {instead}"
+    )
 
 
 def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) -> Plan:
@@ -502,6 +506,9 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
     split, column = split or "train", column or "text"
+    folder = Path(name).expanduser()
+    if folder.is_dir() and folder_source(folder) == f"pg19:{folder}":  # a local copy of it: as its Hub id is
+        raise DataPrepError(_pg19_as_hf(f"hf:{arg}", f"--source pg19:{name} for this local copy"))
     ds, file_titles = _load_hf(name, split, streaming)
     # Streaming datasets may not know their features up front; then a missing column fails per row.
     if ds.features is not None and column not in ds.features:

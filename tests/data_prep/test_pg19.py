@@ -177,3 +177,18 @@ def test_a_pg19_folder_that_is_no_copy_of_it_says_so_not_to_check_the_network(pg
     assert str(err.value).startswith(f"could not read {damaged} of pg19:{pg19_copy} (")
     assert str(err.value).endswith("); download that file again from emozilla/pg19")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_local_copy_of_pg19_read_through_hf_is_sent_to_the_pg19_source(pg19_copy, tmp_path):
+    """As hf:emozilla/pg19 is: hf:FOLDER read its train split alone (PG-19's validation and test books dropped, val
+    drawn from its train books), after datasets cached an Arrow copy of it."""
+    for spec in (f"hf:{pg19_copy}", f"default+hf:{pg19_copy}:validation"):
+        with pytest.raises(DataPrepError) as err:
+            prepare(spec, tmp_path / "out")
+        assert str(err.value) == (
+            f"source {spec.removeprefix('default+')!r} reads PG-19 as a generic dataset (its train split alone, all "
+            "of it cached by datasets first, the titles lost): use --source pg19 (streams emozilla/pg19, keeps "
+            f"PG-19's validation and test books for val, resumes where it stopped), or --source pg19:{pg19_copy} "
+            "for this local copy"
+        )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "hf_cache").exists()
