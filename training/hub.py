@@ -510,6 +510,8 @@ def _optimizer_line(config: dict) -> str:
 
 def _schedule_line(config: dict) -> str:
     warmup, floor = config["warmup_steps"], config["min_lr_ratio"]
+    if config["lr_schedule"] == "wsd" and not (config.get("decay_steps") or config["decay_fraction"]):
+        return f"wsd with no decay: {warmup} warmup steps, then the peak lr to the last step (the stable part of a run)"
     if config["lr_schedule"] == "wsd":
         steps = config.get("decay_steps")  # not in the configs of runs from before it
         last = f"{steps} steps" if steps else f"{config['decay_fraction']:g} of the steps"

@@ -591,6 +591,8 @@ def describe_optimizer(cfg: TrainConfig, param_groups: list[dict], mixed_precisi
             momentum += f" (from {min(MUON_MOMENTUM_START, cfg.muon_momentum):g} over {warmup} steps)"
         ns = str(newton_schulz_dtype(mixed_precision)).removeprefix("torch.")
         text = f"Muon lr {cfg.muon_lr:g} {momentum}, Newton-Schulz in {ns}: {listing(muon)}; {text}"
+    if cfg.lr_schedule == "wsd" and not (cfg.decay_steps or cfg.decay_fraction):  # the stable part, annealed later
+        return f"{text} | {cfg.warmup_steps} warmup steps, wsd with no decay: the peak lr to the last step"
     last = f"{cfg.decay_steps} steps" if cfg.decay_steps else f"{cfg.decay_fraction:g} of steps"
     decay = f" over the last {last}" if cfg.lr_schedule == "wsd" else ""
     return f"{text} | {cfg.warmup_steps} warmup steps, {cfg.lr_schedule}{decay} to {cfg.min_lr_ratio:g} x peak lr"

@@ -93,6 +93,13 @@ ROWS = [{"step": 2, "train_loss": 9.25, "tokens_per_sec": 1000.0, "tokens_seen":
             "| lr schedule | wsd: 6 warmup steps, constant, then linear decay over the last 0.25 of the steps to 0× "
             "the peak |",
         ),
+        (  # the stable part of a run, to anneal later: no decay (it said a decay over the last 0 of the steps)
+            {"optimizer": "muon", "muon_lr": 0.02, "muon_momentum": 0.95, "lr": 3e-3, "lr_schedule": "wsd",
+             "warmup_steps": 2, "decay_fraction": 0.0, "min_lr_ratio": 0.1},
+            "| optimizer | Muon lr 0.02 (momentum 0.95) on the blocks' matrices; AdamW lr 0.003",
+            "| lr schedule | wsd with no decay: 2 warmup steps, then the peak lr to the last step (the stable part "
+            "of a run) |",
+        ),
         (  # an anneal: the decay given in steps
             {"optimizer": "muon", "muon_lr": 0.02, "muon_momentum": 0.95, "lr": 3e-3, "lr_schedule": "wsd",
              "warmup_steps": 2, "decay_fraction": 0.2, "decay_steps": 2, "min_lr_ratio": 0.1},

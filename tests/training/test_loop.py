@@ -19,6 +19,7 @@ from training.checkpoint import load_resume_state
 from training.config import ConfigError, TrainConfig, parse_config
 from training.loop import (
     TrainMetrics,
+    describe_optimizer,
     due,
     memorization_warning,
     optimizer_for_engine,
@@ -30,7 +31,7 @@ from training.loop import (
     write_sample,
 )
 from training.metrics import read_metrics
-from training.optim import build_optimizer, build_scheduler
+from training.optim import build_optimizer, build_scheduler, lr_multiplier
 from training.step import StepOutput, Trainer, TrainingAborted, masks_on_device
 
 
@@ -74,6 +75,24 @@ def test_a_run_past_four_epochs_of_its_train_split_is_warned_once_with_the_comma
     assert memorization_warning(pg19, train_tokens=2_700_000_000).endswith(
         "for a bigger corpus join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
     )
+
+
+@pytest.mark.parametrize("decay", [{"decay_fraction": 0.0}, {"decay_fraction": 0.25}, {"decay_steps": 3}])
+def test_the_start_up_line_says_the_schedules_decay_as_the_schedule_runs_it(decay):
+    """The stable part of a run annealed later (--decay-fraction 0) keeps the peak lr to its last step: the line said
+    'wsd over the last 0 of steps to 0.1 x peak lr'."""
+    cfg = TrainConfig(optimizer="adamw", lr_schedule="wsd", warmup_steps=2, max_steps=12, min_lr_ratio=0.1, **decay)
+    groups = [{"name": "decay", "params": [torch.zeros(2, 2)], "weight_decay": 0.1}]
+    line = describe_optimizer(cfg, groups, "no").partition(" | ")[2]
+    lrs = [
+        lr_multiplier(step, warmup_steps=2, total_steps=12, min_lr_ratio=0.1, schedule="wsd", **decay)
+        for step in range(2, 12)
+    ]
+    if decay == {"decay_fraction": 0.0}:
+        assert line == "2 warmup steps, wsd with no decay: the peak lr to the last step" and set(lrs) == {1.0}
+    else:
+        last = "0.25 of steps" if "decay_fraction" in decay else "3 steps"
+        assert line == f"2 warmup steps, wsd over the last {last} to 0.1 x peak lr" and lrs[-1] < 1.0
 
 
 def test_a_warmup_as_long_as_the_run_is_warned():
