@@ -9,6 +9,7 @@ model card and loss plot written into its export/ folder.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -122,7 +123,10 @@ def shown_source(source: str, dataset: str | None) -> str:
             continue
         path, colon, rest = arg.partition(":") if kind == "hf" else (arg, "", "")
         local = Path(path)
-        name = f"{local.parent.name}/{local.name}" if any(c in local.name for c in "*?[") else local.name
+        # a pattern from the folder above its first wildcard: lib/**/*.txt, books/*.txt
+        magic = [i for i, piece in enumerate(local.parts) if glob.has_magic(piece)]
+        pieces = local.parts[max(magic[0] - 1, 0) :] if magic else (local.name,)
+        name = "/".join(piece for piece in pieces if piece != local.anchor)
         parts.append(f"{kind}{sep}{name or path}{colon}{rest}")
     return "+".join(parts)
 

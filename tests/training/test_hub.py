@@ -159,6 +159,9 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
     [
         ("files:/home/me/library", None, "files:library"),
         ("files:~/books/*.txt", None, "files:books/*.txt"),
+        ("files:/srv/lib/**/*.txt", None, "files:lib/**/*.txt"),  # it said files:**/*.txt
+        ("files:/srv/*/books/*.txt", None, "files:srv/*/books/*.txt"),
+        ("files:*.txt", None, "files:*.txt"),
         ("hf:/data/shelf/books.parquet:train:body", None, "hf:books.parquet:train:body"),
         ("pg19:/home/me/pg19", "emozilla/pg19", "pg19:pg19"),  # the card names its Hub dataset beside it
         ("pg19", "emozilla/pg19", "pg19"),
