@@ -475,6 +475,11 @@ class TokenLoader:
         """The position: tokens of this epoch's order consumed by all ranks together."""
         return self._offset * self.block_size
 
+    @property
+    def epochs_read(self) -> float:
+        """The epochs of this data read so far (after a resume: before it), the current one by its share of windows."""
+        return self.epoch + self._offset / len(self.dataset)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self.infinite and not self._resume_pending and self._offset > 0:
             self.epoch, self._offset = self.epoch + 1, 0

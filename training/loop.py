@@ -119,22 +119,25 @@ def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainCon
     return resolved, note
 
 
-def memorization_warning(cfg: TrainConfig, train_tokens: int) -> str | None:
+def memorization_warning(cfg: TrainConfig, train_tokens: int, step: int = 0, epochs_read: float = 0.0) -> str | None:
     """One warning line when the run plans more than MEMORIZE_EPOCHS epochs of its train split (for a time budget,
-    the most it may train), naming the command that prepares a bigger corpus; None otherwise."""
-    planned = cfg.total_steps() * cfg.total_batch_tokens
-    epochs = planned / train_tokens
+    the most it may train), naming the command that prepares a bigger corpus; None otherwise. A resume at `step`
+    plans the steps after it, on top of the `epochs_read` of this split before it: none where the run went on from
+    other data (an anneal on curated books reads them alone, not the steps trained on the big corpus)."""
+    planned = (cfg.total_steps() - step) * cfg.total_batch_tokens
+    epochs = epochs_read + planned / train_tokens
     if epochs <= MEMORIZE_EPOCHS:
         return None
     at_most = "up to " if cfg.time_budget_minutes else ""
+    tokens, in_all = (f"more tokens from step {step}", " in all") if step else ("tokens", "")
     if Path(cfg.data_dir) == Path(BIG_CORPUS_DIR):
         bigger = "join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
     else:
         bigger = f"run `{prepare_command(BIG_CORPUS_DIR, 'pg19')}` and train with --data-dir {BIG_CORPUS_DIR}"
     return (
-        f"warning: this run plans {at_most}{planned:,} tokens, {epochs:.1f} epochs of the {train_tokens:,}-token train "
-        f"split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its data (val loss stalls, then "
-        f"rises); for a bigger corpus {bigger}"
+        f"warning: this run plans {at_most}{planned:,} {tokens}, {epochs:.1f} epochs{in_all} of the "
+        f"{train_tokens:,}-token train split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its "
+        f"data (val loss stalls, then rises); for a bigger corpus {bigger}"
     )
 
 
@@ -315,14 +318,6 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.lap("accelerator")
 
     manifest, train_loader, val_windows = build_data(cfg, accelerator, model_config)
-    warnings = (
-        memorization_warning(cfg, manifest.num_tokens("train")),
-        warmup_warning(cfg),
-        unused_settings_warning(cfg),
-    )
-    for warning in warnings:
-        if warning:
-            accelerator.print(warning)
     startup.lap("data")
 
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
@@ -386,6 +381,16 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
             data = new_data or f"data position {train_loader.tokens:,} tokens{epoch} kept"
             accelerator.print(f"resume: {', '.join(changes)}{'; ' if changes else ''}{data}")
         startup.lap("resume")
+    # after the resume: the epochs of this data are those read of it (none, where the run went on from other data)
+    # and the steps still to train
+    warnings = (
+        memorization_warning(cfg, manifest.num_tokens("train"), progress.step, train_loader.epochs_read),
+        warmup_warning(cfg),
+        unused_settings_warning(cfg),
+    )
+    for warning in warnings:
+        if warning:
+            accelerator.print(warning)
     # What the end of the run writes, decided by the main process, which writes it, before this launch writes
     # anything; every rank stops alike.
     hub_note = decided_on_main(

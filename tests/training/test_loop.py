@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
 from data_prep.loader import EvalWindows, load_manifest
+from data_prep.prepare import prepare
 from data_prep.tokenizer import EOT_ID
 from training.checkpoint import load_resume_state
 from training.config import ConfigError, TrainConfig, parse_config
@@ -93,6 +95,43 @@ def test_the_start_up_line_says_the_schedules_decay_as_the_schedule_runs_it(deca
     else:
         last = "0.25 of steps" if "decay_fraction" in decay else "3 steps"
         assert line == f"2 warmup steps, wsd over the last {last} to 0.1 x peak lr" and lrs[-1] < 1.0
+
+
+def test_an_anneal_on_few_books_is_warned_of_the_epochs_it_reads_of_them(prepared_books, tmp_path, capsys):
+    """The anneal of docs/configuration.md: a stable run of 30 steps on the default books, then steps on a small
+    curated set under --on-new-data continue. The warning counted the stable steps too, as epochs of the curated
+    books (32 steps' 8,192 tokens: "5.5 epochs", for the 512 tokens read of them); it counts the steps after the
+    resume, and, resumed again on the curated books, the epochs already read of them."""
+    from train_accel import fit
+
+    books = tmp_path / "curated"
+    books.mkdir()
+    (books / "notes.txt").write_text("".join(f"Note {i}: the river rose in the night.\n" for i in range(150)))
+    curated = tmp_path / "curated-data"
+    prepare(f"files:{books}", curated)
+    tokens = load_manifest(curated).num_tokens("train")  # one document: its first 90%
+    common = dict(
+        preset="tiny-cpu", out_dir=str(tmp_path / "run"), micro_batch_size=2, total_batch_tokens=256, warmup_steps=2,
+        peak_tflops=1.0, export_hf=False, eval_interval=0, sample_interval=0, log_interval=10, eval_windows=2,
+    )  # fmt: skip
+
+    def launch(steps: int, data: Path, train: bool = True, **more: object) -> list[str]:
+        run = setup(TrainConfig(data_dir=str(data), max_steps=steps, checkpoint_interval=steps, **common, **more))
+        if train:
+            fit(run)
+        run.lock.release()
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: this run plans")]
+
+    assert launch(30, prepared_books, decay_fraction=0.0) == []
+    assert 32 * 256 / tokens > 4 > 2 * 256 / tokens  # the whole run's tokens, those the anneal reads
+    assert launch(32, curated, decay_steps=2, on_new_data="continue") == []
+    epochs = (2 * 256 + 80 * 256) / tokens  # those read, then the steps to come
+    assert launch(112, curated, train=False, decay_steps=2, on_new_data="continue") == [
+        f"warning: this run plans 20,480 more tokens from step 32, {epochs:.1f} epochs in all of the {tokens:,}-token "
+        f"train split of {curated}: past 4 epochs a model memorizes its data (val loss stalls, then rises); for a "
+        "bigger corpus run `python -m data_prep.prepare --source pg19 --out data/pg19` and train with --data-dir "
+        "data/pg19"
+    ]
 
 
 def test_a_warmup_as_long_as_the_run_is_warned():
