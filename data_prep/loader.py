@@ -77,6 +77,9 @@ class Manifest:
         return sum(s.num_tokens for s in self.shards_of(split))
 
 
+PG19_DIR = "data/pg19"  # where the README prepares PG-19, and the PG-19 run configs train from
+
+
 def prepare_command(data_dir: str | Path, source: str = "default") -> str:
     return f"python -m data_prep.prepare --source {shlex.quote(source)} --out {shlex.quote(str(data_dir))}"
 
@@ -90,6 +93,11 @@ def _missing_dataset(data_dir: Path) -> str:
     books themselves (a library's tree, a copy of PG-19), or a folder to prepare into (from the user's books: the
     embedded corpus only where asked for, which would otherwise train under the name of the user's own data). prepare
     writes only into a new or empty folder: a folder holding anything is never offered as its --out."""
+    if not data_dir.exists() and data_dir == Path(PG19_DIR):  # a PG-19 run config launched before its data
+        return (
+            f"no prepared dataset in {data_dir}: no such folder; prepare PG-19 into it (~5.8 GB of shards) with:\n  "
+            f"{prepare_command(data_dir, 'pg19')}"
+        )
     if not data_dir.exists():
         what = f"no prepared dataset in {data_dir}: no such folder (check --data-dir)"
     elif data_dir.is_dir() and any(data_dir.iterdir()):

@@ -18,7 +18,7 @@ from filelock import FileLock
 
 from data_prep import ensure_default_corpus
 from data_prep.assets import atomic_write_bytes
-from data_prep.loader import IGNORE_INDEX, EvalWindows, Manifest, TokenLoader, prepare_command
+from data_prep.loader import IGNORE_INDEX, PG19_DIR, EvalWindows, Manifest, TokenLoader, prepare_command
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges, prompt_tokens
 from evals.data import load_examples
 from evals.generate import sample_text
@@ -97,7 +97,6 @@ SHARDED_ENGINES = {
 # Up to ~4 epochs, repeated tokens train almost as well as new ones; past that returns fall fast and the model
 # memorizes its data (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models").
 MEMORIZE_EPOCHS = 4
-BIG_CORPUS_DIR = "data/pg19"
 
 
 def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainConfig, str | None]:
@@ -130,10 +129,10 @@ def memorization_warning(cfg: TrainConfig, train_tokens: int, step: int = 0, epo
         return None
     at_most = "up to " if cfg.time_budget_minutes else ""
     tokens, in_all = (f"more tokens from step {step}", " in all") if step else ("tokens", "")
-    if Path(cfg.data_dir) == Path(BIG_CORPUS_DIR):
+    if Path(cfg.data_dir) == Path(PG19_DIR):
         bigger = "join more sources into the corpus (data_prep.prepare --source a+b) or plan fewer tokens"
     else:
-        bigger = f"run `{prepare_command(BIG_CORPUS_DIR, 'pg19')}` and train with --data-dir {BIG_CORPUS_DIR}"
+        bigger = f"run `{prepare_command(PG19_DIR, 'pg19')}` and train with --data-dir {PG19_DIR}"
     return (
         f"warning: this run plans {at_most}{planned:,} {tokens}, {epochs:.1f} epochs{in_all} of the "
         f"{train_tokens:,}-token train split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its "

@@ -378,6 +378,18 @@ def test_missing_dataset_prints_the_prepare_command_for_the_users_books(tmp_path
     assert command == f"  python -m data_prep.prepare --source {source} --out {out}"
 
 
+def test_the_pg19_folder_missing_prints_the_command_that_prepares_pg19(tmp_path, monkeypatch):
+    """A PG-19 run config (data_dir: data/pg19) launched before its data: the command prepares PG-19 there (it named
+    --source files:PATH/TO/BOOKS, the user's own books)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataPrepError) as err:
+        TokenLoader("data/pg19", "train", BLOCK, 8)
+    assert str(err.value) == (
+        "no prepared dataset in data/pg19: no such folder; prepare PG-19 into it (~5.8 GB of shards) with:\n"
+        "  python -m data_prep.prepare --source pg19 --out data/pg19"
+    )
+
+
 @pytest.mark.parametrize("folder", ["library", "pg19", "parquet", "other", "run"])
 def test_a_data_dir_holding_files_is_never_offered_as_prepares_out(tmp_path, monkeypatch, folder):
     """--data-dir at a library's tree (its books in subfolders), at a local copy of PG-19 or another dataset's parquet
