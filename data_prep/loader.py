@@ -100,6 +100,11 @@ def _missing_dataset(data_dir: Path) -> str:
         )
     if not data_dir.exists():
         what = f"no prepared dataset in {data_dir}: no such folder (check --data-dir)"
+    elif not data_dir.is_dir():  # a book, or a prepared dataset's manifest or shard given for its folder
+        folder = f": {data_dir.parent}" if (data_dir.parent / MANIFEST_NAME).is_file() else ""
+        return (
+            f"{data_dir} is a file, not a prepared dataset's folder: --data-dir takes the folder prepare writes{folder}"
+        )
     elif data_dir.is_dir() and any(data_dir.iterdir()):
         from data_prep.sources import folder_source  # on this error's path alone
         from modeling.runs import METRICS_FILE

@@ -390,6 +390,20 @@ def test_the_pg19_folder_missing_prints_the_command_that_prepares_pg19(tmp_path,
     )
 
 
+def test_a_data_dir_that_is_a_file_is_said_to_be_one(prepared_books, tmp_path):
+    """--data-dir at a book or at the manifest itself: it was told to prepare books into that path, which prepare
+    refuses."""
+    book = tmp_path / "emma.txt"
+    book.write_text("Emma Woodhouse, handsome, clever, and rich.\n")
+    for path in (prepared_books / "manifest.json", prepared_books / "train_000.bin", book):
+        with pytest.raises(DataPrepError) as err:
+            TokenLoader(path, "train", BLOCK, 8)
+        folder = "" if path == book else f": {prepared_books}"  # the dataset's own
+        assert str(err.value) == (
+            f"{path} is a file, not a prepared dataset's folder: --data-dir takes the folder prepare writes{folder}"
+        )
+
+
 @pytest.mark.parametrize("folder", ["library", "pg19", "parquet", "other", "run"])
 def test_a_data_dir_holding_files_is_never_offered_as_prepares_out(tmp_path, monkeypatch, folder):
     """--data-dir at a library's tree (its books in subfolders), at a local copy of PG-19 or another dataset's parquet
