@@ -43,6 +43,7 @@ from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes, cache_dir, sdist, writing_cache
+from data_prep.loader import MANIFEST_NAME
 from modeling.disk import is_disk_full
 
 log = logging.getLogger(__name__)
@@ -613,8 +614,13 @@ def _plan_pg19(arg: str) -> Plan:
     )
     if arg and not Path(location).is_dir():
         raise DataPrepError(f"{where}: no such folder; {a_copy}")
+    if arg and (Path(location) / MANIFEST_NAME).is_file():  # data/pg19 for ~/pg19: prepared already
+        raise DataPrepError(
+            f"{where} is a prepared dataset, not a copy of {PG19_HUB}'s parquet files: train on it with --data-dir "
+            f"{arg}; to prepare PG-19 again, {a_copy}"
+        )
     if arg and not any(p.suffix == ".parquet" for p in _visible_files(Path(location))):
-        # datasets would read its other files (a library's .txt, a prepared dataset's .json) and fail obscurely
+        # datasets would read its other files (a library's .txt) and fail obscurely
         held = _other_files(Path(location), "PG-19's parquet files")
         raise DataPrepError(f"{where} holds no parquet files{held}; {a_copy}")
     try:
