@@ -108,7 +108,7 @@ PREVIOUS = "previous-"  # run folders' subfolders holding what a fresh start or 
 _LOCKS = (".run.lock", ".run.lock.json")  # training.runlock's: the live run's, never set aside
 _CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
 _READ = 4 * 2**20  # each thread reads its chunk in pieces: memory stays a few MB however many threads run
-_THREADS = min(8, os.cpu_count() or 1)  # every rank of a node checks the checkpoint it resumes at once
+_THREADS = min(8, os.cpu_count() or 1)  # one process hashes: the main one (plan_resume's check, a save's manifest)
 
 
 def _sha256(path: Path) -> str:
@@ -215,7 +215,7 @@ def _saved_config(folder: Path) -> tuple[dict, TrainConfig] | None:
         raise CheckpointError(f"{what} does not read as YAML ({' '.join(str(err).split())}); {mend}") from None
     if not isinstance(values, dict):
         raise CheckpointError(f"{what} is not a mapping of key: value; {mend}")
-    # older runs wrote '' for resume
+    # a launch's choices are not the run's (and older runs wrote '' for resume, which TrainConfig refuses now)
     saved = {k: v for k, v in values.items() if k in now and k not in LAUNCH_CHOICES}
     try:
         return saved, TrainConfig(**saved)
