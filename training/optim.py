@@ -194,8 +194,9 @@ MUON_MOMENTUM_START = 0.85  # modded-nanogpt's Muon momentum warmup: 0.85 to 0.9
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
     """LambdaLR (each group's lr = its initial lr × the multiplier), which also warms up the momentum of the groups
-    that have one (Muon's) linearly from 0.85 to its initial value over the first ``momentum_warmup`` steps. The
-    momenta follow from the step alone, so a resumed run sets the same ones at the same step."""
+    that have one (Muon's) linearly from MUON_MOMENTUM_START to its initial value over the first ``momentum_warmup``
+    steps (an initial value below that start is held throughout). The momenta follow from the step alone, so a
+    resumed run sets the same ones at the same step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, *, momentum_warmup: int = 0) -> None:
         self.momentum_warmup = momentum_warmup  # before LambdaLR's first step() reads it
