@@ -322,23 +322,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     # Model, optimizer, schedule, then one prepare() that applies the launch YAML's engine to them.
     model = initial_model(cfg, model_config)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.fp8_head:
-        # not the 50,257 rows of an --init-from model (nor its width, where a run of its own shape exported it):
-        # torch._scaled_mm takes dimensions of a multiple of 16 (TrainConfig refuses a scratch run's other widths)
-        on_device = fp8_head.supported(device)
-        sizes = (model_config.vocab_size, model_config.n_embd)
-        model.fp8_head = on_device and not any(size % fp8_head.DIM_MULTIPLE for size in sizes)
-        if not on_device:
-            accelerator.print(
-                f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
-                f"{'.'.join(map(str, fp8_head.MIN_CAPABILITY))} or more (Ada, Hopper)"
-            )
-        elif not model.fp8_head:
-            accelerator.print(
-                f"note: fp8_head is off: FP8 matmuls need a vocabulary and an n_embd divisible by "
-                f"{fp8_head.DIM_MULTIPLE}, and {cfg.init_from}'s has {model_config.vocab_size:,} ids, n_embd "
-                f"{model_config.n_embd}"
-            )
+    fp8_note = set_fp8_head(model, cfg, device)
+    if fp8_note:
+        accelerator.print(fp8_note)
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
     optimizer = build_optimizer(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
@@ -436,6 +422,30 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         run.schedule.span(run.total_steps)
     log_run_info(run, num_params, peak_source, optimizer_text)
     return run
+
+
+def set_fp8_head(model: GPT, cfg: TrainConfig, device: torch.device) -> str | None:
+    """Turn the model's FP8 head on where cfg.fp8_head asks for it and this device and the model's sizes take it; the
+    note saying why it stays off where they do not (None: on, or not asked for)."""
+    if not cfg.fp8_head:
+        return None
+    # not the 50,257 rows of an --init-from model (nor its width, where a run of its own shape exported it):
+    # torch._scaled_mm takes dimensions of a multiple of 16 (TrainConfig refuses a scratch run's other widths)
+    on_device = fp8_head.supported(device)
+    sizes = (model.config.vocab_size, model.config.n_embd)
+    model.fp8_head = on_device and not any(size % fp8_head.DIM_MULTIPLE for size in sizes)
+    if not on_device:
+        return (
+            f"note: fp8_head is off on {device.type}: FP8 matmuls need a CUDA GPU of compute capability "
+            f"{'.'.join(map(str, fp8_head.MIN_CAPABILITY))} or more (Ada, Hopper)"
+        )
+    if not model.fp8_head:
+        return (
+            f"note: fp8_head is off: FP8 matmuls need a vocabulary and an n_embd divisible by "
+            f"{fp8_head.DIM_MULTIPLE}, and {cfg.init_from}'s has {model.config.vocab_size:,} ids, n_embd "
+            f"{model.config.n_embd}"
+        )
+    return None
 
 
 def check_outputs(
