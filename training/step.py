@@ -18,9 +18,9 @@ Batches = Iterator[tuple[Tensor, Tensor]]
 
 
 class TrainingAborted(RuntimeError):
-    def __init__(self, bad_steps: int, step: int, checkpoints: list[Path], why: str = "") -> None:
-        last_good = str(checkpoints[-1]) if checkpoints else None
-        why = why or f"non-finite loss/gradients in {bad_steps} consecutive steps after step {step}"
+    """The run stops for `why`, naming its last good checkpoint (None: none saved yet) to continue from."""
+
+    def __init__(self, why: str, last_good: Path | None) -> None:
         super().__init__(
             f"{why}; aborting. Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
             + (f", then continue with --resume {last_good}" if last_good else "")
@@ -146,12 +146,10 @@ class Trainer:
         off). One it applied with non-finite gradients cannot be undone: stop at once, saying so."""
         applied = self.model.was_step_applied()
         if applied and nonfinite.item():
-            checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
-            why = (
+            raise self._aborted(
                 f"DeepSpeed applied step {self.progress.step + 1}'s update with non-finite gradients (is bf16 "
                 "check_grad_overflow off in its config?)"
             )
-            raise TrainingAborted(1, self.progress.step, checkpoints, why)
         return float(not applied)
 
     def _forward_backward(self, batches: Batches, kept: list[tuple[Tensor, Tensor]]) -> Tensor | None:
@@ -238,5 +236,11 @@ class Trainer:
             f"step {self.progress.step + 1}: non-finite loss/gradients, update skipped ({self.bad_steps} in a row)"
         )
         if self.bad_steps >= self.max_bad_steps:
-            checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
-            raise TrainingAborted(self.max_bad_steps, self.progress.step, checkpoints)
+            raise self._aborted(
+                f"non-finite loss/gradients in {self.max_bad_steps} consecutive steps after step {self.progress.step}"
+            )
+
+    def _aborted(self, why: str) -> TrainingAborted:
+        """The error that stops the run for `why`, naming the newest checkpoint in run_dir."""
+        checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
+        return TrainingAborted(why, checkpoints[-1] if checkpoints else None)
