@@ -397,18 +397,9 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     startup.mark()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
-    if device.type == "cuda" and accelerator.is_main_process:
-        hint = gpu_precision_hint(
-            accelerator.mixed_precision, torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device)
-        )
-        if hint:
-            accelerator.print(hint)
-    # a given MFU peak spares the ~1 s probe (quiet runs), but not under bf16, which crawls where it is not native
-    probe = cfg.peak_tflops is None or accelerator.mixed_precision == "bf16"
-    if device.type == "cpu" and probe and accelerator.is_main_process:
-        hint = cpu_precision_hint(accelerator.mixed_precision)  # fp32 or bf16: which is faster here?
-        if hint:
-            accelerator.print(hint)
+    hint = precision_hint(accelerator, peak_given=cfg.peak_tflops is not None) if accelerator.is_main_process else None
+    if hint:
+        accelerator.print(hint)
     startup.lap("probes")
     run = Run(
         cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
@@ -445,6 +436,18 @@ def set_fp8_head(model: GPT, cfg: TrainConfig, device: torch.device) -> str | No
             f"{fp8_head.DIM_MULTIPLE}, and {cfg.init_from}'s has {model.config.vocab_size:,} ids, n_embd "
             f"{model.config.n_embd}"
         )
+    return None
+
+
+def precision_hint(accelerator: Accelerator, *, peak_given: bool) -> str | None:
+    """One line where the launch YAML's precision is not the one to train in on this GPU or CPU; None where it is.
+    On a CPU it times fp32 and bf16 matmuls (~1 s): a given MFU peak spares that probe (quiet runs), but not under
+    bf16, which crawls where it is not native."""
+    device, mixed_precision = accelerator.device, accelerator.mixed_precision
+    if device.type == "cuda":
+        return gpu_precision_hint(mixed_precision, torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device))
+    if device.type == "cpu" and (not peak_given or mixed_precision == "bf16"):
+        return cpu_precision_hint(mixed_precision)  # fp32 or bf16: which is faster here?
     return None
 
 
