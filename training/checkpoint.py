@@ -467,7 +467,9 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     """`accelerator.save_state` into step-N.tmp, then rename to step-N and prune (see `prune_checkpoints`).
 
     save_state writes model.safetensors, optimizer.bin, scheduler.bin, random_states_<rank>.pkl and one
-    custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); we add
+    custom_checkpoint_<i>.pkl per registered object (training progress, data loader position); in place of the
+    first two, FSDP2 writes its shards into pytorch_model_fsdp_0/ and optimizer_0/, DeepSpeed its ZeRO partitions
+    into pytorch_model/ (modeling.runs.checkpoint_engine tells them apart). We add
     meta.json (step, tokens seen, val loss when evaluated at this step, the digest of the data it was measured on),
     the run's config.yaml (this launch's, which a resume compares with) and manifest.json (every file's size and
     sha256, which a resume checks). A failed save leaves no folder behind; when the disk is what failed (less free
