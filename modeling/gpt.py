@@ -47,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        # q, k and v for all heads in one matmul; Linear is nn.Linear, with fp32 on AMD CPUs through oneDNN
+        # q, k and v for all heads in one matmul; Linear: nn.Linear, trained through oneDNN in fp32 on AMD AVX-512 CPUs
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)

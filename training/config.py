@@ -155,7 +155,10 @@ class TrainConfig:
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's (Nesterov) momentum (optimizer muon)"})
     muon_momentum_warmup_steps: int = field(
         default=0,
-        metadata={"help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0: none"},
+        metadata={
+            "help": "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum (one of 0.85 or "
+            "less stays as it is); 0: none"
+        },
     )
     lr_schedule: str = field(
         default="wsd",
