@@ -335,8 +335,9 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     checkpoints after `step` (a run resumed from an older checkpoint, damaged ones) move there, so neither
     auto-resume nor pruning ever prefers them; metrics rows logged after `step` (by a launch that stopped before
     saving again) are dropped, as the resumed run logs those steps anew. The run's data_dir, where it lies inside the
-    folder, stays: it is this launch's input, not the replaced run's output."""
-    run_dir = Path(run_dir)
+    folder, stays: it is this launch's input, not the replaced run's output. Resumed from another folder's
+    checkpoint, the folder's metrics.jsonl then starts with that run's rows up to `step` (_carry_metrics)."""
+    run_dir, resumed_step = Path(run_dir), step
     step, moved = _to_set_aside(run_dir, step, resumed_from, data_dir)
     lines = []
     metrics, rows = run_dir / METRICS_FILE, []
@@ -371,7 +372,25 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
                 said += f"; the file as it was is in {previous}"
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"{said})")
-    return "; ".join(lines) or None
+    origin = Path(resumed_from).resolve().parent.parent if resumed_from is not None else None
+    if origin is not None and origin != run_dir.resolve():
+        lines.append(_carry_metrics(origin, run_dir, resumed_step))
+    return "; ".join(line for line in lines if line) or None
+
+
+def _carry_metrics(origin: Path, run_dir: Path, step: int) -> str | None:
+    """A run continued from another folder's checkpoint (--resume PATH --out-dir NEW, e.g. one of several anneals of
+    one stable run) starts its metrics.jsonl with that run's rows up to `step`, as a copy of the folder would: the
+    model card names the data, launches and losses of every step its weights took, not only this folder's."""
+    source = origin / METRICS_FILE
+    if not source.is_file():
+        return None
+    rows = source.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+    kept = [row for row in rows if (s := _row_step(row)) is not None and s <= step]
+    if not kept:
+        return None
+    atomic_write_bytes(run_dir / METRICS_FILE, "".join(kept).encode())
+    return f"copied the {len(kept)} rows of {source} up to step {step} (the run this one continues)"
 
 
 def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Path | None) -> tuple[int, list[Path]]:

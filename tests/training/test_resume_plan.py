@@ -348,6 +348,24 @@ def test_a_resume_from_another_folders_checkpoint_sets_this_folders_run_aside_wh
     assert {p.name for p in run_dir.iterdir()} == {previous.name}
 
 
+def test_a_resume_from_another_folders_checkpoint_starts_with_that_runs_metrics_up_to_the_step(tmp_path):
+    """--resume STABLE/checkpoints/step-N --out-dir ANNEAL (docs/configuration.md's way to try several anneals): the
+    new folder's metrics.jsonl started empty, so its model card named only the anneal's data and license, not the
+    books of the steps before. It now starts with the stable run's rows up to the step, as a copy of the folder
+    would; the rows after it are the stable run's alone."""
+    stable, anneal = tmp_path / "stable", tmp_path / "anneal"
+    source = fake_checkpoint(stable, 4)
+    launch = {"step": 0, "launch": {"data": {"source": "files:library", "sources": []}}}
+    rows = [launch] + [{"step": s, "train_loss": 10.0 - s} for s in range(1, 7)] + [{"step": 4, "val_loss": 5.0}]
+    (stable / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "tr')
+    anneal.mkdir()
+    line = set_aside(anneal, 4, source)
+    assert line == f"copied the 6 rows of {stable / 'metrics.jsonl'} up to step 4 (the run this one continues)"
+    kept = [json.loads(r) for r in (anneal / "metrics.jsonl").read_text().splitlines()]
+    assert kept == rows[:5] + rows[-1:]
+    assert len((stable / "metrics.jsonl").read_text().splitlines()) == len(rows) + 1  # the stable run's, untouched
+
+
 def test_outputs_in_the_way_are_those_the_set_aside_leaves(tmp_path):
     """A folder where the run writes a file (samples.txt), a file where it writes a folder (export): named at start-up
     where they stay once set_aside has run (a resume from this folder's checkpoint, or a folder holding no run), not
