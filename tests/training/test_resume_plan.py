@@ -364,6 +364,12 @@ def test_a_resume_from_another_folders_checkpoint_starts_with_that_runs_metrics_
     kept = [json.loads(r) for r in (anneal / "metrics.jsonl").read_text().splitlines()]
     assert kept == rows[:5] + rows[-1:]
     assert len((stable / "metrics.jsonl").read_text().splitlines()) == len(rows) + 1  # the stable run's, untouched
+    # a checkpoint copied out of its run (no checkpoints/ folder above it): its parents are no run, nothing is carried
+    loose, elsewhere = tmp_path / "copies" / "step-00000004", tmp_path / "elsewhere"
+    shutil.copytree(source, loose)
+    shutil.copy2(stable / "metrics.jsonl", loose.parent.parent / "metrics.jsonl")
+    elsewhere.mkdir()
+    assert set_aside(elsewhere, 4, loose) is None and not (elsewhere / "metrics.jsonl").exists()
 
 
 def test_outputs_in_the_way_are_those_the_set_aside_leaves(tmp_path):
