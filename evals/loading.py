@@ -8,7 +8,7 @@ from pathlib import Path
 
 from evals import EvalError
 from modeling.gpt import GPT
-from modeling.runs import CONFIG_FILE, EXPORT_DIR, RunError, list_checkpoints, load_checkpoint
+from modeling.runs import CONFIG_FILE, EXPORT_DIR, RunError, is_checkpoint_dir, list_checkpoints, load_checkpoint
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,10 @@ def load_model(
     run = Path(run)
     if not run.is_dir():
         raise EvalError(f"run folder {run} {'is a file' if run.exists() else 'does not exist'}")
+    if (run / "config.json").is_file() and not (run / CONFIG_FILE).is_file():  # --run EXPORT, --model meant
+        raise EvalError(f"{run} is an HF-format export, not a run folder: give --model {run}")
+    if checkpoint is None and (hint := _checkpoint_hint(run)):
+        raise EvalError(hint)
     if checkpoint is None:
         found = list_checkpoints(run)
         if not found and (run / EXPORT_DIR).is_dir():
@@ -60,8 +64,18 @@ def load_model(
     return model.eval(), source
 
 
+def _checkpoint_hint(folder: Path) -> str | None:
+    """Where `folder` is one of a run's checkpoints (it holds a copy of config.yaml), how to name it; else None."""
+    if not (is_checkpoint_dir(folder) and folder.parent.name == "checkpoints"):
+        return None
+    run = folder.parent.parent
+    return f"{folder} is a checkpoint of the run {run}, not a run folder: give --run {run} --checkpoint {folder.name}"
+
+
 def _from_export(folder: Path) -> GPT:
     if not (folder / "config.json").is_file():
+        if hint := _checkpoint_hint(folder):  # --model RUN/checkpoints/step-N
+            raise EvalError(hint)
         if (folder / CONFIG_FILE).is_file():  # --model RUN, --run meant
             raise EvalError(
                 f"{folder} is a run folder, not an HF-format export: give --run {folder} (its newest checkpoint, else "

@@ -348,6 +348,29 @@ def test_a_run_folder_given_as_model_names_the_run_flag(tiny_run, cli, capsys):
     )
 
 
+@pytest.mark.parametrize("cli", [evals_main, generate_main])
+def test_a_checkpoint_or_export_given_as_the_other_flag_names_the_right_one(tiny_run, tmp_path, cli, capsys):
+    """--run RUN/checkpoints/step-N and --run EXPORT said "no checkpoint and no export/ folder: train it first", and
+    --model RUN/checkpoints/step-N said to give it as --run; each names the flags that load it."""
+
+    def said(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exc:
+            cli(argv)
+        # evals prints its line and exits 1; generate exits with the line (sys.exit prints it, exit status 1)
+        return exc.value.code if exc.value.code != 1 else capsys.readouterr().err.strip().splitlines()[-1]
+
+    step = checkpoint_dir(tiny_run, 2)
+    expected = (
+        f"error: {step} is a checkpoint of the run {tiny_run}, not a run folder: give --run {tiny_run} --checkpoint "
+        f"{step.name}"
+    )
+    assert said(["--run", str(step)]) == expected
+    assert said(["--model", str(step)]) == expected
+    export = export_hf(GPT(TINY_MODEL), tmp_path / "export", gpt2_vocab_and_merges())
+    is_export = f"error: {export} is an HF-format export, not a run folder: give --model {export}"
+    assert said(["--run", str(export)]) == is_export
+
+
 @pytest.mark.parametrize("damage", ["cut short", "emptied"])
 def test_a_damaged_checkpoint_or_export_is_one_line_naming_the_others(tmp_path, capsys, damage: str):
     """A weights file cut short (a copy that stopped, a full disk elsewhere) was safetensors' traceback in evals,
