@@ -569,7 +569,9 @@ def push(
             )  # fmt: skip
     except Exception as err:  # network, auth and Hub errors all end the same way for the user
         retry = _retry_hint(run_dir, repo_id, private, checkpoints)
-        raise HubError(f"could not push to {repo_id}: {type(err).__name__}: {err}; {retry}") from err
+        # one line: huggingface_hub's HTTP errors add a "For more information check: ..." line of their own
+        said = " ".join(str(err).split())
+        raise HubError(f"could not push to {repo_id}: {type(err).__name__}: {said}; {retry}") from err
     return str(url)
 
 

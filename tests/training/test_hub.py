@@ -387,6 +387,22 @@ def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch,
     assert set(after) - set(before) == {str(finished_run / "export" / "README.md")}  # only the card was added
 
 
+def test_a_push_the_hub_refuses_is_one_line_ending_with_the_retry(finished_run, monkeypatch, capsys):
+    """A Hub that answers the upload with an HTTP error (here 501 from the stand-in, which answers whoami only): the
+    error spread over two lines, huggingface_hub's "For more information check: ..." between the reason and the
+    retry."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    with hub_endpoint() as (url, _):
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        assert main([str(finished_run), "--repo-id", "someone/tiny-books"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: could not push to someone/tiny-books: HfHubHTTPError: .*501.*; the run folder .* is intact; push it "
+        rf"later with: python -m training.hub {re.escape(str(finished_run))} --repo-id someone/tiny-books\n",
+        err,
+    ), err
+
+
 def check_on_hub(monkeypatch, repo_id: str, status: int = 200, answer: dict | None = None, **kw) -> str | None:
     """check_push(repo_id) with a made-up token, against a local stand-in for the Hub answering whoami so."""
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
