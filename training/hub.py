@@ -314,8 +314,12 @@ def render_model_card(run_dir: str | Path) -> str:
         since = rows[switches[-1] + 1 :] if switches else rows
         best_val = min([r["val_loss"] for r in since if "val_loss" in r] or [val[-1]["val_loss"]])
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
+        # a score on the first N examples is no measure of the whole task: the text says so, as the metadata does
+        subset = f", first {config['eval_limit']:,} examples" if config.get("eval_limit") else ""
         score_lines = "".join(
-            f"| {name.replace('_', ' ')} (final) | {evals[name]:.4f} |\n" for name in EVAL_METRICS if name in evals
+            f"| {name.replace('_', ' ')} (final{subset}) | {evals[name]:.4f} |\n"
+            for name in EVAL_METRICS
+            if name in evals
         )
     if init_from := config.get("init_from"):
         started, local = _started_from(init_from)

@@ -182,9 +182,8 @@ def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_book
         {"step": 2, "val_loss": 9.51234, "hellaswag_acc_norm": 0.3125, "hellaswag_acc": 0.25, "lambada_acc": 0.125},
     ]
     write_run(tmp_path / "run", prepared_books, rows, eval_tasks="hellaswag,lambada", eval_limit=16)
-    results = {
-        (r.dataset_type, r.metric_type): r for r in ModelCard(render_model_card(tmp_path / "run")).data.eval_results
-    }
+    card = ModelCard(render_model_card(tmp_path / "run"))
+    results = {(r.dataset_type, r.metric_type): r for r in card.data.eval_results}
     assert set(results) == {
         ("default:hamlet,macbeth,tempest,twelfth_night", "loss"), ("Rowan/hellaswag", "acc_norm"),
         ("Rowan/hellaswag", "accuracy"), ("EleutherAI/lambada_openai", "accuracy"),
@@ -192,6 +191,9 @@ def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_book
     assert results["default:hamlet,macbeth,tempest,twelfth_night", "loss"].metric_value == 9.5123
     assert results["Rowan/hellaswag", "acc_norm"].metric_value == 0.3125
     assert results["Rowan/hellaswag", "acc_norm"].dataset_args == {"limit": 16}  # a subset, and it says so
+    # the text too: it gave "hellaswag acc norm (final) | 0.3125", a figure on 16 examples read as the whole task's
+    assert "| hellaswag acc norm (final, first 16 examples) | 0.3125 |" in card.text
+    assert "| lambada acc (final, first 16 examples) | 0.1250 |" in card.text
     check_model_card(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()))  # the start-up check passes
 
 
