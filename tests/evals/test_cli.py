@@ -1,6 +1,7 @@
 """The evals, evals.generate and evals.bench CLIs in process: run folders and exports, generation, errors, plot."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -117,6 +118,34 @@ def test_greedy_text_is_transformers_greedy_generate_on_the_export(tiny_run, tmp
         assert generated([*source, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"], capsys) == [
             expected
         ]
+
+
+def test_a_hub_id_as_model_loads_from_the_hub_cache_as_init_from_does(tiny_run, tmp_path, monkeypatch, capsys):
+    """--model gpt2 (a Hub id, as --init-from takes) said "gpt2 is not an HF-format export (no config.json)". Here
+    the Hub is its local cache, offline: the id samples what the export it holds samples; one out of reach is one
+    line saying how to do without the Hub."""
+    export = export_hf(load_model(tiny_run)[0], tmp_path / "export", gpt2_vocab_and_merges())
+    repo = tmp_path / "hub" / "models--someone--tiny-books"
+    revision = "0" * 40
+    shutil.copytree(export, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    argv = ["--prompt", "Once upon a time", "--max-new-tokens", "12", "--temperature", "0"]
+    hub = subprocess.run(
+        [sys.executable, "-m", "evals.generate", "--model", "someone/tiny-books", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert hub.stderr.splitlines()[-1] == "model: Hub model someone/tiny-books"
+    assert hub.stdout.removesuffix("\n") == generated(["--model", str(export), *argv], capsys)[0]
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--model", "someone/elsewhere", *argv])
+    said = str(exc.value.code)
+    assert "\n" not in said and said.startswith("error: cannot load someone/elsewhere from the Hub: ")
+    assert said.endswith("(hf download someone/elsewhere --local-dir DIR) and give --model DIR"), said
 
 
 def test_a_sample_ends_at_endoftext_as_transformers_generate_does(tiny_run, tmp_path, capsys):
