@@ -12,10 +12,10 @@ from modeling.runs import (
     CONFIG_FILE,
     EXPORT_DIR,
     RunError,
-    is_checkpoint_dir,
     is_hub_id,
     list_checkpoints,
     load_checkpoint,
+    run_of_checkpoint,
 )
 
 
@@ -75,10 +75,9 @@ def load_model(
 
 
 def _checkpoint_hint(folder: Path) -> str | None:
-    """Where `folder` is one of a run's checkpoints (it holds a copy of config.yaml), how to name it; else None."""
-    if not (is_checkpoint_dir(folder) and folder.parent.name == "checkpoints"):
+    """Where `folder` is one of a run's checkpoints, how to name it; else None."""
+    if (run := run_of_checkpoint(folder)) is None:
         return None
-    run = folder.parent.parent
     return f"{folder} is a checkpoint of the run {run}, not a run folder: give --run {run} --checkpoint {folder.name}"
 
 

@@ -57,6 +57,14 @@ def is_checkpoint_dir(path: Path) -> bool:
     return bool(_STEP_DIR.match(path.name))
 
 
+def run_of_checkpoint(folder: Path) -> Path | None:
+    """The run folder whose checkpoints/ `folder` is one of (it holds a copy of config.yaml, so it looks like a run
+    folder); None where it is not one."""
+    if is_checkpoint_dir(folder) and folder.parent.name == "checkpoints":
+        return folder.parent.parent
+    return None
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = Path(run_dir) / "checkpoints"

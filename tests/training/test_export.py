@@ -41,6 +41,12 @@ def test_export_of_an_older_checkpoint_has_its_weights(tiny_run):
         (["{run}", "--out", "{run}/checkpoints/step-00000009"], r".*step-00000009 is in the run's checkpoints/, where"),
         (["{run}", "--out", "{run}/config.yaml/x"], r"cannot write .*/x: .*config.yaml is a file; choose another"),
         (["{run}/config.yaml"], r"run folder .*config.yaml is a file$"),
+        # a checkpoint as the run folder: it said the checkpoint "has no checkpoint (checkpoints/step-NNNNNNNN/)"
+        (
+            ["{run}/checkpoints/step-00000002"],
+            r"\S+/checkpoints/step-00000002 is a checkpoint of the run \S+, not a run folder: give python -m "
+            r"training.export \S+ --checkpoint step-00000002$",
+        ),
     ],
 )
 def test_bad_arguments_are_one_clear_error(tiny_run, argv, message):
