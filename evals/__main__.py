@@ -2,7 +2,7 @@
 
     python -m evals --run runs/x [--tasks hellaswag,lambada] [--limit N] [--checkpoint step-N] [--batch-size 32]
     python -m evals --model runs/x/export --tasks hellaswag
-    accelerate launch --config_file accelerate_configs/cpu_ddp2.yaml -m evals --run runs/x   # ranks split the work
+    python -m training.launch -q --config_file accelerate_configs/cpu_ddp2.yaml -m evals --run runs/x  # ranks split it
 
 A run folder is scored at its newest checkpoint (or --checkpoint), else at its export/ folder. Precision
 comes from --mixed-precision, else the accelerate launch config; plain `python -m` runs in fp32.
