@@ -73,7 +73,14 @@ EVAL_METRICS = {
     "hellaswag_acc_norm": ("HellaSwag", "Rowan/hellaswag", "validation", "acc_norm", "accuracy (length-normalized)"),
     "hellaswag_acc": ("HellaSwag", "Rowan/hellaswag", "validation", "accuracy", "accuracy"),
     "lambada_acc": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "accuracy", "last-word accuracy"),
-    "lambada_ppl": ("LAMBADA (OpenAI)", "EleutherAI/lambada_openai", "test", "perplexity", "last-word perplexity"),
+    # per token of the last word (evals.lambada): lm-eval-harness's LAMBADA perplexity is per word, and higher
+    "lambada_ppl": (
+        "LAMBADA (OpenAI)",
+        "EleutherAI/lambada_openai",
+        "test",
+        "perplexity",
+        "last-word perplexity per token",
+    ),
 }
 PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-domain books
 

@@ -179,7 +179,14 @@ def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_book
         {"step": 0, "launch": CPU_LAUNCH},
         {"step": 0, "val_loss": 10.9},
         *ROWS,
-        {"step": 2, "val_loss": 9.51234, "hellaswag_acc_norm": 0.3125, "hellaswag_acc": 0.25, "lambada_acc": 0.125},
+        {
+            "step": 2,
+            "val_loss": 9.51234,
+            "hellaswag_acc_norm": 0.3125,
+            "hellaswag_acc": 0.25,
+            "lambada_acc": 0.125,
+            "lambada_ppl": 812.5,
+        },
     ]
     write_run(tmp_path / "run", prepared_books, rows, eval_tasks="hellaswag,lambada", eval_limit=16)
     card = ModelCard(render_model_card(tmp_path / "run"))
@@ -187,7 +194,11 @@ def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_book
     assert set(results) == {
         ("default:hamlet,macbeth,tempest,twelfth_night", "loss"), ("Rowan/hellaswag", "acc_norm"),
         ("Rowan/hellaswag", "accuracy"), ("EleutherAI/lambada_openai", "accuracy"),
+        ("EleutherAI/lambada_openai", "perplexity"),
     }  # fmt: skip
+    # per token: it said "last-word perplexity", which lm-eval-harness's figure per word is, higher than ours
+    ppl = results["EleutherAI/lambada_openai", "perplexity"]
+    assert ppl.metric_value == 812.5 and ppl.metric_name == "last-word perplexity per token, zero-shot"
     assert results["default:hamlet,macbeth,tempest,twelfth_night", "loss"].metric_value == 9.5123
     assert results["Rowan/hellaswag", "acc_norm"].metric_value == 0.3125
     assert results["Rowan/hellaswag", "acc_norm"].dataset_args == {"limit": 16}  # a subset, and it says so
