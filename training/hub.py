@@ -538,9 +538,15 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     """Write README.md (and loss.png when present) into the run's export folder."""
     run_dir = Path(run_dir)
     export = run_dir / EXPORT_DIR
-    if not (export / "config.json").is_file():
-        raise HubError(f"{export} holds no transformers export: train with --export-hf true first")
     checkpoints = list_checkpoints(run_dir)
+    if not (export / "config.json").is_file():
+        if not checkpoints:
+            raise HubError(f"{export} holds no transformers export: train the run first (its end writes export/)")
+        # a run trained with --export-hf false: its weights are in its checkpoints, no need to train it again
+        raise HubError(
+            f"{export} holds no transformers export: write it from the run's newest checkpoint, "
+            f"{checkpoints[-1].name}, with python -m training.export {run_dir} --out {export}"
+        )
     # The run's end saves its last checkpoint, then exports: a newer checkpoint is a resume that stopped before its end
     if checkpoints and checkpoints[-1].stat().st_mtime > (export / "config.json").stat().st_mtime:
         raise HubError(

@@ -22,6 +22,7 @@ from modeling.hf_export import export_hf
 from modeling.runs import checkpoint_dir
 from testkit import TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
+from training.export import main as export_main
 from training.hub import (
     HubError,
     check_model_card,
@@ -414,6 +415,21 @@ def test_a_push_the_hub_refuses_is_one_line_ending_with_the_retry(finished_run, 
         rf"later with: python -m training.hub {re.escape(str(finished_run))} --repo-id someone/tiny-books\n",
         err,
     ), err
+
+
+def test_a_run_without_its_export_is_told_the_command_that_writes_it(finished_run, monkeypatch, capsys):
+    """A run trained with --export-hf false was told to "train with --export-hf true first": its checkpoint holds
+    the weights, and the export that command writes is the one the push then takes."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    shutil.rmtree(finished_run / "export")
+    write_checkpoint(GPT(get_preset("tiny-cpu")), checkpoint_dir(finished_run, 2))
+    assert main([str(finished_run), "--repo-id", "someone/tiny-books"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {finished_run / 'export'} holds no transformers export: write it from the run's newest checkpoint, "
+        f"step-00000002, with python -m training.export {finished_run} --out {finished_run / 'export'}\n"
+    )
+    export_main([str(finished_run), "--out", str(finished_run / "export")])
+    assert (write_model_card(finished_run, "someone/tiny-books")).is_file()
 
 
 def check_on_hub(monkeypatch, repo_id: str, status: int = 200, answer: dict | None = None, **kw) -> str | None:
