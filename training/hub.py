@@ -429,10 +429,15 @@ def _data_section(config: dict, manifest: dict | None) -> str:
     else:
         note = "Each source's license is as its dataset states it."
     return (
-        f"{splits['train']['num_documents']:,} train documents ({splits['train']['num_tokens']:,} tokens), "
-        f"{splits['val']['num_documents']:,} val documents ({splits['val']['num_tokens']:,} tokens), GPT-2 BPE.\n\n"
+        f"{_documents(splits['train']['num_documents'], 'train')} ({splits['train']['num_tokens']:,} tokens), "
+        f"{_documents(splits['val']['num_documents'], 'val')} ({splits['val']['num_tokens']:,} tokens), GPT-2 BPE.\n\n"
         f"| source | Hub dataset | license |\n|---|---|---|\n{rows}\n{note}"
     )
+
+
+def _documents(count: int, split: str) -> str:
+    """3 train documents, 1 val document."""
+    return f"{count:,} {split} document{'s' * (count != 1)}"
 
 
 def _new_data_line(steps: list[int]) -> str:

@@ -64,6 +64,7 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
     assert front_matter["library_name"] == "transformers" and front_matter["pipeline_tag"] == "text-generation"
     manifest = json.loads((prepared_books / "manifest.json").read_text())
     assert f"{manifest['splits']['train']['num_tokens']:,} tokens" in card
+    assert f"3 train documents ({manifest['splits']['train']['num_tokens']:,} tokens), 1 val document (" in card
     assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 |" in card
     assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card
