@@ -333,14 +333,15 @@ def render_model_card(run_dir: str | Path) -> str:
         model, origin = f"{started} (continued)", f"from the weights of {started}{' (a local model)' * local}"
     else:
         model, origin = _scratch_model(config), "from scratch"
-    data = card_data(run_dir.name, config, manifest, evals)
+    name = run_dir.resolve().name  # the folder's own name, also where it was given as "." from inside it
+    data = card_data(name, config, manifest, evals)
     launches = _launches(rows, last["step"])
     how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
     content = f"""---
 {data.to_yaml()}
 ---
 
-# {run_dir.name}: a {model} GPT trained with bookgpt
+# {name}: a {model} GPT trained with bookgpt
 
 A GPT-2-architecture model pretrained {origin} with bookgpt (a pretraining project built on Hugging Face
 Accelerate, MIT-licensed).

@@ -176,6 +176,15 @@ def test_a_card_names_a_local_source_by_its_folder_not_its_path(source, dataset,
     assert shown_source(source, dataset) == shown
 
 
+def test_a_card_rendered_from_inside_the_run_folder_names_the_run(finished_run, monkeypatch):
+    """`python -m training.hub . --repo-id ...` from inside the run folder titled the card "# : a tiny-cpu GPT" and
+    gave the model-index an empty name."""
+    monkeypatch.chdir(finished_run)
+    card = ModelCard(render_model_card("."))
+    assert card.text.lstrip().startswith("# run: a tiny-cpu GPT trained with bookgpt")
+    assert card.data.model_name == "run"
+
+
 def test_model_card_eval_results_are_the_runs_last_evals(tmp_path, prepared_books):
     rows = [
         {"step": 0, "launch": CPU_LAUNCH},
