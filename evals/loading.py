@@ -43,8 +43,8 @@ def load_model(
 ) -> tuple[GPT, str]:
     """(GPT in eval mode on the CPU, a description of where it came from: which file, or how shards were merged).
 
-    Give `export` (an HF-format folder), or `run`: its `checkpoint` (a checkpoints/step-N folder, from DDP, FSDP2
-    or ZeRO) if given, else its newest checkpoint, else its export/ folder.
+    Give `export` (an HF-format folder, or a Hub id such as gpt2), or `run`: its `checkpoint` (a checkpoints/step-N
+    folder, from DDP, FSDP2 or ZeRO) if given, else its newest checkpoint, else its export/ folder.
     """
     if (run is None) == (export is None):
         raise EvalError("give either a run folder (--run) or an HF-format export folder (--model), not both")
