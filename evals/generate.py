@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print(f"\nstopped by Ctrl-C after {printed} of {args.num_samples} samples", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the reader stopped reading (| head): end as a program SIGPIPE stops, without a word
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail again
+        sys.exit(141)  # 128 + SIGPIPE, the status a shell reports for such a program
 
 
 if __name__ == "__main__":

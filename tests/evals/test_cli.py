@@ -203,6 +203,23 @@ def test_samples_print_as_they_are_written_and_ctrl_c_keeps_them(tiny_run):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+def test_a_reader_that_stops_reading_ends_the_samples_without_a_traceback(tiny_run):
+    """`python -m evals.generate ... | head -1`: the samples after the reader stopped ended in a BrokenPipeError
+    traceback; now the run ends as a program SIGPIPE stops (status 141), its stderr the model line alone."""
+    cmd = [sys.executable, "-m", "evals.generate", "--run", str(tiny_run), "--num-samples", "300", "--top-k", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline()  # the first sample's first line, as `head -1` reads it
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err
+    assert err.splitlines() == [f"model: checkpoint {checkpoint_dir(tiny_run, 2)} (model.safetensors)"], err
+
+
 def test_a_prompt_longer_than_the_context_says_so(tiny_run, capsys):
     """The model reads the prompt's last block_size (32) tokens alone; the whole prompt is printed as it was given."""
     prompt = "To be, or not to be. " * 10  # 81 tokens
