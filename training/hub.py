@@ -35,6 +35,7 @@ from modeling.runs import (
     list_checkpoints,
     model_shape,
     read_metrics,
+    run_of_checkpoint,
 )
 from training.metrics import data_for_the_card, precision_name
 
@@ -577,7 +578,16 @@ def push(
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise HubError(f"run folder {run_dir} does not exist; give the folder a run trained in (its out_dir)")
+        why = "is a file" if run_dir.exists() else "does not exist"
+        raise HubError(f"run folder {run_dir} {why}; give the folder a run trained in (its out_dir)")
+    # a folder inside a run (its export/, a checkpoint) was told the run was not trained yet
+    run = run_of_checkpoint(run_dir) or (run_dir.parent if run_dir.name == EXPORT_DIR else None)
+    if run is not None and (run / CONFIG_FILE).is_file():
+        flags = " --private" * private + " --checkpoints" * checkpoints  # a retry without --private would publish
+        raise HubError(
+            f"{run_dir} is inside the run folder {run}, whose config.yaml and metrics.jsonl the model card is written "
+            f"from: give the run folder, python -m training.hub {run} --repo-id {repo_id}{flags}"
+        )
     check_repo_id(repo_id, "--repo-id")  # before the model card is written for it
     token = require_token(token)
     write_model_card(run_dir, repo_id)

@@ -393,6 +393,26 @@ def test_push_of_a_malformed_repo_id_or_no_run_folder_is_a_clear_error_before_an
     )
 
 
+@pytest.mark.parametrize("inside", ["export", "checkpoints/step-00000002"])
+def test_a_folder_inside_the_run_given_to_the_push_names_the_run_folder(finished_run, monkeypatch, capsys, inside):
+    """The run's export/ or a checkpoint given as the run folder was told "RUN/export/export holds no transformers
+    export: train the run first"; the line gives the run folder, with this push's flags."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    write_checkpoint(GPT(get_preset("tiny-cpu")), checkpoint_dir(finished_run, 2))
+    before = tree_hashes(finished_run)
+    assert main([str(finished_run / inside), "--repo-id", "someone/tiny-books", "--private"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {finished_run / inside} is inside the run folder {finished_run}, whose config.yaml and metrics.jsonl "
+        f"the model card is written from: give the run folder, python -m training.hub {finished_run} --repo-id "
+        "someone/tiny-books --private\n"
+    )
+    assert tree_hashes(finished_run) == before
+    assert main([str(finished_run / "config.yaml"), "--repo-id", "someone/tiny-books"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: run folder {finished_run / 'config.yaml'} is a file; give the folder a run trained in (its out_dir)\n"
+    )
+
+
 @pytest.mark.parametrize("private", [False, True], ids=["public", "private"])
 def test_push_offline_fails_cleanly_and_keeps_the_run(finished_run, monkeypatch, private):
     """The line says how to push later, with the flags of this push: a retry copied from it without --private made
