@@ -12,9 +12,9 @@ from modeling.runs import (
     CONFIG_FILE,
     EXPORT_DIR,
     RunError,
-    is_hub_id,
     list_checkpoints,
     load_checkpoint,
+    names_a_hub_model,
     run_of_checkpoint,
 )
 
@@ -49,7 +49,8 @@ def load_model(
     if (run is None) == (export is None):
         raise EvalError("give either a run folder (--run) or an HF-format export folder (--model), not both")
     if export is not None:
-        return _from_export(Path(export)).eval(), f"{'Hub model' if _hub_id(str(export)) else 'export'} {export}"
+        what = "Hub model" if names_a_hub_model(str(export)) else "export"
+        return _from_export(Path(export)).eval(), f"{what} {export}"
     run = Path(run)
     if not run.is_dir():
         raise EvalError(f"run folder {run} {'is a file' if run.exists() else 'does not exist'}")
@@ -90,22 +91,17 @@ def _from_export(folder: Path) -> GPT:
                 f"{folder} is a run folder, not an HF-format export: give --run {folder} (its newest checkpoint, else "
                 f"its export/), or --model {folder / EXPORT_DIR}"
             )
-        if not _hub_id(str(folder)):
+        if not names_a_hub_model(str(folder)):
             raise EvalError(f"{folder} is not an HF-format export (no config.json); see the run's export/ folder")
     from modeling.hf_export import load_hf  # imports transformers: seconds that checkpoint loads do without
 
     try:
         return load_hf(str(folder))
     except (OSError, ValueError) as err:  # unreadable files, no way to the Hub, or a shape our GPT cannot take
-        if not _hub_id(str(folder)):
+        if not names_a_hub_model(str(folder)):
             raise EvalError(f"cannot load the export {folder}: {err}") from None
         said = " ".join(str(err).split())  # transformers' messages run over several lines
         raise EvalError(
             f"cannot load {folder} from the Hub: {said} Where huggingface.co cannot be reached, download it where it "
             f"can (hf download {folder} --local-dir DIR) and give --model DIR"
         ) from None
-
-
-def _hub_id(name: str) -> bool:
-    """Whether --model names a Hub model (NAME or OWNER/NAME, nothing at that path), as --init-from takes one."""
-    return is_hub_id(name) and name.count("/") <= 1 and name[0] not in "/.~"

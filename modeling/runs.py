@@ -98,6 +98,12 @@ def is_hub_id(init_from: str) -> bool:
     return not Path(init_from).exists()
 
 
+def names_a_hub_model(name: str) -> bool:
+    """Whether `name` can only mean a Hub model: nothing at that path, and a Hub id's shape (NAME or OWNER/NAME, not a
+    path from / . or ~)."""
+    return is_hub_id(name) and name.count("/") <= 1 and name[0] not in "/.~"
+
+
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd")  # what a run config may set over its preset's (None: the preset's)
 SHAPE_FLAGS = (*SHAPE_FIELDS, "block_size")  # and with the context: every field that sets the model's shape
 
@@ -125,7 +131,7 @@ def model_shape(
         from modeling.hf_export import load_hf_config  # imports transformers: seconds a scratch run does without
 
         # A Hub id is NAME or OWNER/NAME; anything else is a folder, and a missing one gets a plain message.
-        if is_hub_id(init_from) and (init_from.count("/") > 1 or init_from[0] in "/.~"):
+        if is_hub_id(init_from) and not names_a_hub_model(init_from):
             raise ValueError(
                 f"init_from {init_from}: no such folder; give a transformers GPT-2 folder such as a run's "
                 "export/ (runs/NAME/export) or a Hub id such as gpt2"

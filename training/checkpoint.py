@@ -38,6 +38,7 @@ from modeling.runs import (
     is_checkpoint_dir,
     list_checkpoints,
     merge_shards,
+    run_of_checkpoint,
     zero_layout,
 )
 from training.config import ConfigError, TrainConfig
@@ -372,10 +373,10 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
                 said += f"; the file as it was is in {previous}"
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"{said})")
-    checkpoints = Path(resumed_from).resolve().parent if resumed_from is not None else None
     # a checkpoint in another run's checkpoints/ folder (not one copied elsewhere, whose parents are no run)
-    if checkpoints is not None and checkpoints.name == "checkpoints" and checkpoints.parent != run_dir.resolve():
-        lines.append(_carry_metrics(checkpoints.parent, run_dir, resumed_step))
+    origin = run_of_checkpoint(Path(resumed_from).resolve()) if resumed_from is not None else None
+    if origin is not None and origin != run_dir.resolve():
+        lines.append(_carry_metrics(origin, run_dir, resumed_step))
     return "; ".join(line for line in lines if line) or None
 
 

@@ -48,14 +48,16 @@ class HubError(RuntimeError):
     """A push that could not happen; the message says why and how to retry."""
 
 
-def _retry_hint(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -> str:
+def _push_command(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -> str:
     """The command that pushes the run as this push would have: with its flags (a private repository made public by
-    a retry copied from this line would publish the model)."""
+    a retry copied from a line would publish the model)."""
     flags = " --private" * private + " --checkpoints" * checkpoints
-    return (
-        f"the run folder {run_dir} is intact; push it later with: python -m training.hub {run_dir} --repo-id {repo_id}"
-        f"{flags}"
-    )
+    return f"python -m training.hub {run_dir} --repo-id {repo_id}{flags}"
+
+
+def _retry_hint(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -> str:
+    command = _push_command(run_dir, repo_id, private, checkpoints)
+    return f"the run folder {run_dir} is intact; push it later with: {command}"
 
 
 def require_token(token: str | None = None, then: str = "push again") -> str:
@@ -583,10 +585,9 @@ def push(
     # a folder inside a run (its export/, a checkpoint) was told the run was not trained yet
     run = run_of_checkpoint(run_dir) or (run_dir.parent if run_dir.name == EXPORT_DIR else None)
     if run is not None and (run / CONFIG_FILE).is_file():
-        flags = " --private" * private + " --checkpoints" * checkpoints  # a retry without --private would publish
         raise HubError(
             f"{run_dir} is inside the run folder {run}, whose config.yaml and metrics.jsonl the model card is written "
-            f"from: give the run folder, python -m training.hub {run} --repo-id {repo_id}{flags}"
+            f"from: give the run folder, {_push_command(run, repo_id, private, checkpoints)}"
         )
     check_repo_id(repo_id, "--repo-id")  # before the model card is written for it
     token = require_token(token)
