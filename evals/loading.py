@@ -14,6 +14,7 @@ from modeling.runs import (
     RunError,
     list_checkpoints,
     load_checkpoint,
+    named,
     names_a_hub_model,
     run_of_checkpoint,
 )
@@ -79,7 +80,8 @@ def _checkpoint_hint(folder: Path) -> str | None:
     """Where `folder` is one of a run's checkpoints, how to name it; else None."""
     if (run := run_of_checkpoint(folder)) is None:
         return None
-    return f"{folder} is a checkpoint of the run {run}, not a run folder: give --run {run} --checkpoint {folder.name}"
+    name = named(folder).name  # step-NNNNNNNN, also where folder is . from inside it
+    return f"{folder} is a checkpoint of the run {run}, not a run folder: give --run {run} --checkpoint {name}"
 
 
 def _from_export(folder: Path) -> GPT:

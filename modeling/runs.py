@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import sys
 import tempfile
@@ -57,9 +58,16 @@ def is_checkpoint_dir(path: Path) -> bool:
     return bool(_STEP_DIR.match(path.name))
 
 
+def named(folder: Path) -> Path:
+    """`folder` as a path whose last parts are its own and its parents' names: . and ../step-N (given from inside a
+    run's folders) as absolute paths."""
+    return Path(os.path.abspath(folder)) if folder.name == "" or ".." in folder.parts else folder
+
+
 def run_of_checkpoint(folder: Path) -> Path | None:
     """The run folder whose checkpoints/ `folder` is one of (it holds a copy of config.yaml, so it looks like a run
     folder); None where it is not one."""
+    folder = named(folder)
     if is_checkpoint_dir(folder) and folder.parent.name == "checkpoints":
         return folder.parent.parent
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.disk import DiskFull, cannot_write, disk_full_reported
-from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint, run_of_checkpoint
+from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint, named, run_of_checkpoint
 
 
 class ExportError(RuntimeError):
@@ -31,7 +31,7 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     if (run := run_of_checkpoint(run_dir)) is not None:  # its config.yaml made it look like a run folder
         raise RunError(
             f"{run_dir} is a checkpoint of the run {run}, not a run folder: give python -m training.export {run} "
-            f"--checkpoint {run_dir.name}"
+            f"--checkpoint {named(run_dir).name}"
         )
     found = list_checkpoints(run_dir)
     if checkpoint is None and not found:

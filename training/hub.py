@@ -34,6 +34,7 @@ from modeling.runs import (
     is_hub_id,
     list_checkpoints,
     model_shape,
+    named,
     read_metrics,
     run_of_checkpoint,
 )
@@ -582,8 +583,9 @@ def push(
     if not run_dir.is_dir():
         why = "is a file" if run_dir.exists() else "does not exist"
         raise HubError(f"run folder {run_dir} {why}; give the folder a run trained in (its out_dir)")
-    # a folder inside a run (its export/, a checkpoint) was told the run was not trained yet
-    run = run_of_checkpoint(run_dir) or (run_dir.parent if run_dir.name == EXPORT_DIR else None)
+    # a folder inside a run (its export/, a checkpoint; . from inside one) was told the run was not trained yet
+    where = named(run_dir)
+    run = run_of_checkpoint(where) or (where.parent if where.name == EXPORT_DIR else None)
     if run is not None and (run / CONFIG_FILE).is_file():
         raise HubError(
             f"{run_dir} is inside the run folder {run}, whose config.yaml and metrics.jsonl the model card is written "

@@ -395,7 +395,9 @@ def test_a_run_folder_given_as_model_names_the_run_flag(tiny_run, cli, capsys):
 
 
 @pytest.mark.parametrize("cli", [evals_main, generate_main])
-def test_a_checkpoint_or_export_given_as_the_other_flag_names_the_right_one(tiny_run, tmp_path, cli, capsys):
+def test_a_checkpoint_or_export_given_as_the_other_flag_names_the_right_one(
+    tiny_run, tmp_path, cli, capsys, monkeypatch
+):
     """--run RUN/checkpoints/step-N and --run EXPORT said "no checkpoint and no export/ folder: train it first", and
     --model RUN/checkpoints/step-N said to give it as --run; each names the flags that load it."""
 
@@ -412,6 +414,10 @@ def test_a_checkpoint_or_export_given_as_the_other_flag_names_the_right_one(tiny
     )
     assert said(["--run", str(step)]) == expected
     assert said(["--model", str(step)]) == expected
+    # given from inside the checkpoint: it said ". has no checkpoint ... train it first"
+    monkeypatch.chdir(step)
+    for given in (".", "../step-00000002"):
+        assert said(["--run", given]) == expected.replace(str(step), given, 1)
     export = export_hf(GPT(TINY_MODEL), tmp_path / "export", gpt2_vocab_and_merges())
     is_export = f"error: {export} is an HF-format export, not a run folder: give --model {export}"
     assert said(["--run", str(export)]) == is_export

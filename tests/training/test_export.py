@@ -54,6 +54,18 @@ def test_bad_arguments_are_one_clear_error(tiny_run, argv, message):
         export_main([a.format(run=tiny_run) for a in argv])
 
 
+@pytest.mark.parametrize(("inside", "given"), [("step-00000002", "."), ("step-00000001", "../step-00000002")])
+def test_a_checkpoint_given_from_inside_the_run_names_its_run(tiny_run, monkeypatch, inside, given):
+    """From inside a checkpoint it said ". has no checkpoint (checkpoints/step-NNNNNNNN/) to export"."""
+    monkeypatch.chdir(tiny_run / "checkpoints" / inside)
+    with pytest.raises(SystemExit) as exc:
+        export_main([given])
+    assert exc.value.code == (
+        f"error: {given} is a checkpoint of the run {tiny_run}, not a run folder: give python -m training.export "
+        f"{tiny_run} --checkpoint step-00000002"
+    )
+
+
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_checkpoint_loads(tiny_run, tmpfs, monkeypatch):
     disk = tmpfs("1m")
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)

@@ -407,6 +407,9 @@ def test_a_folder_inside_the_run_given_to_the_push_names_the_run_folder(finished
         "someone/tiny-books --private\n"
     )
     assert tree_hashes(finished_run) == before
+    monkeypatch.chdir(finished_run / inside)  # "." from inside it: it said "export holds no transformers export"
+    assert main([".", "--repo-id", "someone/tiny-books"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: . is inside the run folder {finished_run}, whose config.yaml")
     assert main([str(finished_run / "config.yaml"), "--repo-id", "someone/tiny-books"]) == 1
     assert capsys.readouterr().err == (
         f"error: run folder {finished_run / 'config.yaml'} is a file; give the folder a run trained in (its out_dir)\n"
