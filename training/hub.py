@@ -217,7 +217,9 @@ def check_repo_id(repo_id: str, flag: str) -> None:
         raise HubError(f"{flag} {repo_id!r} is not a Hub repository id ({err}); use you/name") from None
 
 
-def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAMI_TIMEOUT_S) -> str | None:
+def check_push(
+    repo_id: str, run_dir: str = "RUN_FOLDER", *, private: bool = False, timeout: float = WHOAMI_TIMEOUT_S
+) -> str | None:
     """Raise now, as one HubError, what would stop push(repo_id) at the end of the run: a malformed repo id, no
     token, or what the Hub says of the token (one whoami call): refused (expired, revoked), read-only, fine-grained
     without write access there, not its user's nor their organizations' namespace, or an organization where the
@@ -234,7 +236,7 @@ def check_push(repo_id: str, run_dir: str = "RUN_FOLDER", timeout: float = WHOAM
         raise HubError(
             f"cannot reach the Hub ({constants.ENDPOINT}: {err}) to check the token for --push-to-hub, so the push at "
             "the end would fail too: train without it and push the run folder later where the Hub can be reached "
-            f"(python -m training.hub {run_dir} --repo-id {repo_id})"
+            f"({_push_command(Path(run_dir), repo_id, private, False)})"
         ) from None
     new_token = f"make a write token at {constants.ENDPOINT}/settings/tokens, then `hf auth login` or set HF_TOKEN"
     if not isinstance(answer, dict):  # the Hub answered with an HTTP error

@@ -484,7 +484,7 @@ def check_outputs(
         ) from err
     if not cfg.export_hf:
         return None
-    hub_note = check_push(cfg.push_to_hub, cfg.out_dir) if cfg.push_to_hub else None
+    hub_note = check_push(cfg.push_to_hub, cfg.out_dir, private=cfg.hub_private_repo) if cfg.push_to_hub else None
     try:
         check_model_card(dataclasses.asdict(cfg))
     except Exception as err:  # huggingface_hub missing or broken, a manifest it cannot read

@@ -3,6 +3,7 @@ still fails after it keeps the checkpoints and names the command that exports th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants
 from transformers import AutoTokenizer
 
 from data_prep.tokenizer import get_encoding
@@ -23,6 +25,7 @@ from training.config import ConfigError, TrainConfig
 from training.export import ExportError
 from training.export import main as export_main
 from training.export_check import ExportCheck
+from training.hub import HubError
 from training.loop import TrainMetrics, check_outputs, setup, trainer_for, write_outputs
 
 
@@ -52,6 +55,17 @@ def test_an_export_that_could_not_run_stops_the_run_before_it_trains(
     with pytest.raises(ConfigError, match=EXPORT_FAILS.format(reason) + "$"):
         setup(tiny_config(prepared_books, tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # nothing else
+
+
+def test_a_private_run_whose_push_cannot_happen_is_told_to_push_it_private(prepared_books, tmp_path, monkeypatch):
+    """A Hub out of reach at start-up stops the run with the command that pushes it later: the command left out
+    --hub-private-repo's --private, so a push copied from it made the model public."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    cfg = dataclasses.replace(tiny_config(prepared_books, tmp_path / "run"), push_to_hub="you/x", hub_private_repo=True)
+    later = f"(python -m training.hub {tmp_path / 'run'} --repo-id you/x --private)"
+    with pytest.raises(HubError, match=f"^cannot reach the Hub .*{re.escape(later)}$"):
+        check_outputs(cfg, cfg.model_config(), None, 0, None)
 
 
 @pytest.mark.slow  # three export-check child processes
