@@ -10,6 +10,7 @@ is never overwritten, and a folder that exists is refused rather than replaced.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,8 +31,8 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
         raise RunError(f"run folder {run_dir} {'is a file' if run_dir.exists() else 'does not exist'}")
     if (run := run_of_checkpoint(run_dir)) is not None:  # its config.yaml made it look like a run folder
         raise RunError(
-            f"{run_dir} is a checkpoint of the run {run}, not a run folder: give python -m training.export {run} "
-            f"--checkpoint {named(run_dir).name}"
+            f"{run_dir} is a checkpoint of the run {run}, not a run folder: give python -m training.export "
+            f"{shlex.quote(str(run))} --checkpoint {named(run_dir).name}"
         )
     found = list_checkpoints(run_dir)
     if checkpoint is None and not found:

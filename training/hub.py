@@ -12,6 +12,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -53,7 +54,7 @@ def _push_command(run_dir: Path, repo_id: str, private: bool, checkpoints: bool)
     """The command that pushes the run as this push would have: with its flags (a private repository made public by
     a retry copied from a line would publish the model)."""
     flags = " --private" * private + " --checkpoints" * checkpoints
-    return f"python -m training.hub {run_dir} --repo-id {repo_id}{flags}"
+    return f"python -m training.hub {shlex.quote(str(run_dir))} --repo-id {repo_id}{flags}"
 
 
 def _retry_hint(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -> str:
@@ -557,7 +558,8 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
         # a run trained with --export-hf false: its weights are in its checkpoints, no need to train it again
         raise HubError(
             f"{export} holds no transformers export: write it from the run's newest checkpoint, "
-            f"{checkpoints[-1].name}, with python -m training.export {run_dir} --out {export}"
+            f"{checkpoints[-1].name}, with python -m training.export {shlex.quote(str(run_dir))} --out "
+            f"{shlex.quote(str(export))}"
         )
     # The run's end saves its last checkpoint, then exports: a newer checkpoint is a resume that stopped before its end
     if checkpoints and checkpoints[-1].stat().st_mtime > (export / "config.json").stat().st_mtime:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import shlex
 import statistics
 import sys
 import time
@@ -844,5 +845,5 @@ def export_final(run_dir: Path, model: GPT) -> None:
             raise
         raise ExportError(
             f"the export to {export} failed after training ({type(err).__name__}: {err}); the run's checkpoints are "
-            f"kept: export the newest (the final weights) with `python -m training.export {run_dir}`"
+            f"kept: export the newest (the final weights) with `python -m training.export {shlex.quote(str(run_dir))}`"
         ) from err

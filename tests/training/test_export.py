@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -64,6 +66,17 @@ def test_a_checkpoint_given_from_inside_the_run_names_its_run(tiny_run, monkeypa
         f"error: {given} is a checkpoint of the run {tiny_run}, not a run folder: give python -m training.export "
         f"{tiny_run} --checkpoint step-00000002"
     )
+
+
+def test_the_command_a_checkpoint_is_told_runs_as_given_where_the_path_has_a_space(tiny_run, tmp_path):
+    """The command was split at the space of the run's path: 'unrecognized arguments'."""
+    run = shutil.copytree(tiny_run, tmp_path / "my runs" / "run", ignore=shutil.ignore_patterns("export-*"))
+    with pytest.raises(SystemExit) as exc:
+        export_main([str(checkpoint_dir(run, 1))])
+    argv = shlex.split(exc.value.code.split(": give ")[1])
+    assert argv == ["python", "-m", "training.export", str(run), "--checkpoint", "step-00000001"]
+    export_main(argv[3:])
+    assert (run / "export-step-00000001" / "config.json").is_file()
 
 
 def test_an_out_folder_that_cannot_be_written_is_refused_before_the_checkpoint_loads(tiny_run, tmpfs, monkeypatch):

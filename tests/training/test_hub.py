@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
 import socket
 import time
@@ -452,17 +453,20 @@ def test_a_push_the_hub_refuses_is_one_line_ending_with_the_retry(finished_run, 
 
 def test_a_run_without_its_export_is_told_the_command_that_writes_it(finished_run, monkeypatch, capsys):
     """A run trained with --export-hf false was told to "train with --export-hf true first": its checkpoint holds
-    the weights, and the export that command writes is the one the push then takes."""
+    the weights, and the export that command writes is the one the push then takes. In a folder whose path holds a
+    space, the command runs as given (it was split at the space)."""
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
-    shutil.rmtree(finished_run / "export")
-    write_checkpoint(GPT(get_preset("tiny-cpu")), checkpoint_dir(finished_run, 2))
-    assert main([str(finished_run), "--repo-id", "someone/tiny-books"]) == 1
-    assert capsys.readouterr().err == (
-        f"error: {finished_run / 'export'} holds no transformers export: write it from the run's newest checkpoint, "
-        f"step-00000002, with python -m training.export {finished_run} --out {finished_run / 'export'}\n"
-    )
-    export_main([str(finished_run), "--out", str(finished_run / "export")])
-    assert (write_model_card(finished_run, "someone/tiny-books")).is_file()
+    run = finished_run.rename(finished_run.with_name("my run"))
+    shutil.rmtree(run / "export")
+    write_checkpoint(GPT(get_preset("tiny-cpu")), checkpoint_dir(run, 2))
+    assert main([str(run), "--repo-id", "someone/tiny-books"]) == 1
+    said, command = capsys.readouterr().err.split(", with ")
+    newest = "write it from the run's newest checkpoint, step-00000002"
+    assert said == f"error: {run / 'export'} holds no transformers export: {newest}"
+    argv = shlex.split(command)
+    assert argv == ["python", "-m", "training.export", str(run), "--out", str(run / "export")]
+    export_main(argv[3:])
+    assert (write_model_card(run, "someone/tiny-books")).is_file()
 
 
 def check_on_hub(monkeypatch, repo_id: str, status: int = 200, answer: dict | None = None, **kw) -> str | None:
