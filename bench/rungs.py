@@ -27,7 +27,7 @@ from modeling.runtime import set_up_compute
 from training.config import TrainConfig
 from training.distributed import TRAINED_BACKENDS
 from training.metrics import dtype_name
-from training.optim import build_optimizer
+from training.optim import optimizer_for
 from training.step import Trainer as StepTrainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def plain_adamw(groups: list[dict], device: torch.device) -> torch.optim.Optimiz
 
 
 def fused_adamw(groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
-    return build_optimizer(groups, lr=TRAIN.lr, betas=(TRAIN.beta1, TRAIN.beta2), device_type=device.type)
+    return optimizer_for(TRAIN, groups, device.type)
 
 
 @dataclass(frozen=True)
@@ -337,15 +337,8 @@ def full_recipe_trainer(
     )
     set_up_compute(accelerator.device)  # as build_accelerator does for train_accel.py
     model = GPT(config)
-    built = build_optimizer(
-        model.optimizer_groups(TRAIN.weight_decay, muon=optimizer == "muon"),
-        lr=TRAIN.lr,
-        betas=(TRAIN.beta1, TRAIN.beta2),
-        device_type=device.type,
-        muon_lr=TRAIN.muon_lr,
-        muon_momentum=TRAIN.muon_momentum,
-        mixed_precision=accelerator.mixed_precision,
-    )
+    groups = model.optimizer_groups(TRAIN.weight_decay, muon=optimizer == "muon")
+    built = optimizer_for(TRAIN, groups, device.type, accelerator.mixed_precision)
     prepared, built = accelerator.prepare(model, built)
     tokens_per_step = micro_batch_size * config.block_size
     trainer = StepTrainer(accelerator, prepared, built, grad_clip=TRAIN.grad_clip, tokens_per_step=tokens_per_step)

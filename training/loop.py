@@ -80,7 +80,7 @@ from training.metrics import (
     startup_line,
 )
 from training.micro_batch import resolve_micro_batch
-from training.optim import MUON_MOMENTUM_START, Schedule, build_optimizer, build_scheduler, newton_schulz_dtype
+from training.optim import MUON_MOMENTUM_START, Schedule, build_scheduler, newton_schulz_dtype, optimizer_for
 from training.runlock import lock_run_folder
 from training.step import StepOutput, Trainer
 
@@ -327,10 +327,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     if fp8_note:
         accelerator.print(fp8_note)
     param_groups = model.optimizer_groups(cfg.weight_decay, muon=cfg.optimizer == "muon")
-    optimizer = build_optimizer(
-        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device.type, muon_lr=cfg.muon_lr,
-        muon_momentum=cfg.muon_momentum, mixed_precision=accelerator.mixed_precision,
-    )  # fmt: skip
+    optimizer = optimizer_for(cfg, param_groups, device.type, accelerator.mixed_precision)
     # said before prepare(): DeepSpeed's ZeRO replaces each group's tensors with its flat partitions in place
     optimizer_text = describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
     total_steps = cfg.total_steps()

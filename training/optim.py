@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 
 def lr_multiplier(
@@ -186,6 +189,16 @@ def build_optimizer(
         muon_groups, lr=muon_lr, momentum=muon_momentum, nesterov=True, ns_dtype=newton_schulz_dtype(mixed_precision)
     )
     return AdamWWithMuon(adamw, muon)
+
+
+def optimizer_for(
+    cfg: TrainConfig, param_groups: list[dict], device_type: str, mixed_precision: str = "no"
+) -> torch.optim.Optimizer:
+    """build_optimizer with the run config's settings: training and the speed ladder build the same optimizer."""
+    return build_optimizer(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), device_type=device_type, muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum, mixed_precision=mixed_precision,
+    )  # fmt: skip
 
 
 STEP_SET = ("params", "lr", "momentum")  # a group's keys that are not hyperparameters of the launch
