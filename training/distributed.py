@@ -36,9 +36,14 @@ from training.config import ConfigError
 T = TypeVar("T")
 
 
+def _yaml_says(flag: str) -> bool:
+    """Whether the environment `accelerate launch` sets from the YAML has `flag` "true" (as accelerate reads it)."""
+    return os.environ.get(flag, "false").lower() == "true"
+
+
 def _launched_with(engine: str) -> bool:
     """Whether `accelerate launch` selected FSDP or DEEPSPEED from the YAML (it says so in the environment)."""
-    return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
+    return _yaml_says(f"ACCELERATE_USE_{engine}")
 
 
 def yaml_activation_checkpointing() -> bool:
@@ -46,7 +51,7 @@ def yaml_activation_checkpointing() -> bool:
     The run takes it as --activation-checkpointing true: the model recomputes each Block itself, as under every
     other engine, so `--micro-batch-size auto` sizes for it and config.yaml says so; fsdp_plugin turns accelerate's
     own wrapper off, which would checkpoint each Block a second time."""
-    return _launched_with("FSDP") and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+    return _launched_with("FSDP") and _yaml_says("FSDP_ACTIVATION_CHECKPOINTING")
 
 
 def no_gpu_note(device: torch.device) -> str | None:
@@ -169,7 +174,7 @@ def _check_fsdp_yaml() -> None:
             "checkpoints sharded, which any process count, DDP or one process resumes and `python -m training.export` "
             "makes one model of (the run writes export/ at its end): set fsdp_state_dict_type: SHARDED_STATE_DICT"
         )
-    if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true" and not torch.cuda.is_available():
+    if _yaml_says("FSDP_OFFLOAD_PARAMS") and not torch.cuda.is_available():
         raise ConfigError(
             "the launch YAML's fsdp_config says fsdp_offload_params: true, which keeps the parameters in CPU memory "
             "while a GPU computes; there is no GPU here, so they are there already: set fsdp_offload_params: false"
