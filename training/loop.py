@@ -193,6 +193,7 @@ class Run:
 
     cfg: TrainConfig
     run_dir: Path
+    resumed_from: Path | None  # the checkpoint this launch continued from (None: afresh)
     model_config: GPTConfig
     accelerator: Accelerator
     manifest: Manifest
@@ -400,7 +401,7 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         accelerator.print(hint)
     startup.lap("probes")
     run = Run(
-        cfg, run_dir, model_config, accelerator, manifest, train_loader, val_windows, model,
+        cfg, run_dir, resume_from, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
         flops_per_token, peak, one_checkpoint, lock, startup,
     )  # fmt: skip
@@ -620,6 +621,7 @@ def trainer_for(run: Run, stop: object) -> Trainer:
         run.accelerator, run.model, run.optimizer, run.scheduler,
         grad_accum=run.grad_accum, grad_clip=cfg.grad_clip, tokens_per_step=cfg.total_batch_tokens,
         max_bad_steps=cfg.max_bad_steps, progress=run.progress, stop=lambda: bool(stop), run_dir=run.run_dir,
+        resumed_from=run.resumed_from,
     )  # fmt: skip
 
 

@@ -77,10 +77,11 @@ class Trainer:
         progress: TrainProgress | None = None,
         stop: Callable[[], bool] = lambda: False,
         run_dir: Path | None = None,  # where the last good checkpoint is named from when aborting
+        resumed_from: Path | None = None,  # the checkpoint this launch continued from: the last good one till then
     ) -> None:
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.grad_accum, self.grad_clip, self.tokens_per_step = grad_accum, grad_clip, tokens_per_step
-        self.max_bad_steps, self.stop, self.run_dir = max_bad_steps, stop, run_dir
+        self.max_bad_steps, self.stop, self.run_dir, self.resumed_from = max_bad_steps, stop, run_dir, resumed_from
         self.progress = progress or TrainProgress()
         self.masks = masks_on_device(accelerator, optimizer)
         self.stopping = False  # a stop was requested on some rank, as of the last settled step
@@ -241,6 +242,7 @@ class Trainer:
             )
 
     def _aborted(self, why: str) -> TrainingAborted:
-        """The error that stops the run for `why`, naming the newest checkpoint in run_dir."""
+        """The error that stops the run for `why`, naming the newest checkpoint in run_dir, else the one this launch
+        continued from (another run's, with --resume PATH --out-dir NEW)."""
         checkpoints = list_checkpoints(self.run_dir) if self.run_dir else []
-        return TrainingAborted(why, checkpoints[-1] if checkpoints else None)
+        return TrainingAborted(why, checkpoints[-1] if checkpoints else self.resumed_from)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from testkit import TINY_MODEL
-from training.checkpoint import save_checkpoint
+from training.checkpoint import checkpoint_dir, save_checkpoint
 from training.config import TrainConfig
 from training.loop import TrainMetrics, setup, trainer_for
+from training.step import TrainingAborted
 
 
 def config(data_dir, out_dir, **changes) -> TrainConfig:
@@ -76,3 +78,27 @@ def test_a_time_budget_given_on_a_resume_counts_the_train_time_before_it(prepare
     resumed = setup(config(prepared_books, out, time_budget_minutes=1.0))
     assert resumed.progress.step == 3 and resumed.progress.train_seconds == spent
     resumed.lock.release()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_continued(prepared_books, tmp_path):
+    """--resume OTHER/checkpoints/step-N --out-dir NEW, stopped by non-finite losses before NEW saved anything: the
+    last good checkpoint is the one it continued from, not "none yet" (which left the user to start over)."""
+    first = setup(config(prepared_books, tmp_path / "stable"))
+    trainer, batches = trainer_for(first, stop=False), iter(first.train_loader)
+    trainer.train_step(batches)
+    trainer.settle()
+    save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
+    first.lock.release()
+    good = checkpoint_dir(tmp_path / "stable", 1)
+    anneal = setup(config(prepared_books, tmp_path / "anneal", resume=str(good), max_bad_steps=1))
+    with torch.no_grad():  # the run diverges: its first step's loss is not finite
+        next(anneal.model.parameters()).fill_(float("nan"))
+    trainer, batches = trainer_for(anneal, stop=False), iter(anneal.train_loader)
+    with pytest.raises(TrainingAborted) as aborted:
+        trainer.train_step(batches)
+        trainer.settle()
+    anneal.lock.release()
+    assert f"Last good checkpoint: {good}. Lower --lr or raise --warmup-steps, then continue with --resume {good}" in (
+        str(aborted.value)
+    )
