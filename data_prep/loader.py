@@ -107,7 +107,7 @@ def _missing_dataset(data_dir: Path) -> str:
         )
     elif data_dir.is_dir() and any(data_dir.iterdir()):
         from data_prep.sources import folder_source  # on this error's path alone
-        from modeling.runs import METRICS_FILE
+        from modeling.runs import METRICS_FILE, named
 
         if (data_dir / METRICS_FILE).is_file():  # its samples.txt is no book
             return (
@@ -115,18 +115,19 @@ def _missing_dataset(data_dir: Path) -> str:
                 "--data-dir takes the folder prepare writes (e.g. data/default); check --data-dir"
             )
         source = folder_source(data_dir)
+        beside = f"{named(data_dir)}-prepared"  # data_dir . (from inside it): not .-prepared, among its files
         if source is None:
             return (
                 f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing), and it holds other files, so "
                 f"prepare cannot write there: check --data-dir, or prepare your books into another folder with:\n  "
-                f"{prepare_command(f'{data_dir}-prepared', 'files:PATH/TO/BOOKS')}"
+                f"{prepare_command(beside, 'files:PATH/TO/BOOKS')}"
             )
         held, them = _HELD[source.partition(":")[0]]
         what = (
             f"{data_dir} holds {held}, not a prepared dataset ({MANIFEST_NAME} is missing): --data-dir takes the "
             "folder prepare writes"
         )
-        return f"{what}; prepare {them} with:\n  {prepare_command(f'{data_dir}-prepared', source)}"
+        return f"{what}; prepare {them} with:\n  {prepare_command(beside, source)}"
     else:
         what = f"no prepared dataset in {data_dir} ({MANIFEST_NAME} is missing)"
     return (

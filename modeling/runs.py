@@ -60,7 +60,7 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def named(folder: Path) -> Path:
     """`folder` as a path whose last parts are its own and its parents' names: . and ../step-N (given from inside a
-    run's folders) as absolute paths."""
+    folder) as absolute paths."""
     return Path(os.path.abspath(folder)) if folder.name == "" or ".." in folder.parts else folder
 
 

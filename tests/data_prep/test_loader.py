@@ -548,3 +548,19 @@ def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_boo
     assert str(err.value) == (
         f"shard {shard} holds token id 65535, past the tokenizer's 50257 ids (altered or damaged); {redo}"
     )
+
+
+def test_a_data_dir_of_books_given_as_dot_is_prepared_beside_the_folder(tmp_path, monkeypatch):
+    """--data-dir . from inside a folder of books: the command said --out .-prepared, a hidden folder among the
+    books themselves."""
+    books = tmp_path / "library"
+    books.mkdir()
+    for name in ("emma", "persuasion"):
+        (books / f"{name}.txt").write_text(f"{name.title()}: it was a dark and stormy night.\n" * 50)
+    monkeypatch.chdir(books)
+    with pytest.raises(DataPrepError) as err:
+        TokenLoader(".", "train", BLOCK, 8)
+    command = str(err.value).split("\n")[1]
+    assert command == f"  python -m data_prep.prepare --source files:. --out {books}-prepared"
+    assert prepare_main(shlex.split(command)[3:]) == 0  # the command as printed prepares them there
+    assert load_manifest(f"{books}-prepared", verify="sha256").num_tokens("val") > 0
