@@ -373,10 +373,13 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
                 said += f"; the file as it was is in {previous}"
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"{said})")
-    # a checkpoint in another run's checkpoints/ folder (not one copied elsewhere, whose parents are no run)
-    origin = run_of_checkpoint(Path(resumed_from).resolve()) if resumed_from is not None else None
-    if origin is not None and origin != run_dir.resolve():
-        lines.append(_carry_metrics(origin, run_dir, resumed_step))
+    if resumed_from is not None and not _in_run(resumed_from, run_dir):
+        # a checkpoint in another run's checkpoints/ (not one copied elsewhere, whose parents are no run), as named
+        # (that checkpoints/ may be linked to another disk) or as a link to it resolves
+        given = Path(resumed_from)
+        origin = run_of_checkpoint(given) or run_of_checkpoint(given.resolve())
+        if origin is not None:
+            lines.append(_carry_metrics(origin, run_dir, resumed_step))
     return "; ".join(line for line in lines if line) or None
 
 
@@ -397,7 +400,7 @@ def _carry_metrics(origin: Path, run_dir: Path, step: int) -> str | None:
 
 def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Path | None) -> tuple[int, list[Path]]:
     """set_aside's step (0 where this folder's run, if any, is not the one continued) and the paths it moves."""
-    if resumed_from is None or Path(resumed_from).resolve().parent.parent != run_dir.resolve():
+    if resumed_from is None or not _in_run(resumed_from, run_dir):
         step = 0
     if step:
         return step, [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
@@ -410,6 +413,12 @@ def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir:
         if p.name not in _LOCKS and not p.name.startswith(PREVIOUS) and p.resolve() not in inputs
     ]
     return 0, moved
+
+
+def _in_run(checkpoint: Path, run_dir: Path) -> bool:
+    """Whether `checkpoint` is one of run_dir's own, however either is named: relative, or through links (run_dir's,
+    or a checkpoints/ linked to a bigger disk, whose checkpoints lie in no run folder once resolved)."""
+    return Path(checkpoint).resolve().parent == (Path(run_dir) / "checkpoints").resolve()
 
 
 def _holds_a_run(run_dir: Path) -> bool:

@@ -102,3 +102,28 @@ def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_c
     assert f"Last good checkpoint: {good}. Lower --lr or raise --warmup-steps, then continue with --resume {good}" in (
         str(aborted.value)
     )
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_run_whose_checkpoints_folder_is_a_link_resumes_as_its_own(prepared_books, tmp_path):
+    """checkpoints/ linked to a bigger disk: the resume took its newest checkpoint for another folder's and moved the
+    whole run (metrics.jsonl, config.yaml, the link itself) into previous-<time>/, the loss history cut at the step."""
+    out = tmp_path / "run"
+    first = setup(config(prepared_books, out))
+    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
+    for _ in range(2):
+        metrics.step_started()
+        trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(first.progress.step)
+    first.accelerator.log({"train_loss": 1.0}, step=2)
+    save_checkpoint(first.accelerator, first.run_dir, 2, 2, {"step": 2}, first.checkpoint_bytes)
+    first.lock.release()
+    (out / "checkpoints").rename(tmp_path / "big-disk")
+    (out / "checkpoints").symlink_to(tmp_path / "big-disk")
+    rows = (out / "metrics.jsonl").read_text()
+    resumed = setup(config(prepared_books, out))
+    resumed.lock.release()
+    assert resumed.progress.step == 2
+    assert not list(out.glob("previous-*"))  # nothing of the run set aside
+    assert (out / "checkpoints").is_symlink() and (out / "metrics.jsonl").read_text().startswith(rows)
