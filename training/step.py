@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ class TrainingAborted(RuntimeError):
     def __init__(self, why: str, last_good: Path | None) -> None:
         super().__init__(
             f"{why}; aborting. Last good checkpoint: {last_good or 'none yet'}. Lower --lr or raise --warmup-steps"
-            + (f", then continue with --resume {last_good}" if last_good else "")
+            + (f", then continue with --resume {shlex.quote(str(last_good))}" if last_good else "")
         )
 
 

@@ -4,6 +4,7 @@ with the same config continues with exactly the saved lrs."""
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 import torch
@@ -83,14 +84,15 @@ def test_a_time_budget_given_on_a_resume_counts_the_train_time_before_it(prepare
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_continued(prepared_books, tmp_path):
     """--resume OTHER/checkpoints/step-N --out-dir NEW, stopped by non-finite losses before NEW saved anything: the
-    last good checkpoint is the one it continued from, not "none yet" (which left the user to start over)."""
-    first = setup(config(prepared_books, tmp_path / "stable"))
+    last good checkpoint is the one it continued from, not "none yet" (which left the user to start over); the
+    --resume it gives runs as given where the path holds a space."""
+    first = setup(config(prepared_books, tmp_path / "stable run"))
     trainer, batches = trainer_for(first, stop=False), iter(first.train_loader)
     trainer.train_step(batches)
     trainer.settle()
     save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
     first.lock.release()
-    good = checkpoint_dir(tmp_path / "stable", 1)
+    good = checkpoint_dir(tmp_path / "stable run", 1)
     anneal = setup(config(prepared_books, tmp_path / "anneal", resume=str(good), max_bad_steps=1))
     with torch.no_grad():  # the run diverges: its first step's loss is not finite
         next(anneal.model.parameters()).fill_(float("nan"))
@@ -99,9 +101,9 @@ def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_c
         trainer.train_step(batches)
         trainer.settle()
     anneal.lock.release()
-    assert f"Last good checkpoint: {good}. Lower --lr or raise --warmup-steps, then continue with --resume {good}" in (
-        str(aborted.value)
-    )
+    said, resume = str(aborted.value).split(", then continue with --resume ")
+    assert said.endswith(f"Last good checkpoint: {good}. Lower --lr or raise --warmup-steps")
+    assert shlex.split(resume) == [str(good)]  # as given in a shell, the path with its space
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
