@@ -23,6 +23,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     broadcast_object_list,
     gather_object,
+    get_int_from_env,
 )
 
 from data_prep import DataPrepError
@@ -80,6 +81,7 @@ def check_launch() -> None:
     if _launched_with("FSDP"):
         _check_fsdp_yaml()
     _check_gpu_count()
+    _check_one_process_launcher()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower()  # the YAML's use_cpu, as the one-process launcher says
     if precision == "fp16" and (use_cpu == "true" or accelerator_needs_cpu()):
@@ -138,6 +140,24 @@ def _check_gpu_count() -> None:
         f"--num_processes {gpus * machines} to accelerate launch (the total over all machines), use a YAML for "
         f"{gpus} GPU(s) (accelerate_configs/1xgpu.yaml for one), or write one for this machine with `accelerate config`"
     )
+
+
+def _check_one_process_launcher() -> None:
+    """accelerate's one-process launcher starts a YAML of distributed_type MULTI_CPU or NO, or any launch given
+    --cpu, as one process whatever num_processes says (several only through mpirun), and sets MASTER_ADDR for a
+    process group where num_processes or num_machines is above 1: such a run trained alone, saying only `1
+    process(es)` (two machines: two runs, each alone, into one out_dir). torchrun's ranks have TORCHELASTIC_RUN_ID,
+    mpirun's a world size."""
+    one_process_launcher = "ACCELERATE_USE_CPU" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    if one_process_launcher and "MASTER_ADDR" in os.environ and world_size == 1:
+        raise ConfigError(
+            "the launch asks for several processes (num_processes or num_machines above 1), but accelerate launch "
+            "started one: it starts a YAML of distributed_type MULTI_CPU or NO, or a launch given --cpu, as one "
+            "process (several only through mpirun). For N processes on the CPU launch accelerate_configs/"
+            "cpu_ddp2.yaml --num_processes N (DDP over gloo; in a YAML of your own: distributed_type: MULTI_GPU, "
+            "use_cpu: false, which trains on the CPU where there is no GPU), or give --num_processes 1 for one"
+        )
 
 
 def _check_fsdp_yaml() -> None:

@@ -246,6 +246,51 @@ def test_what_accelerate_refuses_before_the_run_is_one_line_from_the_launcher(tm
     assert re.match(message, result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
 
 
+# accelerate config's multi-CPU answer for 2 processes on this machine, as it writes it
+MULTI_CPU_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_CPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+"""
+
+
+@pytest.mark.parametrize(
+    ("yaml", "launch_args"),
+    [("multi_cpu.yaml", []), ("cpu.yaml", ["--num_processes", "2"])],
+    ids=["accelerate config's multi-CPU answer", "--num_processes 2 over a one-process YAML"],
+)
+def test_a_launch_of_several_processes_that_starts_one_stops_at_start_up(prepared_books, tmp_path, yaml, launch_args):
+    """accelerate's one-process launcher starts a MULTI_CPU (or NO) YAML as one process whatever its num_processes
+    says (several only through mpirun): the run trained alone, its first line saying `1 process(es)` and nothing of
+    the 2 asked for. It stops before anything is written, with one line saying what starts the processes asked for."""
+    (tmp_path / "multi_cpu.yaml").write_text(MULTI_CPU_YAML)
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(str(tmp_path / yaml) if yaml == "multi_cpu.yaml" else yaml, run_dir, prepared_books,
+                    "--max-steps", "1", "--eval-interval", "0", "--micro-batch-size", "4", "--total-batch-tokens",
+                    "256", launch_args=["-q", *launch_args])  # fmt: skip
+    failed = run(cmd, expect_rc=1, timeout=300)
+    assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert failed.stderr.splitlines()[-1].startswith(
+        "error: the launch asks for several processes (num_processes or num_machines above 1), but accelerate "
+        "launch started one"
+    ), failed.stderr[-3000:]
+    assert "cpu_ddp2.yaml --num_processes N" in failed.stderr.splitlines()[-1]
+    assert not run_dir.exists()
+
+
 def test_the_first_rank_to_fail_prints_the_line_when_torchrun_stops_rank_0_first(tmp_path):
     """Every rank reaches the same bad input, but torchrun stops the rest, rank 0 too, as soon as one fails (an
     8-GPU YAML on a 1-GPU machine: rank 4 was first there): the first rank to report prints the line, once."""
