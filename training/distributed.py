@@ -250,26 +250,34 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     set_up_compute(accelerator.device)  # MKL's vector math warmed up, freed memory kept for the next step
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        check_deepspeed_sections(ds_config)
+        check_deepspeed_config(ds_config)
         _configure_deepspeed(ds_config, gradient_clipping=grad_clip)
         deepspeed_fp32_gradients(ds_config, accelerator.mixed_precision)
     return accelerator
 
 
-def check_deepspeed_sections(ds_config: dict) -> None:
-    """A DeepSpeed config with an optimizer or scheduler of its own (the transformers examples' JSONs have both):
-    accelerate refused it in prepare(), after the model was built, with a traceback advising a code change. The run
-    config chooses both, so one line at start-up says to remove them."""
+def check_deepspeed_config(ds_config: dict) -> None:
+    """What a DeepSpeed config asks that this project does not run, as one line at start-up:
+    - an optimizer or scheduler of its own (the transformers examples' JSONs have both): accelerate refused it in
+      prepare(), after the model was built, with a traceback advising a code change; the run config chooses both;
+    - ZeRO stage 0 (an `accelerate config` answer: DeepSpeed's data parallelism, nothing sharded), under which
+      DeepSpeed keeps no gradient norm: the run failed at its first step, with a TypeError traceback on every rank."""
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    where = source if source != "none" else "the launch YAML's deepspeed_config"
     sections = [
         f"{key} ({ds_config[key].get('type', 'no type')})" for key in ("optimizer", "scheduler") if key in ds_config
     ]
     if sections:
-        source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        where = source if source != "none" else "the launch YAML's deepspeed_config"
         raise ConfigError(
             f"the DeepSpeed config ({where}) sets {' and '.join(sections)}; this project's run config chooses the "
             "optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those sections "
             "from the DeepSpeed config"
+        )
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
+        raise ConfigError(
+            f"the DeepSpeed config ({where}) sets ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded), which "
+            "this project does not train: set zero_stage: 1, 2 or 3 (accelerate_configs/8xh100_zero2.yaml is stage "
+            "2), or launch a DDP YAML for data parallelism (accelerate_configs/8xh100.yaml; cpu_ddp2.yaml on a CPU)"
         )
 
 

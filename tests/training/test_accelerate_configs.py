@@ -28,7 +28,7 @@ from testkit import REPO, free_port, fsdp_yaml
 from training.config import ConfigError, TrainConfig
 from training.distributed import (
     _configure_deepspeed,
-    check_deepspeed_sections,
+    check_deepspeed_config,
     check_launch,
     deepspeed_fp32_gradients,
     fsdp_plugin,
@@ -295,11 +295,32 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_
     from accelerate.utils import DeepSpeedPlugin
 
     with pytest.raises(ConfigError) as err:
-        check_deepspeed_sections(DeepSpeedPlugin().deepspeed_config)
+        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
     assert str(err.value) == (
         f"the DeepSpeed config ({ds_json}) sets optimizer (AdamW) and scheduler (WarmupLR); this project's run config "
         "chooses the optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those "
         "sections from the DeepSpeed config"
+    )
+
+
+def test_deepspeed_zero_stage_0_stops_with_one_line(monkeypatch, tmp_path):
+    """`accelerate config` offers ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded): DeepSpeed then keeps
+    no gradient norm, and the run wrote its folder and failed at its first step with a TypeError traceback on every
+    rank. One line at start-up instead, naming what does run."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    yaml_file = tmp_path / "my_zero0.yaml"
+    yaml_file.write_text((CONFIG_DIR / "cpu_zero2.yaml").read_text().replace("zero_stage: 2", "zero_stage: 0"))
+    launch_as(monkeypatch, str(yaml_file))
+    from accelerate.utils import DeepSpeedPlugin
+
+    with pytest.raises(ConfigError) as err:
+        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+    assert str(err.value) == (
+        "the DeepSpeed config (the launch YAML's deepspeed_config) sets ZeRO stage 0 (DeepSpeed's data parallelism, "
+        "nothing sharded), which this project does not train: set zero_stage: 1, 2 or 3 (accelerate_configs/"
+        "8xh100_zero2.yaml is stage 2), or launch a DDP YAML for data parallelism (accelerate_configs/8xh100.yaml; "
+        "cpu_ddp2.yaml on a CPU)"
     )
 
 
