@@ -476,6 +476,18 @@ def test_muon_stops_at_start_up_under_sharded_engines(prepared_books, tmp_path, 
     assert written == []  # no checkpoint, log or config written
 
 
+def test_a_deepspeed_yamls_accumulation_set_to_auto_trains_the_runs(prepared_books, tmp_path):
+    """A YAML whose deepspeed_config says gradient_accumulation_steps: auto, as the line for a disagreeing value
+    advises: accelerate's launcher hands 'auto' on as the Accelerator's accumulation, which failed in int() with a
+    traceback on every rank. The run fills in its own, as where the entry is left out."""
+    pytest.importorskip("deepspeed")
+    yaml_file = tmp_path / "my_zero2.yaml"
+    text = (REPO / "accelerate_configs" / "cpu_zero2.yaml").read_text()
+    yaml_file.write_text(text.replace("  zero_stage: 2", "  zero_stage: 2\n  gradient_accumulation_steps: auto"))
+    out = run(launch_cmd(str(yaml_file), tmp_path / "run", prepared_books, "--max-steps", "1")).stdout
+    assert "4 × 64 tokens × 2 accumulation × 2 = 1,024 tokens/step" in out, out
+
+
 def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
     """The same GPT weights, the padded vocab rows (which an export drops) left out."""
     from modeling.hf_export import to_hf_state_dict
