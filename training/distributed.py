@@ -169,9 +169,10 @@ def _check_fsdp_yaml() -> None:
     Before them, the version: FSDP1 is not this project's."""
     if os.environ.get("FSDP_VERSION", "1") != "2":
         raise ConfigError(
-            "the launch YAML asks for FSDP version 1 (fsdp_version: 1 in its fsdp_config, or no fsdp_version, which "
+            "the launch asks for FSDP version 1 (fsdp_version: 1 in its YAML's fsdp_config, or no fsdp_version, which "
             "accelerate reads as 1); this project shards with FSDP2: convert the YAML with `accelerate to-fsdp2 "
-            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml"
+            "--config_file YAML --output_file NEW.yaml` and launch with NEW.yaml, or, launched with --use_fsdp and no "
+            "YAML, add --fsdp_version 2 to accelerate launch"
         )
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", DEFAULT_WRAP).upper()  # fsdp_plugin's default
     # none, or '' (`accelerate config` writes it where its class question is answered with Enter): our Block

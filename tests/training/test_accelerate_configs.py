@@ -424,6 +424,21 @@ def test_a_launch_this_project_does_not_run_stops_before_anything_is_written(mon
     assert not run_dir.exists()
 
 
+def test_an_fsdp_launch_by_flags_alone_is_told_the_flag_for_fsdp2(monkeypatch, tmp_path):
+    """`accelerate launch --use_fsdp --num_processes 2`, no YAML: accelerate's --fsdp_version defaults to 1, and the
+    line told the user to convert a YAML there was none of. It names --fsdp_version 2 too (which then trains)."""
+    args, _, _ = _validate_launch_command(
+        launch_command_parser().parse_args(["--use_fsdp", "--num_processes", "2", "train_accel.py"])
+    )
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    flags = "or, launched with --use_fsdp and no YAML, add --fsdp_version 2 to accelerate launch"
+    with pytest.raises(ConfigError, match=rf"{FSDP1} and launch with NEW.yaml, {flags}$"):
+        setup(TrainConfig(out_dir=str(run_dir)))
+    assert not run_dir.exists()
+
+
 WRAP = r"this project's FSDP2 shards the model one transformer block at a time: set fsdp_auto_wrap_policy: TRANS"
 
 
