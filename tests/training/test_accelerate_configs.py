@@ -324,6 +324,18 @@ def test_deepspeed_zero_stage_0_stops_with_one_line(monkeypatch, tmp_path):
     )
 
 
+def test_accelerates_deepspeed_launcher_hands_the_run_no_dynamo_setting(tmp_path):
+    """docs/distributed.md: a DeepSpeed YAML that compiles (an `accelerate config` answer) trains eagerly, since
+    accelerate's DeepSpeed launcher, unlike its others, sets no ACCELERATE_DYNAMO_* for the run. Should accelerate
+    start to, the run would compile under DeepSpeed, untested here, and this page would be wrong."""
+    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
+    config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    yaml_file = tmp_path / "my_zero2.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    assert not [key for key in launch_env(str(yaml_file)) if key.startswith("ACCELERATE_DYNAMO_")]
+    assert launch_env("cpu.yaml")["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"  # the one-process launcher's
+
+
 @pytest.mark.parametrize("machines", [1, 2])
 def test_more_processes_than_gpus_on_a_machine_stops_with_one_line(monkeypatch, machines):
     """4xa100.yaml on a machine of 2 GPUs: the ranks past the last GPU would die with CUDA's "invalid device ordinal".
