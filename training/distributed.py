@@ -266,7 +266,9 @@ def check_deepspeed_config(ds_config: dict) -> None:
     - an optimizer or scheduler of its own (the transformers examples' JSONs have both): accelerate refused it in
       prepare(), after the model was built, with a traceback advising a code change; the run config chooses both;
     - ZeRO stage 0 (an `accelerate config` answer: DeepSpeed's data parallelism, nothing sharded), under which
-      DeepSpeed keeps no gradient norm: the run failed at its first step, with a TypeError traceback on every rank."""
+      DeepSpeed keeps no gradient norm: the run failed at its first step, with a TypeError traceback on every rank;
+    - fp16 on a CPU from a DeepSpeed JSON (a YAML's mixed_precision is check_launch's): DeepSpeed's CPU accelerator
+      refused it in prepare(), with a ValueError traceback on every rank."""
     source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     where = source if source != "none" else "the launch YAML's deepspeed_config"
     sections = [
@@ -277,6 +279,12 @@ def check_deepspeed_config(ds_config: dict) -> None:
             f"the DeepSpeed config ({where}) sets {' and '.join(sections)}; this project's run config chooses the "
             "optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those sections "
             "from the DeepSpeed config"
+        )
+    if ds_config.get("fp16", {}).get("enabled") is True and not torch.cuda.is_available():
+        raise ConfigError(
+            f"the DeepSpeed config ({where}) enables fp16, which DeepSpeed does not run on a CPU: enable bf16 in it "
+            "instead where this CPU's bf16 is fast (`python -m training.pick_cpu_config` names the faster precision's "
+            "YAML), or remove its fp16 section to train in fp32"
         )
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
         raise ConfigError(

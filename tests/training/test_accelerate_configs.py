@@ -303,6 +303,32 @@ def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_
     )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed runs fp16 on GPUs")
+def test_a_deepspeed_config_file_in_fp16_on_a_cpu_stops_with_one_line(monkeypatch, tmp_path):
+    """fp16 chosen in the DeepSpeed JSON (`accelerate config` asks no precision where a JSON is given), not the
+    YAML's mixed_precision (check_launch's): DeepSpeed's CPU accelerator refused it in prepare(), after the model
+    was built, with a ValueError traceback on every rank."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ds_json = tmp_path / "ds_fp16.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}')
+    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
+    del config["mixed_precision"]  # as `accelerate config` writes it with a JSON
+    yaml_file = tmp_path / "my_zero2.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    launch_as(monkeypatch, str(yaml_file))
+    from accelerate.utils import DeepSpeedPlugin
+
+    with pytest.raises(ConfigError) as err:
+        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+    assert str(err.value) == (
+        f"the DeepSpeed config ({ds_json}) enables fp16, which DeepSpeed does not run on a CPU: enable bf16 in it "
+        "instead where this CPU's bf16 is fast (`python -m training.pick_cpu_config` names the faster precision's "
+        "YAML), or remove its fp16 section to train in fp32"
+    )
+
+
 def test_deepspeed_zero_stage_0_stops_with_one_line(monkeypatch, tmp_path):
     """`accelerate config` offers ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded): DeepSpeed then keeps
     no gradient norm, and the run wrote its folder and failed at its first step with a TypeError traceback on every
