@@ -261,6 +261,17 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
     return accelerator
 
 
+def engine_name(accelerator: Accelerator) -> str | None:
+    """The engine the run trains under, for its first line ("DDP", "FSDP2", "DeepSpeed ZeRO-2"); None for one
+    process. Read from the Accelerator, so the line says what trains, not what the YAML asked for."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        stage = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"]
+        return f"DeepSpeed ZeRO-{stage}"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
+    return "DDP" if accelerator.num_processes > 1 else None
+
+
 def check_deepspeed_config(ds_config: dict) -> None:
     """What a DeepSpeed config asks that this project does not run, as one line at start-up:
     - an optimizer or scheduler of its own (the transformers examples' JSONs have both): accelerate refused it in

@@ -58,6 +58,7 @@ from training.distributed import (
     check_launch,
     check_ranks_agree,
     decided_on_main,
+    engine_name,
     generation_model,
     no_gpu_note,
     read_same_data,
@@ -573,8 +574,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         config = run.run_dir / CONFIG_FILE
         with disk_full_reported(config, "the checkpoints are untouched"):
             atomic_write_bytes(config, config_to_yaml(cfg).encode())
+    engine = f"{name}, " if (name := engine_name(accelerator)) else ""  # DDP, FSDP2 or DeepSpeed ZeRO-N
     accelerator.print(
-        f"{cfg.model_name()}: {num_params:,} params | {world_size} process(es) on {device.type}, "
+        f"{cfg.model_name()}: {num_params:,} params | {world_size} process(es) on {device.type}, {engine}"
         f"{precision_name(accelerator.mixed_precision)}, dynamo {dynamo}{' per block' if per_block else ''} | "
         f"{cfg.micro_batch_size} × {run.model_config.block_size} tokens × {run.grad_accum} accumulation × "
         f"{world_size} = {cfg.total_batch_tokens:,} tokens/step | {describe_steps(run)} | "

@@ -111,7 +111,9 @@ def sharded(request, prepared_books, tmp_path_factory) -> tuple[str, Path, Path]
     out = result.stdout
     # no engine's Python warnings reach the user, nor DeepSpeed's that it found no GPU (its launcher imports it)
     assert "Warning: " not in result.stderr and "[WARNING]" not in out + result.stderr, result.stderr[-3000:]
-    assert f"{TINY_PARAMS:,} params | 2 process(es) on cpu" in out and "2 accumulation × 2 = 1,024" in out
+    named = {"cpu_fsdp2.yaml": "FSDP2", "cpu_zero2.yaml": "DeepSpeed ZeRO-2", "cpu_zero3.yaml": "DeepSpeed ZeRO-3"}
+    assert f"{TINY_PARAMS:,} params | 2 process(es) on cpu, {named[config]}, fp32" in out  # the engine, said
+    assert "2 accumulation × 2 = 1,024" in out
     # the default optimizer (Muon) cannot run on sharded matrices: AdamW under the same schedule, said once
     engine = "FSDP" if config == "cpu_fsdp2.yaml" else "DeepSpeed"
     note = f"note: {engine} shards each matrix; Muon needs whole ones, so this run trains with AdamW (lr 0.003) under"
@@ -485,6 +487,7 @@ def test_a_deepspeed_yamls_accumulation_set_to_auto_trains_the_runs(prepared_boo
     text = (REPO / "accelerate_configs" / "cpu_zero2.yaml").read_text()
     yaml_file.write_text(text.replace("  zero_stage: 2", "  zero_stage: 2\n  gradient_accumulation_steps: auto"))
     out = run(launch_cmd(str(yaml_file), tmp_path / "run", prepared_books, "--max-steps", "1")).stdout
+    assert "2 process(es) on cpu, DeepSpeed ZeRO-2, fp32," in out  # the engine, named in the first line
     assert "4 × 64 tokens × 2 accumulation × 2 = 1,024 tokens/step" in out, out
 
 
