@@ -152,11 +152,12 @@ def _check_one_process_launcher() -> None:
     world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
     if one_process_launcher and "MASTER_ADDR" in os.environ and world_size == 1:
         raise ConfigError(
-            "the launch asks for several processes (num_processes or num_machines above 1), but accelerate launch "
-            "started one: it starts a YAML of distributed_type MULTI_CPU or NO, or a launch given --cpu, as one "
-            "process (several only through mpirun). For N processes on the CPU launch accelerate_configs/"
-            "cpu_ddp2.yaml --num_processes N (DDP over gloo; in a YAML of your own: distributed_type: MULTI_GPU, "
-            "use_cpu: false, which trains on the CPU where there is no GPU), or give --num_processes 1 for one"
+            "the launch asks for several processes (num_processes or num_machines above 1: accelerate set "
+            "MASTER_ADDR for them), but accelerate launch started one: it starts a YAML of distributed_type MULTI_CPU "
+            "or NO, or a launch given --cpu, as one process (several only through mpirun). For N processes on the "
+            "CPU launch accelerate_configs/cpu_ddp2.yaml --num_processes N (DDP over gloo; in a YAML of your own: "
+            "distributed_type: MULTI_GPU, use_cpu: false, which trains on the CPU where there is no GPU), or give "
+            "--num_processes 1 for one (and unset MASTER_ADDR where your environment sets it)"
         )
 
 

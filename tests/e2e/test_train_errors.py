@@ -284,8 +284,8 @@ def test_a_launch_of_several_processes_that_starts_one_stops_at_start_up(prepare
     failed = run(cmd, expect_rc=1, timeout=300)
     assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert failed.stderr.splitlines()[-1].startswith(
-        "error: the launch asks for several processes (num_processes or num_machines above 1), but accelerate "
-        "launch started one"
+        "error: the launch asks for several processes (num_processes or num_machines above 1: accelerate set "
+        "MASTER_ADDR for them), but accelerate launch started one"
     ), failed.stderr[-3000:]
     assert "cpu_ddp2.yaml --num_processes N" in failed.stderr.splitlines()[-1]
     assert not run_dir.exists()
