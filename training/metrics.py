@@ -316,16 +316,20 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float], yamls: dict
     name, other_name = dtype_name(mixed_precision), dtype_name(other)
     speeds = f"{other_name} {tflops[other] * 1e3:.3g} GFLOP/s, {name} {tflops[mixed_precision] * 1e3:.3g} GFLOP/s"
     ratio = tflops[other] / tflops[mixed_precision]
+    # the launch's precision may be its YAML's or accelerate launch's flag, which overrides the YAML's: both said
+    flag = (
+        f"or pass --mixed_precision {other} to accelerate launch (a --mixed_precision given there overrides the YAML's)"
+    )
     if mixed_precision == "bf16" and (emulated := emulated_bf16(tflops)):
         return (
             f"warning: {emulated}; set mixed_precision: '{other}' (fp32) in the launch YAML instead ({yamls[other]} "
-            "for one process)"
+            f"for one process), {flag}"
         )
     # said as the YAML's setting: the launch may be the user's own, or one of several processes (cpu_ddp2.yaml)
     return (
         f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): "
-        f"mixed_precision: '{other}' in the launch YAML ({yamls[other]} for one process) should train faster (a "
-        "step gains less than its matmuls)"
+        f"mixed_precision: '{other}' in the launch YAML ({yamls[other]} for one process), {flag}, should train "
+        "faster (a step gains less than its matmuls)"
     )
 
 

@@ -69,11 +69,14 @@ def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     assert hint.startswith("hint:") and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
     # the setting named, whichever YAML launched: the user's own, or a two-process one (cpu_ddp2.yaml)
     assert "mixed_precision: 'bf16' in the launch YAML (accelerate_configs/cpu_bf16.yaml for one process)" in hint
+    # and the flag, which a launch that gave --mixed_precision no needs: it overrides the YAML
+    assert "(accelerate_configs/cpu_bf16.yaml for one process), or pass --mixed_precision bf16 to accelerate " in hint
     # an AVX2-only core (Zen 3, most laptops): no native bf16, 30-300x slower; one line that says so
     warning = precision_advice("bf16", {"bf16": 0.0011, "no": 0.15})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 136x slower than fp32")
     assert warning.endswith(
-        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one process)"
+        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one process), "
+        "or pass --mixed_precision no to accelerate launch (a --mixed_precision given there overrides the YAML's)"
     )
     assert "\n" not in warning
     # an AVX-512 Xeon without its bf16 instructions (Cascade Lake): emulated too, 4.6x slower
@@ -106,7 +109,8 @@ def test_bf16_without_a_cpp_compiler_on_a_cpu_without_native_bf16_is_told_the_ea
     assert bf16.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs ")
     assert bf16.endswith(
         "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu_eager.yaml"
-        " for one process)"
+        " for one process), or pass --mixed_precision no to accelerate launch (a --mixed_precision given there"
+        " overrides the YAML's)"
     )
     assert fp32 == "None"  # no bf16 YAML runs without a compiler
 
