@@ -299,10 +299,11 @@ def check_deepspeed_config(ds_config: dict) -> None:
             "YAML), or remove its fp16 section to train in fp32"
         )
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
+        key = "zero_stage: 1, 2 or 3" if source == "none" else "zero_optimization.stage: 1, 2 or 3 in it"
         raise ConfigError(
             f"the DeepSpeed config ({where}) sets ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded), which "
-            "this project does not train: set zero_stage: 1, 2 or 3 (accelerate_configs/8xh100_zero2.yaml is stage "
-            "2), or launch a DDP YAML for data parallelism (accelerate_configs/8xh100.yaml; cpu_ddp2.yaml on a CPU)"
+            f"this project does not train: set {key} (accelerate_configs/8xh100_zero2.yaml is stage 2), or launch a "
+            "DDP YAML for data parallelism (accelerate_configs/8xh100.yaml; cpu_ddp2.yaml on a CPU)"
         )
 
 

@@ -350,6 +350,27 @@ def test_deepspeed_zero_stage_0_stops_with_one_line(monkeypatch, tmp_path):
     )
 
 
+def test_a_deepspeed_json_at_zero_stage_0_is_told_the_jsons_key(monkeypatch, tmp_path):
+    """A DeepSpeed JSON at stage 0: the line names the JSON's key, zero_optimization.stage; a YAML with a JSON has no
+    zero_stage to set."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 0}}')
+    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
+    del config["mixed_precision"]
+    yaml_file = tmp_path / "my_ds.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    launch_as(monkeypatch, str(yaml_file))
+    from accelerate.utils import DeepSpeedPlugin
+
+    with pytest.raises(ConfigError, match=rf"^the DeepSpeed config \({ds_json}\) sets ZeRO stage 0 .*: set "):
+        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+    with pytest.raises(ConfigError, match=r": set zero_optimization.stage: 1, 2 or 3 in it \("):
+        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+
+
 def test_accelerates_deepspeed_launcher_hands_the_run_no_dynamo_setting(tmp_path):
     """docs/distributed.md: a DeepSpeed YAML that compiles (an `accelerate config` answer) trains eagerly, since
     accelerate's DeepSpeed launcher, unlike its others, sets no ACCELERATE_DYNAMO_* for the run. Should accelerate
