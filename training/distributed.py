@@ -233,6 +233,8 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         # the YAML's deepspeed_config `gradient_accumulation_steps: auto`, which the Accelerator reads as an int (it
         # failed in int()) and the DeepSpeed plugin, left without it, as auto: set_deepspeed_batch fills in the run's
         del os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
+    if _launched_with("DEEPSPEED"):
+        check_deepspeed_loads()
     if _launched_with("DEEPSPEED"):  # deepspeed 0.19 calls the collectives torch 2.13 renamed, warning on every rank
         deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
         warnings.filterwarnings("ignore", deprecated, FutureWarning)
@@ -273,6 +275,24 @@ def engine_name(accelerator: Accelerator) -> str | None:
     return "DDP" if accelerator.num_processes > 1 else None
 
 
+def _deepspeed_source() -> str:
+    """Where the DeepSpeed config comes from, as the lines about it name it."""
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    return source if source != "none" else "the launch YAML's deepspeed_config"
+
+
+def check_deepspeed_loads() -> None:
+    """The DeepSpeed plugin built once as the Accelerator builds it from the launch, before it does: a config
+    accelerate refuses (a JSON without zero_optimization, a path that is no file) raised its ValueError there, a
+    traceback on every rank; one line naming the config and accelerate's reason instead."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    try:
+        DeepSpeedPlugin()
+    except ValueError as err:
+        raise ConfigError(f"the DeepSpeed config ({_deepspeed_source()}) is refused by accelerate: {err}") from None
+
+
 def check_deepspeed_config(ds_config: dict) -> None:
     """What a DeepSpeed config asks that this project does not run, as one line at start-up:
     - an optimizer or scheduler of its own (the transformers examples' JSONs have both): accelerate refused it in
@@ -281,8 +301,7 @@ def check_deepspeed_config(ds_config: dict) -> None:
       DeepSpeed keeps no gradient norm: the run failed at its first step, with a TypeError traceback on every rank;
     - fp16 on a CPU from a DeepSpeed JSON (a YAML's mixed_precision is check_launch's): DeepSpeed's CPU accelerator
       refused it in prepare(), with a ValueError traceback on every rank."""
-    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    where = source if source != "none" else "the launch YAML's deepspeed_config"
+    where = _deepspeed_source()
     sections = [
         f"{key} ({ds_config[key].get('type', 'no type')})" for key in ("optimizer", "scheduler") if key in ds_config
     ]
@@ -299,7 +318,11 @@ def check_deepspeed_config(ds_config: dict) -> None:
             "YAML), or remove its fp16 section to train in fp32"
         )
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
-        key = "zero_stage: 1, 2 or 3" if source == "none" else "zero_optimization.stage: 1, 2 or 3 in it"
+        key = (
+            "zero_stage: 1, 2 or 3"
+            if where.startswith("the launch YAML")
+            else "zero_optimization.stage: 1, 2 or 3 in it"
+        )
         raise ConfigError(
             f"the DeepSpeed config ({where}) sets ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded), which "
             f"this project does not train: set {key} (accelerate_configs/8xh100_zero2.yaml is stage 2), or launch a "

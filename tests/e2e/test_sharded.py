@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 
 from data_prep.tokenizer import get_encoding
 from evals.__main__ import main as evals_main
@@ -489,6 +490,29 @@ def test_a_deepspeed_yamls_accumulation_set_to_auto_trains_the_runs(prepared_boo
     out = run(launch_cmd(str(yaml_file), tmp_path / "run", prepared_books, "--max-steps", "1")).stdout
     assert "2 process(es) on cpu, DeepSpeed ZeRO-2, fp32," in out  # the engine, named in the first line
     assert "4 × 64 tokens × 2 accumulation × 2 = 1,024 tokens/step" in out, out
+
+
+def test_a_deepspeed_config_file_accelerate_refuses_stops_with_one_line(prepared_books, tmp_path):
+    """A deepspeed_config_file without a zero_optimization section: accelerate's DeepSpeedPlugin refused it as the
+    Accelerator was built, with a ValueError traceback on every rank. One line naming the file and accelerate's
+    reason instead, before anything is written."""
+    pytest.importorskip("deepspeed")
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"train_micro_batch_size_per_gpu": "auto"}')
+    config = yaml.safe_load((REPO / "accelerate_configs" / "cpu_zero2.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
+    del config["mixed_precision"]  # as `accelerate config` writes it with a JSON
+    yaml_file = tmp_path / "my_zero2.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    cmd = launch_cmd(str(yaml_file), tmp_path / "run", prepared_books, launch_args=["-q"])
+    result = run(through_training_launch(cmd), expect_rc=1)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the DeepSpeed config ({ds_json}) is refused by accelerate: Please specify the ZeRO optimization "
+        "config in the DeepSpeed config."
+    ), result.stderr[-3000:]
+    written = [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".run.lock")]
+    assert written == []
 
 
 def assert_same_weights(got: torch.nn.Module, want: torch.nn.Module) -> None:
