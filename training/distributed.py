@@ -235,7 +235,7 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
         del os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
     if _launched_with("DEEPSPEED"):
         check_deepspeed_loads()
-    if _launched_with("DEEPSPEED"):  # deepspeed 0.19 calls the collectives torch 2.13 renamed, warning on every rank
+        # deepspeed 0.19 calls the collectives torch 2.13 renamed, warning on every rank
         deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
         warnings.filterwarnings("ignore", deprecated, FutureWarning)
     if _launched_with("FSDP"):
