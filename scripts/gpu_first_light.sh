@@ -48,9 +48,10 @@
 #             go into summary.md (--dry-run: cpu_fsdp2.yaml in one process, dynamo's eager backend)
 #
 # --dry-run runs the same steps on the CPU at toy sizes (tiny-cpu, a few steps, gloo for NCCL, eager compile,
-# loss_numerics left out): CI runs it (tests/e2e/test_first_light.py). --cache sets BOOKGPT_CACHE (the tokenizer and
-# eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the GPU box
-# has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
+# loss_numerics left out): CI runs it (tests/e2e/test_first_light.py); without it, where torch finds no CUDA GPU,
+# the script stops at once with one line saying why, before it writes anything. --cache sets BOOKGPT_CACHE (the
+# tokenizer and eval data, see data_prep.assets); --wheels installs the *.whl there into a temporary folder first (the
+# GPU box has no network). BENCHMARKS.md, "GPU", has the payload recipe and the device command.
 #
 # What the next lent GPU runs, within one device call of <= 9 minutes, on an H100 where
 # one is lent (the start-up target is an H100's; the last five calls all got H200s):
@@ -105,8 +106,6 @@ PY=${PYTHON:-python3}
 (python -m data_prep.prepare --source default --out $DATA) and carry it along"
 [[ -z $PEER || -f $PEER/train_gpt2.py ]] || die "no train_gpt2.py in --peer-dir $PEER"
 [[ -z $LIMIT || $LIMIT =~ ^[0-9]+$ ]] || die "--time-limit takes whole seconds, not $LIMIT"
-mkdir -p "$OUT" || die "cannot create $OUT"
-OUT=$(cd "$OUT" && pwd)
 if [[ -n $WHEELS ]]; then
     compgen -G "$WHEELS/*.whl" >/dev/null || die "no *.whl in --wheels $WHEELS"
     SITE=$(mktemp -d)
@@ -114,6 +113,14 @@ if [[ -n $WHEELS ]]; then
         || die "installing the wheels of $WHEELS failed"
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [[ $DRY == 0 ]]; then  # GPT-2 124M would train on the CPU for up to --time-limit a step (where torch imports
+    # not, the environment step says why)
+    why=$($PY -c "import torch; from training.distributed import why_no_gpu
+torch.cuda.is_available() or print(why_no_gpu())" 2>/dev/null)
+    [[ -z $why ]] || die "no CUDA GPU here: $why; these checks are a GPU's: --dry-run runs them on the CPU"
+fi
+mkdir -p "$OUT" || die "cannot create $OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 
 VERDICT_TEST=tests/training/test_loop.py::test_the_one_step_late_verdict_trains_exactly_like_the_immediate_one

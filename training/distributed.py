@@ -62,10 +62,11 @@ def no_gpu_note(device: torch.device) -> str | None:
     ACCELERATE_USE_CPU; other launches (several processes, `python train_accel.py`) are left alone."""
     if device.type != "cpu" or os.environ.get("ACCELERATE_USE_CPU", "").lower() != "false":
         return None
-    return f"note: the launch YAML is for a GPU (use_cpu: false), but {_why_no_gpu()}: this run trains on the CPU"
+    return f"note: the launch YAML is for a GPU (use_cpu: false), but {why_no_gpu()}: this run trains on the CPU"
 
 
-def _why_no_gpu() -> str:
+def why_no_gpu() -> str:
+    """Why torch finds no CUDA GPU here, and what to check (scripts/gpu_first_light.sh says it too)."""
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch for the GPU)"
     return f"torch {torch.__version__} sees no GPU (check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)"
@@ -92,7 +93,7 @@ def check_launch() -> None:
         else:
             why = "which accelerate does not apply on a CPU: the run would train in fp32"
         if use_cpu == "false":
-            why += f", and the YAML is for a GPU, but {_why_no_gpu()}"
+            why += f", and the YAML is for a GPU, but {why_no_gpu()}"
         raise ConfigError(
             f"the launch asks for mixed_precision: fp16, {why}; set mixed_precision: bf16 where this CPU's bf16 is "
             "fast (cpu_bf16.yaml; `python -m training.pick_cpu_config` names the faster YAML) or no (cpu.yaml), or "

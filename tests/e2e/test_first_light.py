@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from evals.data import provision
 from testkit import REPO, TRAIN_ACCEL, WarmLaunches, run
@@ -147,6 +148,20 @@ def test_an_unknown_step_is_one_line_before_anything_runs(tmp_path):
     )
     assert result.returncode == 2 and not (tmp_path / "out").exists()
     assert result.stderr.splitlines()[-1].startswith("error: unknown step trian in FIRST_LIGHT_STEPS (the steps: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_without_a_gpu_the_gpu_checks_are_one_line_naming_the_dry_run(tmp_path):
+    # as the README's results table gives it: no --dry-run, so GPT-2 124M on a GPU; here it would train on the CPU
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    env = {**os.environ, "PYTHON": sys.executable, "FIRST_LIGHT_STEPS": "train fp8", "TRAIN_STEPS": "40"}
+    cmd = [SCRIPT, str(tmp_path / "out"), "--data-dir", str(data)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: no CUDA GPU here: torch ") and last.endswith("--dry-run runs them on the CPU"), last
 
 
 def test_steps_past_the_time_limit_are_stopped_or_skipped_and_the_pack_still_written(prepared_books, tmp_path):
