@@ -1,19 +1,35 @@
 """The user-facing pages link to files and sections that exist: every relative markdown link in README.md,
 BENCHMARKS.md and docs/*.md names a file in the repository, and its #anchor a heading of that file, as GitHub
-renders it (lowercase, spaces to '-', punctuation dropped, repeats numbered -1, -2, ...)."""
+renders it (lowercase, spaces to '-', punctuation dropped, repeats numbered -1, -2, ...). And the commands that
+README.md and docs/*.md give users take the flags they show: each `--flag` given to train_accel.py or a
+`python -m` entry point is one its --help lists."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import re
+import shlex
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 from testkit import REPO
+from training.config import build_parser
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
 # [text](target) or ![alt](target); the text may run over a line break, as the README's wrapped prose has it
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+# the entry points whose flags the pages' commands are checked against (`python -m MODULE`, or train_accel.py)
+ENTRY_POINTS = (
+    "train_accel.py", "bench.attention_speed", "bench.ladder", "bench.time_to_loss", "data_prep.bench",
+    "data_prep.prepare", "evals", "evals.bench", "evals.data", "evals.generate", "training.export", "training.hub",
+    "training.memory_table", "training.pick_cpu_config",
+)  # fmt: skip
+# where one command's arguments end: another entry point, `-m` (python -m training.launch ... -m evals), the shell's
+END = {"python", "train_accel.py", "-m", "&&", "||", "|", ";"}
 
 
 def pages() -> list[Path]:
@@ -98,3 +114,79 @@ def test_every_relative_link_resolves():
     assert {"README.md", "BENCHMARKS.md"} <= {page.name for page in pages()}
     broken = [line for page in pages() for line in broken_links(page)]
     assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def commands(text: str) -> list[tuple[int, str]]:
+    """(line, command) for each line of the page's fenced blocks (a trailing backslash joining the next, a `#`
+    comment dropped) and each inline code span outside them."""
+    found, fenced, held, start = [], False, "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced:
+            start = start or number
+            held += re.sub(r"(^|\s)#.*", "", line)
+            if held.rstrip().endswith("\\"):
+                held = held.rstrip()[:-1] + " "
+                continue
+            found.append((start, held))
+            held, start = "", 0
+        else:
+            found += [(number, span) for span in re.findall(r"`([^`]+)`", line)]
+    return found
+
+
+@cache
+def flags_of(entry_point: str) -> frozenset[str]:
+    """The flags the entry point's --help lists (train_accel.py's: TrainConfig's parser's)."""
+    if entry_point == "train_accel.py":
+        text = build_parser().format_help()
+    else:
+        module = importlib.import_module("evals.__main__" if entry_point == "evals" else entry_point)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            module.main(["--help"])
+        text = out.getvalue()
+    return frozenset(re.findall(r"--[a-z0-9][a-z0-9-]*", text))
+
+
+def unknown_flags(path: Path, root: Path = REPO) -> list[str]:
+    """'page:line: ENTRY has no --flag' for each flag a command of the page gives an entry point that lacks it
+    (a quoted argument, e.g. bench.time_to_loss's --set "--lr 3e-3", is one value, not flags)."""
+    unknown = []
+    for number, command in commands(path.read_text()):
+        try:
+            words = shlex.split(command)
+        except ValueError:  # a span that is not a whole command, e.g. an unclosed quote
+            words = command.split()
+        entry = None
+        for i, word in enumerate(words):
+            if word in END or (i and words[i - 1] == "-m"):
+                entry = word if word == "train_accel.py" or (words[i - 1] == "-m" and word in ENTRY_POINTS) else None
+            elif entry and (flag := re.fullmatch(r"\[?(--[a-z0-9][a-z0-9_-]*)(=\S*)?\]?", word)):
+                # TrainConfig's flags take '_' for '-' too (--micro_batch_size 8)
+                name = flag.group(1).replace("_", "-") if entry == "train_accel.py" else flag.group(1)
+                if name not in flags_of(entry):
+                    unknown.append(f"{path.relative_to(root)}:{number}: {entry} has no {flag.group(1)}")
+    return unknown
+
+
+def test_a_flag_an_entry_point_lacks_is_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `python -m evals --run RUN --limt 5` or\n\n```bash\npython train_accel.py --micro_batch_size 8 \\\n"
+        '    --max-step 3   # --not-a-flag in a comment\npython -m bench.time_to_loss --set "--lr 3e-3" --seed 1\n'
+        "python -m training.launch -q --config_file X.yaml -m evals.generate --run RUN [--tokens 5]\n"
+        'make train ARGS="--resume never"\n```\n'
+    )
+    assert unknown_flags(page, tmp_path) == [
+        "page.md:1: evals has no --limt",
+        "page.md:4: train_accel.py has no --max-step",
+        "page.md:6: bench.time_to_loss has no --seed",
+        "page.md:7: evals.generate has no --tokens",
+    ]
+
+
+def test_every_flag_the_pages_give_an_entry_point_exists():
+    unknown = [line for page in pages() if page.name != "BENCHMARKS.md" for line in unknown_flags(page)]
+    assert not unknown, "flags the entry points do not take:\n" + "\n".join(unknown)
