@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +161,25 @@ def launch_as(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         monkeypatch.setenv(key, value)
 
 
+def deepspeed_json_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, json_text: str) -> tuple[Path, dict]:
+    """Launched as cpu_zero2.yaml pointed at a deepspeed_config_file holding `json_text` (as `accelerate config`
+    writes it with a JSON: no mixed_precision, the JSON's to set): (the JSON's path, the DeepSpeed config accelerate
+    reads from it)."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json_text)
+    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
+    del config["mixed_precision"]
+    yaml_file = tmp_path / "my_ds.yaml"
+    yaml_file.write_text(yaml.safe_dump(config))
+    launch_as(monkeypatch, str(yaml_file))
+    from accelerate.utils import DeepSpeedPlugin
+
+    return ds_json, DeepSpeedPlugin().deepspeed_config
+
+
 def test_fsdp2_under_bf16_gathers_bf16_but_reduces_in_fp32_and_casts_no_output(monkeypatch):
     launch_as(monkeypatch, "8xh100_fsdp.yaml")
     plugin = fsdp_plugin()
@@ -279,23 +299,13 @@ def test_a_deepspeed_yaml_as_accelerate_config_writes_it_must_agree_with_the_run
 def test_a_deepspeed_config_with_its_own_optimizer_and_scheduler_stops_with_one_line(monkeypatch, tmp_path):
     """The transformers examples' DeepSpeed JSONs set an optimizer and a scheduler ("auto" values for the Trainer to
     fill in); accelerate refused them in prepare(), after the model was built, advising a code change."""
-    pytest.importorskip("deepspeed")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    ds_json = tmp_path / "ds_zero2.json"
-    ds_json.write_text(
+    ds_json, ds_config = deepspeed_json_config(
+        monkeypatch, tmp_path,
         '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", '
-        '"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": "WarmupLR"}}'
-    )
-    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
-    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
-    del config["mixed_precision"]  # the JSON's to set, accelerate says, with a deepspeed_config_file
-    yaml_file = tmp_path / "my_zero2.yaml"
-    yaml_file.write_text(yaml.safe_dump(config))
-    launch_as(monkeypatch, str(yaml_file))
-    from accelerate.utils import DeepSpeedPlugin
-
+        '"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": "WarmupLR"}}',
+    )  # fmt: skip
     with pytest.raises(ConfigError) as err:
-        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+        check_deepspeed_config(ds_config)
     assert str(err.value) == (
         f"the DeepSpeed config ({ds_json}) sets optimizer (AdamW) and scheduler (WarmupLR); this project's run config "
         "chooses the optimizer and the lr schedule (--optimizer, --lr, --lr-schedule, --warmup-steps): remove those "
@@ -308,20 +318,11 @@ def test_a_deepspeed_config_file_in_fp16_on_a_cpu_stops_with_one_line(monkeypatc
     """fp16 chosen in the DeepSpeed JSON (`accelerate config` asks no precision where a JSON is given), not the
     YAML's mixed_precision (check_launch's): DeepSpeed's CPU accelerator refused it in prepare(), after the model
     was built, with a ValueError traceback on every rank."""
-    pytest.importorskip("deepspeed")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    ds_json = tmp_path / "ds_fp16.json"
-    ds_json.write_text('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}')
-    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
-    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
-    del config["mixed_precision"]  # as `accelerate config` writes it with a JSON
-    yaml_file = tmp_path / "my_zero2.yaml"
-    yaml_file.write_text(yaml.safe_dump(config))
-    launch_as(monkeypatch, str(yaml_file))
-    from accelerate.utils import DeepSpeedPlugin
-
+    ds_json, ds_config = deepspeed_json_config(
+        monkeypatch, tmp_path, '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}'
+    )
     with pytest.raises(ConfigError) as err:
-        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+        check_deepspeed_config(ds_config)
     assert str(err.value) == (
         f"the DeepSpeed config ({ds_json}) enables fp16, which DeepSpeed does not run on a CPU: enable bf16 in it "
         "instead where this CPU's bf16 is fast (`python -m training.pick_cpu_config` names the faster precision's "
@@ -353,22 +354,11 @@ def test_deepspeed_zero_stage_0_stops_with_one_line(monkeypatch, tmp_path):
 def test_a_deepspeed_json_at_zero_stage_0_is_told_the_jsons_key(monkeypatch, tmp_path):
     """A DeepSpeed JSON at stage 0: the line names the JSON's key, zero_optimization.stage; a YAML with a JSON has no
     zero_stage to set."""
-    pytest.importorskip("deepspeed")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    ds_json = tmp_path / "ds.json"
-    ds_json.write_text('{"zero_optimization": {"stage": 0}}')
-    config = yaml.safe_load((CONFIG_DIR / "cpu_zero2.yaml").read_text())
-    config["deepspeed_config"] = {"deepspeed_config_file": str(ds_json), "zero3_init_flag": False}
-    del config["mixed_precision"]
-    yaml_file = tmp_path / "my_ds.yaml"
-    yaml_file.write_text(yaml.safe_dump(config))
-    launch_as(monkeypatch, str(yaml_file))
-    from accelerate.utils import DeepSpeedPlugin
-
+    ds_json, ds_config = deepspeed_json_config(monkeypatch, tmp_path, '{"zero_optimization": {"stage": 0}}')
     with pytest.raises(ConfigError, match=rf"^the DeepSpeed config \({ds_json}\) sets ZeRO stage 0 .*: set "):
-        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+        check_deepspeed_config(ds_config)
     with pytest.raises(ConfigError, match=r": set zero_optimization.stage: 1, 2 or 3 in it \("):
-        check_deepspeed_config(DeepSpeedPlugin().deepspeed_config)
+        check_deepspeed_config(ds_config)
 
 
 def test_accelerates_deepspeed_launcher_hands_the_run_no_dynamo_setting(tmp_path):
