@@ -269,17 +269,21 @@ def engine_name(accelerator: Accelerator) -> str | None:
     """The engine the run trains under, for its first line ("DDP", "FSDP2", "DeepSpeed ZeRO-2"); None for one
     process. Read from the Accelerator, so the line says what trains, not what the YAML asked for."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        stage = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"]
-        return f"DeepSpeed ZeRO-{stage}"
+        return f"DeepSpeed ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
     if accelerator.distributed_type == DistributedType.FSDP:
         return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
     return "DDP" if accelerator.num_processes > 1 else None
 
 
+def _deepspeed_file() -> str | None:
+    """The deepspeed_config_file the launch names; None where the YAML's deepspeed_config holds the settings."""
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    return source if source != "none" else None
+
+
 def _deepspeed_source() -> str:
     """Where the DeepSpeed config comes from, as the lines about it name it."""
-    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    return source if source != "none" else "the launch YAML's deepspeed_config"
+    return _deepspeed_file() or "the launch YAML's deepspeed_config"
 
 
 def check_deepspeed_loads() -> None:
@@ -319,11 +323,7 @@ def check_deepspeed_config(ds_config: dict) -> None:
             "YAML), or remove its fp16 section to train in fp32"
         )
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
-        key = (
-            "zero_stage: 1, 2 or 3"
-            if where.startswith("the launch YAML")
-            else "zero_optimization.stage: 1, 2 or 3 in it"
-        )
+        key = "zero_optimization.stage: 1, 2 or 3 in it" if _deepspeed_file() else "zero_stage: 1, 2 or 3"
         raise ConfigError(
             f"the DeepSpeed config ({where}) sets ZeRO stage 0 (DeepSpeed's data parallelism, nothing sharded), which "
             f"this project does not train: set {key} (accelerate_configs/8xh100_zero2.yaml is stage 2), or launch a "
