@@ -31,16 +31,22 @@ def groups(run) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in run.schedule.optimizer.param_groups]
 
 
+def train_steps(run, steps: int) -> TrainMetrics:
+    """`steps` optimizer steps of `run`, each timed as the loop times it (the run's progress keeps the train time)."""
+    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
+    for _ in range(steps):
+        metrics.step_started()
+        trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(run.progress.step)
+    return metrics
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_resume_trains_with_this_launchs_hyperparameters(prepared_books, tmp_path):
     out = tmp_path / "run"
     first = setup(config(prepared_books, out))
-    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
-    for _ in range(2):  # in the warmup: the lrs depend on the step
-        metrics.step_started()
-        trainer.train_step(batches)
-        trainer.settle()
-        metrics.step_finished(first.progress.step)
+    train_steps(first, 2)  # in the warmup: the lrs depend on the step
     save_checkpoint(first.accelerator, first.run_dir, 2, 2, {"step": 2}, first.checkpoint_bytes)
     saved = groups(first)
 
@@ -66,12 +72,7 @@ def test_a_time_budget_given_on_a_resume_counts_the_train_time_before_it(prepare
     steps as free. The train-step time is kept whatever the budget: the first step's (which compiles) left out."""
     out = tmp_path / "run"
     first = setup(config(prepared_books, out))
-    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
-    for _ in range(3):
-        metrics.step_started()
-        trainer.train_step(batches)
-        trainer.settle()
-        metrics.step_finished(first.progress.step)
+    metrics = train_steps(first, 3)
     assert first.progress.train_seconds == pytest.approx(metrics.window_s) and metrics.window_s > 0  # steps 2 and 3
     save_checkpoint(first.accelerator, first.run_dir, 3, 3, {"step": 3}, first.checkpoint_bytes)
     spent = first.progress.train_seconds
@@ -87,9 +88,7 @@ def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_c
     last good checkpoint is the one it continued from, not "none yet" (which left the user to start over); the
     --resume it gives runs as given where the path holds a space."""
     first = setup(config(prepared_books, tmp_path / "stable run"))
-    trainer, batches = trainer_for(first, stop=False), iter(first.train_loader)
-    trainer.train_step(batches)
-    trainer.settle()
+    train_steps(first, 1)
     save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
     first.lock.release()
     good = checkpoint_dir(tmp_path / "stable run", 1)
@@ -112,12 +111,7 @@ def test_a_run_whose_checkpoints_folder_is_a_link_resumes_as_its_own(prepared_bo
     whole run (metrics.jsonl, config.yaml, the link itself) into previous-<time>/, the loss history cut at the step."""
     out = tmp_path / "run"
     first = setup(config(prepared_books, out))
-    trainer, batches, metrics = trainer_for(first, stop=False), iter(first.train_loader), TrainMetrics(first)
-    for _ in range(2):
-        metrics.step_started()
-        trainer.train_step(batches)
-        trainer.settle()
-        metrics.step_finished(first.progress.step)
+    train_steps(first, 2)
     first.accelerator.log({"train_loss": 1.0}, step=2)
     save_checkpoint(first.accelerator, first.run_dir, 2, 2, {"step": 2}, first.checkpoint_bytes)
     first.lock.release()
