@@ -10,13 +10,21 @@ import sys
 
 import pytest
 import torch
+from accelerate import Accelerator
+from transformers import GPT2LMHeadModel
 
 from evals.loading import load_model
+from modeling import fused_ce
+from modeling.config import REAL_VOCAB_SIZE
+from modeling.gpt import GPT
 from modeling.hf_export import load_hf, to_hf_state_dict
-from testkit import run
+from testkit import TINY_MODEL, new_run, run
 from training import export
-from training.checkpoint import checkpoint_dir
+from training.checkpoint import checkpoint_dir, save_checkpoint
+from training.export import export_checkpoint
 from training.export import main as export_main
+from training.optim import build_optimizer
+from training.step import Trainer
 
 
 @pytest.mark.slow  # runs `python -m training.export`
@@ -89,3 +97,32 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_checkpoint_l
         exc.value.code
         == f"error: cannot write {disk / 'export'}: {disk} is not writable by this user; choose another --out"
     )
+
+
+@pytest.mark.usefixtures("fp8_matmul", "fresh_accelerate_state")  # tests/conftest.py: torch._scaled_mm runs here
+def test_a_bf16_run_with_the_fp8_head_exports_the_fp32_weights_it_trained(tmp_path, monkeypatch):
+    """The GPU recipe's precision (bf16 autocast, --fp8-head true on an H100): 2 steps with the head's logits from
+    torch._scaled_mm (the full-logits form, taken as on CUDA under compile; on the CPU the fused form ignores fp8),
+    a checkpoint, then python -m training.export's export of it. The head stays the tied fp32 embedding matrix, and
+    transformers' fp32 logits are the trained model's to float rounding: nothing on the way rounds a weight to bf16
+    (2e-3 of the logits here)."""
+    monkeypatch.setattr(fused_ce, "takes_full_logits", lambda *args: True)
+    run_dir = new_run(tmp_path)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = GPT(TINY_MODEL)
+    model.fp8_head = True
+    optimizer = build_optimizer(model.optimizer_groups(0.1), lr=3e-3, betas=(0.9, 0.95), device_type="cpu")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    trainer = Trainer(accelerator, model, optimizer, grad_clip=1.0, tokens_per_step=2 * TINY_MODEL.block_size)
+    x = torch.randint(0, REAL_VOCAB_SIZE, (2, TINY_MODEL.block_size), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        trainer.train_step(iter([(x, x.roll(-1, dims=1))]))
+    assert trainer.settle() and trainer.progress.step == 2
+    save_checkpoint(accelerator, run_dir, 2, keep=1, meta={}, need=0)
+    hf = GPT2LMHeadModel.from_pretrained(export_checkpoint(run_dir)).eval()
+    trained = accelerator.unwrap_model(model).eval()
+    assert trained.lm_head.weight is trained.transformer.wte.weight and trained.lm_head.weight.dtype == torch.float32
+    with torch.no_grad():
+        ours = trained.lm_head(trained.hidden_states(x))[..., :REAL_VOCAB_SIZE]
+        assert (hf(x).logits - ours).abs().max() <= 5e-6 * ours.abs().max()
