@@ -141,10 +141,13 @@ def test_cpu_twins_test_the_gpu_engine_settings(gpu, cpu):
 
 def launch_env(name: str) -> dict[str, str]:
     """The environment `accelerate launch --config_file accelerate_configs/<name>` (or an absolute path) gives the
-    training processes, from the launcher accelerate picks for it (DeepSpeed's, torchrun or one process)."""
+    training processes, from the launcher accelerate picks for it (DeepSpeed's, torchrun or one process). On a free
+    port: torchrun's launchers refuse (two machines) or warn where the YAML's port (29500 where it names none) is
+    held by another launch on this machine."""
     parser = launch_command_parser()
+    port = ["--main_process_port", str(free_port())]
     args, defaults, mp_from_config = _validate_launch_command(
-        parser.parse_args(["--config_file", str(CONFIG_DIR / name), "train_accel.py"])
+        parser.parse_args(["--config_file", str(CONFIG_DIR / name), *port, "train_accel.py"])
     )
     if args.use_deepspeed:  # what accelerate's launch_command adds before its DeepSpeed launcher
         fields = [*defaults.deepspeed_config, *["mixed_precision"] * mp_from_config]
