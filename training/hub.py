@@ -328,6 +328,7 @@ def render_model_card(run_dir: str | Path) -> str:
         since = rows[switches[-1] + 1 :] if switches else rows
         best_val = min([r["val_loss"] for r in since if "val_loss" in r] or [val[-1]["val_loss"]])
         val_line = f"| val loss (final / best) | {val[-1]['val_loss']:.4f} / {best_val:.4f} |\n"
+        val_line += _val_set_line(rows, val[-1]["step"])
         # a score on the first N examples is no measure of the whole task: the text says so, as the metadata does
         subset = f", first {config['eval_limit']:,} examples" if config.get("eval_limit") else ""
         score_lines = "".join(
@@ -379,6 +380,20 @@ print(tok.decode(out[0]))
 ```
 """
     return str(ModelCard(content))
+
+
+def _val_set_line(rows: list[dict], val_step: int) -> str:
+    """The card's row saying what the val loss at `val_step` was the mean over: the windows of the launch that
+    measured it (its launch row; runs from before it kept them have none, and no row)."""
+    # a launch row's step is the one it started after; the first launch's also measures step 0
+    launch = [r["launch"] for r in rows if "launch" in r and (r["step"] < val_step or r["step"] == 0)]
+    if not launch or "val_windows" not in launch[-1]:
+        return ""
+    windows, tokens = launch[-1]["val_windows"], launch[-1]["val_tokens"]
+    return (
+        f"| val loss measured on | {windows:,} windows × {tokens // windows:,} tokens ({tokens:,} tokens) spread "
+        "evenly over the val split |\n"
+    )
 
 
 def _scratch_model(config: dict) -> str:

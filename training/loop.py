@@ -560,6 +560,8 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         "world_size": world_size,
         "device": device_name(device),
         "data_path": str(Path(cfg.data_dir).resolve()),
+        "val_windows": len(run.val_windows.indices),  # --eval-windows, or all the val split has where it has fewer
+        "val_tokens": len(run.val_windows.indices) * run.model_config.block_size,
         "start_step": run.progress.step,  # a resumed launch's first step is the next
         "new_data": new_data_note(run.train_loader),  # metrics.jsonl's launch row keeps where the data changed
         "mixed_precision": accelerator.mixed_precision,

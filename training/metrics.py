@@ -394,8 +394,12 @@ def check_trackers(names: list[str]) -> None:
 
 
 # What metrics.jsonl's launch row keeps of a launch's run info (training.loop.log_run_info): where it computed, how,
-# with what micro-batch, and the data folder as an absolute path (the card finds the manifest from any working folder)
-LAUNCH_KEYS = ("world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path")
+# with what micro-batch, the data folder as an absolute path (the card finds the manifest from any working folder),
+# and the val windows its val loss is the mean over, with their tokens (what the card says the loss measured)
+LAUNCH_KEYS = (
+    "world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path", "val_windows",
+    "val_tokens",
+)  # fmt: skip
 # What the model card says of the data, from its manifest.json: the sources with their licenses, the splits' sizes
 CARD_DATA_KEYS = ("source", "sources", "splits")
 

@@ -93,6 +93,7 @@ def test_cpu_yaml_trains_tiny_model_compiled(readme_run):
     assert "--- step 30 ---\n<|endoftext|>ROMEO:" in (run / "samples.txt").read_text()
     card = (run / "export" / "README.md").read_text()  # the model card: the steps, and where and how they ran
     assert "| optimizer steps | 30 |" in card and re.search(r"\| hardware \| 1 × CPU: .*, fp32, torch.compile \|", card)
+    assert "| val loss measured on | 32 windows × 64 tokens (2,048 tokens) spread evenly over the val split |" in card
 
     from transformers import GPT2LMHeadModel
 

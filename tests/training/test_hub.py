@@ -596,3 +596,18 @@ def test_usage_names_the_command_a_user_types(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m training.hub "), err
     assert "python -m training.hub: error: the following arguments are required: --repo-id" in err
+
+
+def test_the_card_says_what_the_val_loss_was_measured_over(finished_run, prepared_books):
+    """The val loss is a mean over the launch's val windows (--eval-windows, fewer where the split holds fewer), each
+    block_size tokens: the card says how many of each the final loss's launch measured, as its launch row keeps them."""
+    (finished_run / "metrics.jsonl").write_text("")
+    tracker = JSONLTracker(finished_run)
+    for step, windows in ((0, 320), (1, 12)):  # resumed with --eval-windows 12
+        values = {k: CPU_LAUNCH.get(k, 8) for k in LAUNCH_KEYS} | {"data_path": str(prepared_books), "start_step": step}
+        tracker.store_init_configuration(values | {"val_windows": windows, "val_tokens": windows * 64})
+        tracker.log({"train_loss": 9.25, "tokens_per_sec": 1100.0, "tokens_seen": 1024 * (step + 1)}, step=step + 1)
+        tracker.log({"val_loss": 9.5 - step}, step=step + 1)
+    card = render_model_card(finished_run)
+    assert "| val loss (final / best) | 8.5000 / 8.5000 |\n| val loss measured on | 12 windows × 64 tokens" in card
+    assert "12 windows × 64 tokens (768 tokens) spread evenly over the val split |" in card
