@@ -82,7 +82,7 @@ from training.metrics import (
 )
 from training.micro_batch import resolve_micro_batch
 from training.optim import MUON_MOMENTUM_START, Schedule, build_scheduler, newton_schulz_dtype, optimizer_for
-from training.runlock import lock_run_folder
+from training.runlock import drop_if_unused, lock_run_folder
 from training.step import StepOutput, Trainer
 
 # Engines that shard each matrix over the processes (FSDP2's DTensor rows, DeepSpeed's flat partitions): Muon, which
@@ -275,6 +275,17 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
     run_dir = Path(cfg.out_dir)
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
+    try:
+        return _set_up_locked(cfg, startup, trackers, run_dir, lock)
+    except BaseException:
+        drop_if_unused(run_dir, lock)  # a start-up that stopped before writing leaves no empty run folder behind
+        raise
+
+
+def _set_up_locked(
+    cfg: TrainConfig, startup: StartupClock, trackers: list[str], run_dir: Path, lock: FileLock | None
+) -> Run:
+    """setup's build order once the run folder is locked."""
     model_config = cfg.model_config()
     startup.lap("config")  # the config read, the run folder locked
 

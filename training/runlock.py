@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -43,3 +44,18 @@ def lock_run_folder(run_dir: Path) -> FileLock | None:
     since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     (run_dir / HOLDER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}))
     return lock
+
+
+def drop_if_unused(run_dir: Path, lock: FileLock | None) -> None:
+    """After a start-up that stopped before writing anything: remove run_dir where it holds nothing but this lock's
+    files (a folder this launch made, or one empty before it or left by launches that never started: no file of a
+    run is in it), so that `ls runs/` lists no run that never was. Removed while still locked, so a launch waiting
+    for the folder finds it in use or new, never half gone; a folder holding anything else keeps all of it, and the
+    lock too."""
+    if lock is None or {p.name for p in run_dir.iterdir()} - {LOCK_NAME, HOLDER_NAME}:
+        return
+    with suppress(OSError):  # a file another rank just wrote, a mount point: the folder stays as it is
+        (run_dir / HOLDER_NAME).unlink(missing_ok=True)
+        (run_dir / LOCK_NAME).unlink()
+        run_dir.rmdir()
+    lock.release()

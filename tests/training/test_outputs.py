@@ -16,6 +16,7 @@ import torch
 from huggingface_hub import constants
 from transformers import AutoTokenizer
 
+from data_prep import DataPrepError
 from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.disk import swap_in
@@ -54,7 +55,23 @@ def test_an_export_that_could_not_run_stops_the_run_before_it_trains(
     reason = "ModuleNotFoundError: import of transformers halted; None in sys.modules"
     with pytest.raises(ConfigError, match=EXPORT_FAILS.format(reason) + "$"):
         setup(tiny_config(prepared_books, tmp_path / "run"))
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".run.lock", ".run.lock.json"]  # nothing else
+    assert not (tmp_path / "run").exists()  # nothing written: the folder the launch made is gone again
+
+
+def test_a_start_up_that_stops_before_writing_leaves_no_empty_run_folder(tmp_path, fresh_accelerate_state):
+    """A launch with a typo in --data-dir made its --out-dir, locked it and stopped: `ls runs/` then listed a run
+    folder holding only the lock's files, of a run that never started. It goes; a folder that holds an earlier run
+    keeps all of it."""
+    runs, nowhere = tmp_path / "runs", tmp_path / "nowhere"
+    with pytest.raises(DataPrepError, match="no prepared dataset in .*nowhere: no such folder"):
+        setup(tiny_config(nowhere, runs / "typo"))
+    assert runs.is_dir() and list(runs.iterdir()) == []
+    (runs / "earlier").mkdir()
+    (runs / "earlier" / "metrics.jsonl").write_text('{"step": 2, "train_loss": 9.0}\n')
+    with pytest.raises(DataPrepError, match="no prepared dataset"):
+        setup(tiny_config(nowhere, runs / "earlier"))
+    assert sorted(p.name for p in (runs / "earlier").iterdir()) == [".run.lock", ".run.lock.json", "metrics.jsonl"]
+    assert (runs / "earlier" / "metrics.jsonl").read_text() == '{"step": 2, "train_loss": 9.0}\n'
 
 
 def test_a_private_run_whose_push_cannot_happen_is_told_to_push_it_private(prepared_books, tmp_path, monkeypatch):
