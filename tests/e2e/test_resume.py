@@ -11,6 +11,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -240,13 +241,23 @@ def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_b
     assert all(abs(losses[s] - reference[s]) < 1e-5 * reference[s] for s in reference), (losses, reference)
 
 
+def minutes_of_steps(steps: int, cmd: list[str], run_dir: Path) -> float:
+    """A --time-budget-minutes that holds about `steps` of cmd's steps on this machine as loaded now, from the
+    median step of a 4-step run of it; at least 0.1 (6 s: ~100-300 steps on an idle machine). A fixed 6 s held 3
+    steps of 2.2 s under a load average of 7, and the run ended before the test's kill at step 6."""
+    run([*cmd, "--max-steps", "4"])
+    step_s = statistics.median(r["step_time_s"] for r in read_metrics(run_dir / "metrics.jsonl") if "step_time_s" in r)
+    return max(0.1, steps * step_s / 60)
+
+
 def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps_them(prepared_books, tmp_path):
     """--time-budget-minutes under make train's recipe (Muon, wsd): the steps timed in the warmup decide how many fit
     (at most max_steps), re-timed at log steps while the lr is still constant; the run ends on the schedule a run of
     --max-steps N has from the start (fp32: the same losses, bitwise), and a run killed after a decision resumes to
     it, not to max_steps."""
     common = [*MUON, "--warmup-steps", "3", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
-    budget = [*common, "--max-steps", "5000", "--time-budget-minutes", "0.1"]  # 6 s of steps: ~100-300 here
+    minutes = minutes_of_steps(30, tiny_cmd(None, tmp_path / "timed", prepared_books, *common), tmp_path / "timed")
+    budget = [*common, "--max-steps", "5000", "--time-budget-minutes", f"{minutes:.3g}"]
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     kill_after(tiny_cmd(None, killed, prepared_books, *budget), killed, step=6)
     decided = {r["step"]: r["total_steps"] for r in read_metrics(killed / "metrics.jsonl") if "total_steps" in r}
