@@ -43,6 +43,15 @@ from training.config import TrainConfig, config_to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_ACCEL = REPO / "train_accel.py"
+# The product's layers, lowest first: a module imports only from its own layer or lower (test_layers.py).
+LAYERS = {"modeling": 0, "data_prep": 1, "evals": 2, "training": 3, "bench": 4, "train_accel": 4}
+
+
+def product_modules() -> list[Path]:
+    """train_accel.py and every module of the product's packages: what the code-health tests read (not tests/)."""
+    return [TRAIN_ACCEL] + [p for layer in LAYERS for p in sorted((REPO / layer).rglob("*.py"))]
+
+
 # `accelerate launch` run as its module: the same launch_command as the `accelerate` CLI, which first imports every
 # other subcommand (transformers among them: 1.4 s a launch, ~40 launches in the suite). `make train` keeps the CLI.
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]

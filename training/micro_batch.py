@@ -21,7 +21,6 @@ from modeling.fused_ce import takes_full_logits
 from training.config import grad_accum_steps
 from training.memory_table import GIB, activation_bytes, param_counts, state_bytes
 
-AUTO = "auto"
 GPU_CAP = 64  # llm.c's and modded-nanogpt's micro-batch at GPT-2 124M, T 1024, on an H100
 CPU_DEFAULT = 8  # the CPU run configs' (configs/cpu_small.yaml, configs/tiny_cpu.yaml)
 # What the estimate misses (allocator fragmentation, autocast's bf16 weight copies, compiled kernels' workspaces):
