@@ -86,13 +86,12 @@ def evaluate_tasks(
     tasks: str | Iterable[str],
     limit: int | None,
     encoding: tiktoken.Encoding,
-    batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> dict[str, float]:
     """The training hook: {"hellaswag_acc_norm", "hellaswag_acc", "lambada_acc", "lambada_ppl"} for the tasks
     asked, the same numbers on every rank. Every rank must call it (the ranks share the work)."""
     out: dict[str, float] = {}
     for task in parse_tasks(tasks):
-        out.update(run_task(model, task, encoding, limit, batch_size, accelerator).metrics)
+        out.update(run_task(model, task, encoding, limit, DEFAULT_BATCH_SIZE, accelerator).metrics)
     return out
 
 

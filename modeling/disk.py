@@ -108,9 +108,7 @@ def disk_full_line(path: str | Path, kept: str, todo: str = RERUN) -> str:
 
 
 @contextmanager
-def disk_full_reported(
-    path: str | Path, kept: str | Callable[[], str], todo: str = RERUN, need: int = 0
-) -> Iterator[None]:
+def disk_full_reported(path: str | Path, kept: str | Callable[[], str]) -> Iterator[None]:
     """Turn a full disk met inside the block while writing `path` into DiskFull (see disk_full_line); `kept` may be
     a function, called only then (what was kept is often known only after the failure)."""
     try:
@@ -118,9 +116,9 @@ def disk_full_reported(
     except DiskFull:
         raise
     except Exception as err:
-        if not is_disk_full(err, path, need):
+        if not is_disk_full(err, path):
             raise
-        raise DiskFull(disk_full_line(path, kept() if callable(kept) else kept, todo)) from err
+        raise DiskFull(disk_full_line(path, kept() if callable(kept) else kept)) from err
 
 
 def append_bytes(path: str | Path, data: bytes) -> None:

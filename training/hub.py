@@ -62,12 +62,12 @@ def _retry_hint(run_dir: Path, repo_id: str, private: bool, checkpoints: bool) -
     return f"the run folder {run_dir} is intact; push it later with: {command}"
 
 
-def require_token(token: str | None = None, then: str = "push again") -> str:
+def require_token(then: str = "push again") -> str:
     """The Hub token to use, or a HubError saying how to provide one and `then` what to do (checked before training
     starts)."""
     from huggingface_hub import get_token
 
-    token = token or get_token()
+    token = get_token()
     if not token:
         raise HubError(f"no Hugging Face token found: run `hf auth login` or set HF_TOKEN, then {then}")
     return token
@@ -592,9 +592,7 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     return export / "README.md"
 
 
-def push(
-    run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoints: bool = False, token: str | None = None
-) -> str:
+def push(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoints: bool = False) -> str:
     """Upload the export (with its model card) and optionally the training checkpoints; returns the repo URL."""
     from huggingface_hub import HfApi
 
@@ -611,7 +609,7 @@ def push(
             f"from: give the run folder, {_push_command(run, repo_id, private, checkpoints)}"
         )
     check_repo_id(repo_id, "--repo-id")  # before the model card is written for it
-    token = require_token(token)
+    token = require_token()
     write_model_card(run_dir, repo_id)
     api = HfApi(token=token)
     try:
