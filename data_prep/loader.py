@@ -315,7 +315,6 @@ class EvalWindows:
         *,
         rank: int = 0,
         world_size: int = 1,
-        verify: str = "size",
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -324,7 +323,7 @@ class EvalWindows:
                 f"need block_size, count, micro_batch_size >= 1 and 0 <= rank < world_size, got "
                 f"{block_size=}, {count=}, {micro_batch_size=}, {rank=}, {world_size=}"
             )
-        manifest = load_manifest(data_dir, verify=verify)
+        manifest = load_manifest(data_dir)
         self.dataset = WindowDataset(manifest, split, block_size)
         if len(self.dataset) == 0:
             raise DataPrepError(
@@ -439,7 +438,6 @@ class TokenLoader:
         infinite: bool = True,
         num_workers: int = 0,
         pin_memory: bool = False,
-        verify: str = "size",
         restart_on_other_data: bool = False,
     ) -> None:
         if split not in SPLITS:
@@ -449,7 +447,7 @@ class TokenLoader:
                 f"need block_size >= 1, micro_batch_size >= 1 and 0 <= rank < world_size, got "
                 f"{block_size=}, {micro_batch_size=}, {rank=}, {world_size=}"
             )
-        self.manifest = load_manifest(data_dir, verify=verify)
+        self.manifest = load_manifest(data_dir)
         self.split, self.block_size, self.micro_batch_size = split, block_size, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.infinite = shuffle, infinite

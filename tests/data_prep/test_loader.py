@@ -472,7 +472,7 @@ def test_truncated_or_altered_shard_is_named(prepared_books, tmp_path):
     shard.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     load_manifest(data)  # same size: only the sha256 check can tell
     with pytest.raises(DataPrepError, match=r"shard .*train_001.bin does not match its sha256 .*re-run"):
-        TokenLoader(data, "train", BLOCK, 8, verify="sha256")
+        load_manifest(data, verify="sha256")
     shard.unlink()
     with pytest.raises(DataPrepError, match=r"train_001.bin is missing"):
         load_manifest(data)
