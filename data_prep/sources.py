@@ -117,6 +117,7 @@ class Plan:
     text_bytes: int | None = None  # UTF-8 bytes of all the text, where listing can tell (before cleaning)
     splits: dict[str, str] = field(default_factory=dict)  # id -> split, for books whose source names their split
     paths: list[str | None] = field(default_factory=list)  # each id's file (None: text in hand); [] for none
+    folder: str | None = None  # a local hf: dataset, whose name starts its ids: two of one name give the same ids
 
 
 def parse_spec(spec: str) -> list[tuple[str, str]]:
@@ -166,17 +167,18 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     ids = [i for p in parts for i in p.ids] if known else None
     paths = [path for p in parts for path in p.paths or [None] * len(p.ids)] if known else []
     if ids is not None:
+        wheres = [where for p in parts for where in p.paths or [p.folder] * len(p.ids)]
         seen: dict[str, str | None] = {}
-        for doc_id, path in zip(ids, paths, strict=True):
+        for doc_id, where in zip(ids, wheres, strict=True):
             if doc_id in seen:
-                if path is not None and seen[doc_id] not in (None, path):  # two files: folders of the same name
+                if where is not None and seen[doc_id] not in (None, where):  # two folders of the same name
                     raise DataPrepError(
-                        f"{seen[doc_id]} and {path} get the same id {doc_id!r} (a book's id is its folder's name and "
-                        "its path below it, which keeps its split when the folder moves): rename one of the folders, "
-                        "or link it under another name"
+                        f"{seen[doc_id]} and {where} get the same id {doc_id!r} (a book's id starts with its folder's "
+                        "name, which keeps its split when the folder moves): rename one of the folders, or link it "
+                        "under another name"
                     )
                 raise DataPrepError(f"document {doc_id!r} appears twice in source {spec!r}; list each book once")
-            seen[doc_id] = path
+            seen[doc_id] = where
         if not ids:
             raise DataPrepError(f"source {spec!r} has no documents; add some books")
     key = None
@@ -515,7 +517,9 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
     if ds.features is not None and column not in ds.features:
         columns = list(ds.features)
         raise DataPrepError(f"hf:{arg}: no column {column!r} (columns: {columns}); use hf:DATASET:SPLIT:COLUMN")
-    prefix = f"hf/{name.strip('/')}/{split}"
+    # a local dataset's ids start with its folder's (or file's) name, as files: books' do, so that hf:shelf,
+    # hf:./shelf/ and a moved copy of it keep each book's split; a Hub dataset's, with its id
+    prefix = f"hf/{folder.absolute().name if folder.exists() else name.strip('/')}/{split}"
     has_title = ds.features is not None and "title" in ds.features
     columns = [column, "title"] if has_title else [column]
 
@@ -543,7 +547,8 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
 
     if streaming:
         return Plan(None, None, records)
-    return Plan([f"{prefix}/{i}" for i in range(len(ds))], f"hf:{arg}:{ds._fingerprint}", records)
+    ids = [f"{prefix}/{i}" for i in range(len(ds))]
+    return Plan(ids, f"hf:{arg}:{ds._fingerprint}", records, folder=name if folder.exists() else None)
 
 
 def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets is imported lazily

@@ -100,9 +100,9 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
     with pytest.raises(DataPrepError) as err:
         list(iter_documents(f"files:{books}+files:{other}"))
     assert str(err.value) == (
-        f"{books / 'a.txt'} and {other / 'a.txt'} get the same id 'files/books/a.txt' (a book's id is its folder's "
-        "name and its path below it, which keeps its split when the folder moves): rename one of the folders, or link "
-        "it under another name"
+        f"{books / 'a.txt'} and {other / 'a.txt'} get the same id 'files/books/a.txt' (a book's id starts with its "
+        "folder's name, which keeps its split when the folder moves): rename one of the folders, or link it under "
+        "another name"
     )
 
 
@@ -205,10 +205,9 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.load, "dataset_module_factory", lambda *a, **k: resolved.append(a) or factory(*a, **k))
     docs = list(iter_documents(f"hf:{data}"))
     assert len(resolved) == 1  # once, not again inside load_dataset
-    name = str(data).strip("/")
     assert [(d.id, d.title, d.text) for d in docs] == [
-        (f"hf/{name}/train/0", "One", "First book.\nLine two.\n"),
-        (f"hf/{name}/train/1", f"{data} #1", "Second.\n"),
+        ("hf/ds/train/0", "One", "First book.\nLine two.\n"),
+        ("hf/ds/train/1", f"{data} #1", "Second.\n"),
     ]
     with pytest.raises(DataPrepError, match=r"no column 'body' \(columns: \['text', 'title'\]\)"):
         list(iter_documents(f"hf:{data}:train:body"))
@@ -223,6 +222,32 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
         r"\(DatasetGenerationError: .*; \w+Error: .+\); check that file or folder: its format and its rows$",
         str(err.value),
     ), err.value
+
+
+def test_a_local_hf_dataset_keeps_its_ids_and_split_however_its_folder_is_named_or_moved(tmp_path, monkeypatch):
+    """A book's id decides its split: the same folder given as hf:shelf, hf:./shelf/ or by its full path, or moved,
+    must give the same ids, or a rebuild moves books between train and val (a run continued on it would be
+    validated on books it trained on)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (shelf / "part.jsonl").write_text('{"text": "First book."}\n{"text": "Second book."}\n', encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    expected = ["hf/shelf/train/0", "hf/shelf/train/1"]
+    for spec in (f"hf:{shelf}", "hf:shelf", "hf:./shelf/"):
+        assert [d.id for d in iter_documents(spec)] == expected, spec
+    (tmp_path / "moved").mkdir()
+    shutil.move(shelf, tmp_path / "moved" / "shelf")
+    assert [d.id for d in iter_documents(f"hf:{tmp_path}/moved/shelf")] == expected
+    # two datasets in folders of one name: one line naming both, as for two files: folders of one name
+    other = tmp_path / "bob" / "shelf"
+    other.mkdir(parents=True)
+    (other / "part.jsonl").write_text('{"text": "Another book."}\n', encoding="utf-8")
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"hf:moved/shelf+hf:{other}"))
+    assert str(err.value).startswith(f"moved/shelf and {other} get the same id 'hf/shelf/train/0' ")
 
 
 @pytest.mark.parametrize("streaming", [False, True])
