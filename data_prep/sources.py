@@ -346,10 +346,23 @@ def _plan_default(arg: str) -> Plan:
 def _visible_files(folder: Path) -> Iterator[Path]:
     """The files in a folder's tree, hidden files and folders left out as a glob (and `datasets`) leaves them:
     editors' and notebooks' copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version
-    control."""
-    for p in folder.rglob("*"):
-        if not any(part.startswith(".") for part in p.relative_to(folder).parts) and p.is_file():
-            yield p
+    control. Linked folders are read as a glob reads them (a shelf on another disk linked in), each folder once: a
+    link back up the tree would repeat it forever."""
+    seen = {os.path.realpath(folder)}
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        kept = []
+        for name in sorted(d for d in dirs if not d.startswith(".")):
+            real = os.path.realpath(os.path.join(top, name))
+            if real in seen:
+                log.warning("skipping %s: the folder %s, read already", os.path.join(top, name), real)
+            else:
+                seen.add(real)
+                kept.append(name)
+        dirs[:] = kept  # walked in this order, and only these
+        for name in files:
+            p = Path(top, name)
+            if not name.startswith(".") and p.is_file():
+                yield p
 
 
 def _other_files(folder: Path, read: str = ".txt files") -> str:

@@ -106,6 +106,22 @@ def test_files_directory_tree_glob_and_single_file(tmp_path):
     )
 
 
+def test_a_folder_linked_into_a_library_is_read_as_a_glob_reads_it(tmp_path, caplog):
+    """A library assembled from links (a shelf on another disk linked in) was read without the linked folders' books,
+    saying nothing, while files:LIBRARY/**/*.txt read them."""
+    shelf = tmp_path / "other_disk" / "shelf"
+    shelf.mkdir(parents=True)
+    (shelf / "b.txt").write_text("Beta.\n", encoding="utf-8")
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
+    (books / "linked").symlink_to(shelf)
+    (books / "loop").symlink_to(books)  # a link back up the tree: read once, not forever
+    expected = ["files/books/a.txt", "files/books/linked/b.txt"]
+    assert [d.id for d in iter_documents(f"files:{books}")] == expected
+    assert f"skipping {books / 'loop'}: the folder {books}, read already" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
