@@ -197,19 +197,27 @@ def prepare(
     if replaced:
         log.info(replaced)
     totals = manifest["splits"]
+    documents = [(d["id"], d["split"]) for d in load_manifest(out, verify="none").documents()]
+    # a line a book kept, and one for the part of a book split off by position (ID#val); in a big library the
+    # skipping lines scroll away, so the summary counts them (a streamed source's books are not counted up front)
+    kept, left_out = sum(not doc_id.endswith("#val") for doc_id, _ in documents), ""
+    if books.ids is not None and kept < len(books.ids):
+        left_out = (
+            f"; {len(books.ids) - kept} of the {len(books.ids)} books listed left out (each named in a skipping line)"
+        )
     log.info(
-        "Wrote %s: train %d tokens (%d docs), val %d tokens (%d docs)",
+        "Wrote %s: train %d tokens (%d docs), val %d tokens (%d docs)%s",
         out,
         totals["train"]["num_tokens"],
         totals["train"]["num_documents"],
         totals["val"]["num_tokens"],
         totals["val"]["num_documents"],
+        left_out,
     )
     if totals["val"]["num_tokens"] <= GPT2_CONTEXT:  # written, but the GPT-2 presets' runs could not use it
         # split BY_POSITION: the written corpus is one document (a book left out as empty or repeated counts none),
         # its val part named ID#val
-        val_ids = (d["id"] for d in load_manifest(out, verify="none").documents() if d["split"] == "val")
-        one_document = any(doc_id.endswith("#val") for doc_id in val_ids)
+        one_document = any(doc_id.endswith("#val") for doc_id, split in documents if split == "val")
         log.warning(
             "the val split holds %d tokens, fewer than one window of the GPT-2 presets' %d-token context + 1: their "
             "runs would stop at start-up (smaller block_size runs can use it); %s",

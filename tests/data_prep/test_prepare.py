@@ -232,9 +232,12 @@ def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tm
     book1.write_text("Title: Emma\n\n" + book1.read_text())  # named by title too: an hf: dataset's ids are rows
     shutil.copy(book1, library / "book4.txt")
     source, args = f"files:{library}", {"val_fraction": 0.25}
-    with caplog.at_level(logging.WARNING, logger="data_prep.prepare"):
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
         prepare(source, tmp_path / "fresh", **args)
     assert "skipping files/library/book4.txt ('Emma'): the same text as files/library/book1.txt ('Emma')" in caplog.text
+    # the line saying what was written counts it too: in a big library the skipping lines scroll away
+    [wrote] = [m for m in caplog.messages if m.startswith("Wrote ")]
+    assert wrote.endswith(" docs); 1 of the 6 books listed left out (each named in a skipping line)"), wrote
     books = list(load_manifest(tmp_path / "fresh").documents())
     assert [d["id"] for d in books] == [f"files/library/book{i}.txt" for i in (0, 1, 2, 3, 5)]
     assert len({d["book_sha256"] for d in books}) == 5
