@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import configparser
+import contextlib
 import errno
 import glob
 import hashlib
@@ -31,9 +32,11 @@ import json
 import logging
 import os
 import re
+import socket
 import tarfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -570,6 +573,7 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
     import datasets  # lazily: training machines read prepared shards and may not have it
 
     path = Path(name).expanduser()
+    unreachable = None if path.exists() else _unreachable_hub()
     try:
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             ds = datasets.load_from_disk(str(path))  # written by save_to_disk
@@ -579,21 +583,28 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             return datasets.load_dataset(
                 _HF_FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split, streaming=streaming
             ), None
-        # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
-        # load_dataset would make a second one
-        builder = datasets.load_dataset_builder(name)
-        file_titles = None
-        if builder.name == "text":  # datasets' builder of .txt files gives a row per line by default: a book is a file
-            builder = datasets.load_dataset_builder(name, sample_by="document")
-            files = (builder.config.data_files or {}).get(split, [])
-            # a row per file, in this order, unless an archive among them holds several
-            if all(PurePosixPath(f).suffix.lower() == ".txt" for f in files):
-                file_titles = [PurePosixPath(f).stem for f in files]
-        if streaming:
-            return builder.as_streaming_dataset(split=split), file_titles
-        builder.download_and_prepare()
-        return builder.as_dataset(split=split), file_titles
+        with _offline(unreachable is not None):  # a copy in datasets' cache, if any, is still read
+            # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
+            # load_dataset would make a second one
+            builder = datasets.load_dataset_builder(name)
+            file_titles = None
+            if builder.name == "text":  # datasets' builder of .txt files: a row per line by default; a book is a file
+                builder = datasets.load_dataset_builder(name, sample_by="document")
+                files = (builder.config.data_files or {}).get(split, [])
+                # a row per file, in this order, unless an archive among them holds several
+                if all(PurePosixPath(f).suffix.lower() == ".txt" for f in files):
+                    file_titles = [PurePosixPath(f).stem for f in files]
+            if streaming:
+                return builder.as_streaming_dataset(split=split), file_titles
+            builder.download_and_prepare()
+            return builder.as_dataset(split=split), file_titles
     except Exception as e:  # hub, network and file-format failures have no common base class
+        if unreachable is not None:
+            cached = "" if streaming else " and datasets' cache holds no copy of it"
+            raise DataPrepError(
+                f"could not load Hugging Face dataset {name!r} split {split!r}: {_no_hub(unreachable)}{cached}; check "
+                "the network, or pass a local dataset folder or parquet/arrow file"
+            ) from None
         cache = datasets.config.HF_DATASETS_CACHE  # a read-only or full disk fails a write: datasets' cache's
         if isinstance(e, OSError) and (e.errno == errno.EROFS or is_disk_full(e, cache)):
             raise DataPrepError(
@@ -613,6 +624,41 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
         raise DataPrepError(
             f"could not load Hugging Face dataset {name!r} split {split!r} ({' '.join(said.split())[:600]}); {check}"
         ) from None
+
+
+def _unreachable_hub() -> str | None:
+    """The Hub's host where its name does not resolve (no network) and nothing else would resolve it (a proxy) or
+    keep datasets off the Hub (offline mode); else None. huggingface_hub retries each request to it for ~25 s, two
+    lines a try, before datasets gives up or reads its cache."""
+    import datasets  # lazily, as in _load_hf
+
+    host = urllib.parse.urlsplit(datasets.config.HF_ENDPOINT).hostname
+    if not host or datasets.config.HF_HUB_OFFLINE or urllib.request.getproxies():
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return host
+    return None
+
+
+def _no_hub(host: str) -> str:
+    return f"the Hub ({host}) cannot be reached (its name does not resolve: no network?)"
+
+
+@contextlib.contextmanager
+def _offline(on: bool) -> Iterator[None]:
+    """datasets and huggingface_hub in offline mode within, where `on`, as HF_HUB_OFFLINE=1 sets them: they read
+    their caches and make no Hub requests."""
+    import datasets
+    from huggingface_hub import constants
+
+    was = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = was[0] or on, was[1] or on
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = was
 
 
 def _plan_pg19(arg: str) -> Plan:
@@ -636,6 +682,10 @@ def _plan_pg19(arg: str) -> Plan:
         raise DataPrepError(
             f"{where} is a prepared dataset, not a copy of {PG19_HUB}'s parquet files: train on it with --data-dir "
             f"{arg}; to prepare PG-19 again, {a_copy}"
+        )
+    if not arg and (host := _unreachable_hub()):  # streamed from the Hub: no cache to fall back on
+        raise DataPrepError(
+            f"could not list {where}: {_no_hub(host)}; check the network (or give a local copy: --source pg19:FOLDER)"
         )
     if arg and not any(p.suffix == ".parquet" for p in _visible_files(Path(location))):
         # datasets would read its other files (a library's .txt) and fail obscurely

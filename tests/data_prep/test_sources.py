@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import zipfile
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from data_prep import DataPrepError, sources
 from data_prep.prepare import main
 from data_prep.sources import clean_text, iter_documents, parse_spec
+from tests.testkit import run
 
 PG_MODERN = (
     "\ufeffThe Project Gutenberg eBook of Tiny Book\r\n\r\nTitle: Tiny Book\r\nAuthor: Nobody\r\n\r\n"
@@ -264,6 +266,30 @@ def test_a_local_hf_dataset_keeps_its_ids_and_split_however_its_folder_is_named_
     with pytest.raises(DataPrepError) as err:
         list(iter_documents(f"hf:moved/shelf+hf:{other}"))
     assert str(err.value).startswith(f"moved/shelf and {other} get the same id 'hf/shelf/train/0' ")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("hf:someone/books", "could not load Hugging Face dataset 'someone/books' split 'train': "),
+        ("pg19", "could not list pg19 (the Hub dataset emozilla/pg19): "),
+    ],
+)
+def test_a_hub_dataset_without_a_network_is_one_line_at_once(tmp_path, source, message):
+    """With no network (an endpoint whose name does not resolve: .invalid never does), huggingface_hub retried each
+    request for ~25 s, 24 lines of retries on screen, before a line blaming a cache ("not cached in None"). Now
+    the Hub's name is looked up first: one line says the Hub cannot be reached and datasets' cache has no copy."""
+    env = {**os.environ, "HF_ENDPOINT": "http://hub.invalid", "HF_HOME": str(tmp_path / "hf")}
+    env = {k: v for k, v in env.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    cmd = [sys.executable, "-m", "data_prep.prepare", "--source", source, "--out", str(tmp_path / "data")]
+    out = run(cmd, expect_rc=1, env=env, timeout=60)
+    assert "Retrying" not in out.stderr and "thrown while requesting" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {message}the Hub (hub.invalid) cannot be reached (its name does not resolve: "), (
+        last
+    )
+    assert "; check the network" in last, last
+    assert not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("streaming", [False, True])
