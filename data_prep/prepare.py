@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from data_prep import DataPrepError
@@ -788,8 +788,20 @@ def _same_output(out: Path, manifest: dict[str, Any]) -> bool:
 @contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
     # An OS lock (flock on POSIX, msvcrt on Windows): the holder's death frees it (its workers exit with it).
-    with FileLock(out.parent / f".{out.name}.lock"):
+    lock = FileLock(out.parent / f".{out.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:  # said: a wait as long as the other preparation (~45 min for PG-19) looked like a hang
+        log.info(
+            "waiting for the other preparation into %s to finish (it holds %s; Ctrl-C stops waiting)",
+            out,
+            lock.lock_file,
+        )
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _swap_in(build: Path, out: Path) -> None:

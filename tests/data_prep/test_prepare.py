@@ -678,6 +678,29 @@ def test_exclusive_holds_other_processes_off_and_frees_on_exit(tmp_path):
     assert other_process_sees() == "free"
 
 
+def test_a_preparation_waiting_for_another_into_the_same_out_says_so(tmp_path, caplog):
+    """A second prepare into the --out another is writing (a forgotten nohup job, a second terminal) waited for its
+    lock after "Listing source ...", saying nothing for as long as the other ran (~45 min for PG-19): it looked hung.
+    It now says what it waits for, then goes on once the other is done."""
+    library = _write_books(tmp_path / "library", n=2)
+    holder = (
+        "import sys, time; from filelock import FileLock\n"
+        "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(1); lock.release()"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / ".data.lock")], stdout=subprocess.PIPE)
+    try:
+        assert other.stdout.readline() == b"held\n"
+        with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+            prepare(f"files:{library}", tmp_path / "data")
+    finally:
+        other.wait(timeout=60)
+    assert (
+        f"waiting for the other preparation into {tmp_path / 'data'} to finish (it holds {tmp_path / '.data.lock'}; "
+        "Ctrl-C stops waiting)" in caplog.messages
+    )
+    assert (tmp_path / "data" / "manifest.json").is_file()
+
+
 def test_a_full_disk_stops_with_one_line_and_the_rerun_continues_to_the_same_bytes(
     prepared_books, tmpfs, monkeypatch, capsys, caplog
 ):
