@@ -192,10 +192,18 @@ def prepare(
                 return out / MANIFEST_NAME
             (build / PROGRESS_NAME).unlink(missing_ok=True)  # none for a streamed source
             _write_json(build / MANIFEST_NAME, manifest)
-            replaced = _replacing(out, build)
+            replaced, into_val = _replacing(out, build)
             _swap_in(build, out)
     if replaced:
         log.info(replaced)
+    if into_val:
+        log.warning(
+            "warning: %d book(s) of the train split of the dataset this replaced are in val now (a book's split is "
+            "drawn from its id, which a renamed folder or renumbered rows change, --seed and --val-fraction): a run "
+            "that trained on it and goes on with --on-new-data continue would be validated on books it trained on; "
+            "start such runs afresh, or keep what draws the split",
+            into_val,
+        )
     totals = manifest["splits"]
     documents = [(d["id"], d["split"]) for d in load_manifest(out, verify="none").documents()]
     # a line a book kept, and one for the part of a book split off by position (ID#val); in a big library the
@@ -832,31 +840,39 @@ def _settle_swap(build: Path, out: Path) -> None:
     shutil.rmtree(old)
 
 
-def _books(folder: Path) -> dict[str, str | None]:
-    """A prepared dataset's books: id -> the book's sha256 (both parts of a book split by position: one entry)."""
-    documents = load_manifest(folder, verify="none").documents()
-    return {d["id"].removesuffix("#val"): d.get("book_sha256") for d in documents}
+def _books(folder: Path) -> tuple[dict[str, str | None], dict[str | None, str]]:
+    """A prepared dataset's books: id -> the book's sha256, and its books' sha256 -> split ("both" for a book split
+    by position, whose two parts are one entry of each)."""
+    books: dict[str, str | None] = {}
+    splits: dict[str | None, str] = {}
+    for d in load_manifest(folder, verify="none").documents():
+        books[d["id"].removesuffix("#val")] = d.get("book_sha256")
+        splits[d.get("book_sha256")] = "both" if d.get("book_sha256") in splits else d["split"]
+    return books, splits
 
 
-def _replacing(out: Path, build: Path) -> str | None:
+def _replacing(out: Path, build: Path) -> tuple[str | None, int]:
     """One line on the dataset in `out` that the complete `build` replaces (None: none there): which books changed,
-    and what that means to the runs that trained on it, whose resume stops on other data."""
+    and what that means to the runs that trained on it, whose resume stops on other data; and how many books of its
+    train split are in val now (a book's split follows its id, which a renamed folder or renumbered rows change)."""
     if not _is_prepared(out):
-        return None
-    now = _books(build)
+        return None, 0
+    now, now_splits = _books(build)
+    into_val = 0
     try:
-        before = _books(out)
+        before, before_splits = _books(out)
         added, removed = len(now.keys() - before.keys()), len(before.keys() - now.keys())
         changed = sum(before[b] != now[b] for b in now.keys() & before.keys())
         books = (
             f"books: {added} added, {removed} removed, {changed} changed" if added + removed + changed else "same books"
         )
+        into_val = sum(split == "val" and before_splits.get(t) == "train" for t, split in now_splits.items() if t)
     except (DataPrepError, OSError, ValueError, KeyError):  # damaged: it is replaced all the same
         books = "its book list unreadable"
     return (
         f"Replaced the earlier dataset in {out} ({books}): a run that trained on it stops at its resume; resume it "
         "with --on-new-data continue to train on from this data's start (its weights, optimizer and step kept)"
-    )
+    ), into_val
 
 
 def _old(out: Path) -> Path:

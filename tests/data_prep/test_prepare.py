@@ -678,6 +678,28 @@ def test_exclusive_holds_other_processes_off_and_frees_on_exit(tmp_path):
     assert other_process_sees() == "free"
 
 
+def test_a_rebuild_that_moves_trained_books_into_val_warns_the_runs_continued_on_it(tmp_path, caplog):
+    """The split is a hash of each book's id, and the id changes with its folder's name (files:) or its row (hf:,
+    where a file sorting first renumbers the rest): the same books prepared again into the same --out from a renamed
+    folder put books of the earlier train split in val, saying nothing, and a run continued on it (--on-new-data
+    continue, as the README suggests for annealing) was validated on books it had trained on."""
+    books, out = _write_books(tmp_path / "books", n=8), tmp_path / "data"
+    prepare(f"files:{books}", out, val_fraction=0.25)
+    before = {d["book_sha256"]: d["split"] for d in load_manifest(out).documents()}
+    books.rename(tmp_path / "library")
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{tmp_path / 'library'}", out, val_fraction=0.25)
+    after = {d["book_sha256"]: d["split"] for d in load_manifest(out).documents()}
+    moved = sum(before[text] == "train" and split == "val" for text, split in after.items())
+    assert moved == 1  # of the 8 books, one of train's is val's now
+    assert (
+        "warning: 1 book(s) of the train split of the dataset this replaced are in val now (a book's split is drawn "
+        "from its id, which a renamed folder or renumbered rows change, --seed and --val-fraction): a run that trained "
+        "on it and goes on with --on-new-data continue would be validated on books it trained on; start such runs "
+        "afresh, or keep what draws the split" in caplog.messages
+    ), caplog.messages
+
+
 def test_a_preparation_waiting_for_another_into_the_same_out_says_so(tmp_path, caplog):
     """A second prepare into the --out another is writing (a forgotten nohup job, a second terminal) waited for its
     lock after "Listing source ...", saying nothing for as long as the other ran (~45 min for PG-19): it looked hung.
