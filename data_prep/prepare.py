@@ -111,7 +111,7 @@ def prepare(
             f"need shard_tokens >= 1, 0 < val_fraction < 1 and num_proc >= 1; got {shard_tokens=}, "
             f"{val_fraction=}, {num_proc=}"
         )
-    parse_spec(source)  # reject a malformed spec before touching anything
+    parts = parse_spec(source)  # reject a malformed spec before touching anything
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if num_proc > cpus:  # a fork-started pool starts every worker at once: 100,000 of them stalled the machine
         log.warning(
@@ -125,6 +125,7 @@ def prepare(
     if out.is_symlink():  # the data goes where the link points (its disk): the link itself is not replaced
         out = out.resolve()
     _check_out_dir(out)
+    _check_out_outside_datasets(out, parts)
     get_encoding()  # fail early (before reading inputs) if the tokenizer can't be provisioned
     params = {"shard_tokens": shard_tokens, "val_fraction": val_fraction, "seed": seed}
     setup = {"format_version": FORMAT_VERSION, "tokenizer": TOKENIZER_SHA256, "source": source, **params}
@@ -765,6 +766,17 @@ def _check_out_dir(out: Path) -> None:
             f"{out} exists and is not a prepared dataset (no {MANIFEST_NAME} of one); it would be replaced, so "
             f"choose another --out or remove it yourself"
         )
+
+
+def _check_out_outside_datasets(out: Path, parts: list[tuple[str, str]]) -> None:
+    # datasets reads a folder's files at any depth: the shards and lists written there would be read as the dataset's
+    for kind, arg in parts:
+        folder = Path(arg.partition(":")[0]).expanduser().absolute()
+        if kind == "hf" and folder.is_dir() and folder in out.parents:
+            raise DataPrepError(
+                f"--out {out} is inside {folder}, the dataset folder of source 'hf:{arg}': the next preparation would "
+                "read what it writes there as the dataset's files; choose an --out outside it"
+            )
 
 
 def _is_prepared(folder: Path) -> bool:

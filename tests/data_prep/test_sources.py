@@ -268,6 +268,26 @@ def test_a_local_hf_dataset_keeps_its_ids_and_split_however_its_folder_is_named_
     assert str(err.value).startswith(f"moved/shelf and {other} get the same id 'hf/shelf/train/0' ")
 
 
+def test_an_out_inside_a_local_dataset_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--out shelf/prepared for hf:shelf was written, and then the same command stopped with "No (supported) data
+    files found in shelf": datasets read the shards and lists there as the dataset's files."""
+    import datasets
+
+    from data_prep.prepare import prepare
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (shelf / "part.jsonl").write_text('{"text": "First book."}\n{"text": "Second book."}\n', encoding="utf-8")
+    with pytest.raises(DataPrepError) as err:
+        prepare(f"hf:{shelf}", shelf / "prepared")
+    assert str(err.value) == (
+        f"--out {shelf / 'prepared'} is inside {shelf}, the dataset folder of source 'hf:{shelf}': the next "
+        "preparation would read what it writes there as the dataset's files; choose an --out outside it"
+    )
+    assert sorted(p.name for p in shelf.iterdir()) == ["part.jsonl"]
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [
