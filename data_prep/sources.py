@@ -364,8 +364,13 @@ def _visible_files(folder: Path) -> Iterator[Path]:
         dirs[:] = kept  # walked in this order, and only these
         for name in files:
             p = Path(top, name)
-            if not name.startswith(".") and p.is_file():
+            if not name.startswith(".") and (p.is_file() or _links_to_nothing(p)):
                 yield p
+
+
+def _links_to_nothing(path: Path) -> bool:
+    """A link whose target is not there (a disk not mounted, a file moved): named by the listing, not passed over."""
+    return path.is_symlink() and not path.exists()
 
 
 def _other_files(folder: Path, read: str = ".txt files") -> str:
@@ -407,7 +412,8 @@ def _has_pg19_columns(parquet: Path) -> bool:
 def _plan_files(arg: str) -> Plan:
     path = Path(arg).expanduser()
     if glob.has_magic(arg):
-        paths = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        matched = (Path(p) for p in glob.glob(str(path), recursive=True))
+        paths = sorted(p for p in matched if p.is_file() or _links_to_nothing(p))
         base = Path(*path.parts[: _first_magic(path.parts)])
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
         # .txt in any case: book.TXT from a Windows or DOS archive is a book too
@@ -418,6 +424,14 @@ def _plan_files(arg: str) -> Plan:
         raise DataPrepError(f"source files:{arg}: no such file or directory; check the path")
     if not paths:
         raise DataPrepError(f"source files:{arg} matched no .txt files{_other_files(path)}; check the path or pattern")
+    broken = [f"{p} links to {os.readlink(p)}, which is not there" for p in paths if _links_to_nothing(p)]
+    for line in broken[1:]:
+        log.warning("%s", line)
+    if broken:
+        more = f"; and {len(broken) - 1} more link(s) to nothing (each named above)" if len(broken) > 1 else ""
+        raise DataPrepError(
+            f"{broken[0]} (a disk not mounted, a file moved){more}: point each at its book, or remove it"
+        )
     # ids keep the base folder's name so equal file names from two folders stay distinct
     prefix = f"files/{base.absolute().name}"
     records, key = [], []

@@ -124,6 +124,24 @@ def test_a_folder_linked_into_a_library_is_read_as_a_glob_reads_it(tmp_path, cap
     assert f"skipping {books / 'loop'}: the folder {books}, read already" in caplog.text
 
 
+def test_a_book_linked_to_a_missing_file_stops_the_listing_naming_it(tmp_path, caplog):
+    """A library of links into a disk that is not mounted: each link to nothing was left out without a word, by the
+    folder and by a glob alike, and the dataset was prepared without those books."""
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
+    (books / "b.txt").symlink_to(tmp_path / "unmounted" / "b.txt")
+    (books / "c.txt").symlink_to(tmp_path / "unmounted" / "c.txt")
+    for spec in (f"files:{books}", f"files:{books}/*.txt"):
+        with pytest.raises(DataPrepError) as err:
+            list(iter_documents(spec))
+        assert str(err.value) == (
+            f"{books / 'b.txt'} links to {tmp_path / 'unmounted' / 'b.txt'}, which is not there (a disk not mounted, "
+            "a file moved); and 1 more link(s) to nothing (each named above): point each at its book, or remove it"
+        )
+        assert f"{books / 'c.txt'} links to {tmp_path / 'unmounted' / 'c.txt'}, which is not there" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
