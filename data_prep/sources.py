@@ -379,11 +379,14 @@ def _other_files(folder: Path, read: str = ".txt files") -> str:
     pattern."""
     if not folder.is_dir():
         return ""
-    suffixes = Counter(p.suffix.lower() or "no suffix" for p in itertools.islice(_visible_files(folder), 10_000))
-    if not suffixes:
-        return ""
-    held = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
-    return f" (it holds {held}: books are read from {read} only)"
+    held = _by_suffix(itertools.islice(_visible_files(folder), 10_000))
+    return f" (it holds {held}: books are read from {read} only)" if held else ""
+
+
+def _by_suffix(files: Iterable[Path]) -> str:
+    """How many files of each suffix, the 5 most common, e.g. "3 .md, 1 .epub"; "" for none."""
+    suffixes = Counter(p.suffix.lower() or "no suffix" for p in files)
+    return ", ".join(f"{n} {suffix}" for suffix, n in sorted(suffixes.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
 
 
 def folder_source(folder: Path) -> str | None:
@@ -417,7 +420,16 @@ def _plan_files(arg: str) -> Plan:
         base = Path(*path.parts[: _first_magic(path.parts)])
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
         # .txt in any case: book.TXT from a Windows or DOS archive is a book too
-        paths, base = sorted(p for p in _visible_files(path) if p.suffix.lower() == ".txt"), path
+        files, base = list(_visible_files(path)), path
+        paths = sorted(p for p in files if p.suffix.lower() == ".txt")
+        others = [p for p in files if p.suffix.lower() != ".txt"]
+        if paths and others:  # said, not passed over: an .epub or a mirror's .zip is no book here
+            log.info(
+                "files:%s: %d file(s) not read, books are read from .txt files only (%s)",
+                arg,
+                len(others),
+                _by_suffix(others),
+            )
     elif path.is_file():
         paths, base = [path], path.parent
     else:

@@ -124,6 +124,23 @@ def test_a_folder_linked_into_a_library_is_read_as_a_glob_reads_it(tmp_path, cap
     assert f"skipping {books / 'loop'}: the folder {books}, read already" in caplog.text
 
 
+def test_a_folders_files_that_are_not_txt_are_counted_not_passed_over(tmp_path, caplog):
+    """A library holding other formats beside its .txt books (a Gutenberg mirror's .zip and .htm, an .epub) was
+    prepared from its .txt files alone, saying nothing of the rest: one line now counts them by suffix."""
+    books = tmp_path / "books"
+    (books / "sub").mkdir(parents=True)
+    (books / "a.txt").write_text("Alpha.\n", encoding="utf-8")
+    for name in ("b.epub", "sub/c.epub", "sub/c.htm", "README"):
+        (books / name).write_text("not read", encoding="utf-8")
+    (books / ".DS_Store").write_text("hidden: left out as a glob leaves it", encoding="utf-8")
+    with caplog.at_level(logging.INFO, logger="data_prep.sources"):
+        assert [d.id for d in iter_documents(f"files:{books}")] == ["files/books/a.txt"]
+    assert (
+        f"files:{books}: 4 file(s) not read, books are read from .txt files only (2 .epub, 1 .htm, 1 no suffix)"
+        in caplog.messages
+    )
+
+
 def test_a_book_linked_to_a_missing_file_stops_the_listing_naming_it(tmp_path, caplog):
     """A library of links into a disk that is not mounted: each link to nothing was left out without a word, by the
     folder and by a glob alike, and the dataset was prepared without those books."""
