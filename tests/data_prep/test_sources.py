@@ -264,8 +264,13 @@ def test_hf_local_json_dataset(tmp_path, monkeypatch):
     ]
     with pytest.raises(DataPrepError, match=r"no column 'body' \(columns: \['text', 'title'\]\)"):
         list(iter_documents(f"hf:{data}:train:body"))
-    with pytest.raises(DataPrepError, match=r"could not load Hugging Face dataset '.*nope' split 'train'"):
-        list(iter_documents(f"hf:{tmp_path}/nope"))
+    # a local path that is not there: said so, not sent to the Hub as an id ("the Hub cannot be reached" offline)
+    for name in (f"{tmp_path}/nope", "shelf/books.parquet", "./shelf", "~/shelf"):
+        with pytest.raises(DataPrepError) as err:
+            list(iter_documents(f"hf:{name}:train:text"))
+        assert (
+            str(err.value) == f"hf:{name}: no such file or folder (nor a Hub dataset's id, OWNER/NAME); check the path"
+        )
     # a local file datasets cannot read: its own error's cause named (its text says only that an error occurred),
     # and the file to check, not the network
     (data / "part.jsonl").write_text('{"text": "A book."}\n{"text": "cut sh\n', encoding="utf-8")
