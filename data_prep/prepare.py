@@ -770,9 +770,9 @@ def _check_out_dir(out: Path) -> None:
 
 def _check_out_outside_datasets(out: Path, parts: list[tuple[str, str]]) -> None:
     # datasets reads a folder's files at any depth: the shards and lists written there would be read as the dataset's
-    for kind, arg in parts:
+    for arg in (arg for kind, arg in parts if kind == "hf"):
         folder = Path(arg.partition(":")[0]).expanduser().absolute()
-        if kind == "hf" and folder.is_dir() and folder in out.parents:
+        if folder.is_dir() and folder in out.parents:
             raise DataPrepError(
                 f"--out {out} is inside {folder}, the dataset folder of source 'hf:{arg}': the next preparation would "
                 "read what it writes there as the dataset's files; choose an --out outside it"
