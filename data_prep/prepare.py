@@ -144,6 +144,15 @@ def prepare(
             log.info("%s is up to date (same inputs and parameters); nothing to do", out)
             return out / MANIFEST_NAME
         progress = _progress(build, key)
+        if progress is None and (killed := _progress_record(build)) and killed.get("records_done"):
+            # its books are dropped: say so, as at PG-19's scale that is most of an hour of work
+            log.warning(
+                "Starting afresh: the preparation killed in %s after %d books was of other inputs or parameters (a "
+                "book added, changed or removed; another --shard-tokens, --val-fraction or --seed), so its books are "
+                "prepared again",
+                build,
+                killed["records_done"],
+            )
         if progress is not None and (short := _shortfall(build, progress)):
             # a crash before the OS wrote the last writes out, or an altered file: resuming would pad it with zero
             # bytes (token 0) that its sha256 would then vouch for
@@ -733,11 +742,17 @@ def _shard_name(split: str, index: int) -> str:
 
 def _progress(build: Path, key: str | None) -> dict[str, Any] | None:
     """The checkpoint of a killed run with the same inputs and parameters, if there is one."""
+    state = _progress_record(build)
+    return state if state is not None and key is not None and state.get("key") == key else None
+
+
+def _progress_record(build: Path) -> dict[str, Any] | None:
+    """The checkpoint of a killed run, whatever its inputs and parameters, if there is one."""
     try:
         state = json.loads((build / PROGRESS_NAME).read_text())
     except (OSError, ValueError):
         return None
-    return state if key is not None and state.get("key") == key else None
+    return state if isinstance(state, dict) else None
 
 
 def _shortfall(build: Path, state: dict[str, Any]) -> str | None:
