@@ -535,6 +535,8 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
                 text = resp.read()
         except OSError as e:  # URLError, HTTPError and timeouts are all OSErrors
             retry = not isinstance(e, urllib.error.HTTPError) or e.code >= 500 or e.code == 429
+            # a name that does not resolve (no network, a mistyped --mirror) stays so: 7 s of retries a book for nothing
+            retry = retry and not isinstance(getattr(e, "reason", None), socket.gaierror)
             if not retry or attempt == DOWNLOAD_ATTEMPTS - 1:
                 return DataPrepError(
                     f"could not download Project Gutenberg book {book} from {url} ({e}; {attempt + 1} "

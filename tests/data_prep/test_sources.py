@@ -242,6 +242,21 @@ def test_gutenberg_reads_its_cache_and_reports_network_failure(tmp_path, monkeyp
     assert sorted(p.name for p in (tmp_path / "gutenberg").iterdir()) == ["pg77.txt"]
 
 
+def test_gutenberg_books_from_a_mirror_whose_name_does_not_resolve_fail_without_retries(tmp_path, monkeypatch):
+    """No network (or a mistyped --mirror): each book was tried 4 times over 7 s of pauses, 8 at a time, so 1,000
+    ids took ~15 minutes to say "check the network". A name that does not resolve is not retried."""
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path))
+    ids = ",".join(str(i) for i in range(1, 17))
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"gutenberg:{ids}", mirror="http://mirror.invalid"))
+    assert re.fullmatch(
+        r"could not download Project Gutenberg book 1 from http://mirror.invalid/cache/epub/1/pg1.txt \(.+; 1 "
+        r"attempt\(s\)\); check the network, pass --mirror with a reachable mirror, or save the .txt yourself and use "
+        r"files:PATH",
+        str(err.value),
+    ), err.value
+
+
 def test_hf_local_json_dataset(tmp_path, monkeypatch):
     import datasets
 
