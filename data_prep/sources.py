@@ -632,10 +632,18 @@ def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: 
                 # a row per file, in this order, unless an archive among them holds several
                 if all(PurePosixPath(f).suffix.lower() == ".txt" for f in files):
                     file_titles = [PurePosixPath(f).stem for f in files]
+            splits = sorted(map(str, builder.config.data_files or {}))
+            if splits and split not in splits:  # e.g. a Gutenberg dataset split by language: en, de, ...
+                named = ", ".join(splits)
+                raise DataPrepError(
+                    f"hf:{name} has no split {split!r} (its splits: {named}); name one: hf:{name}:{splits[0]}"
+                )
             if streaming:
                 return builder.as_streaming_dataset(split=split), file_titles
             builder.download_and_prepare()
             return builder.as_dataset(split=split), file_titles
+    except DataPrepError:
+        raise
     except Exception as e:  # hub, network and file-format failures have no common base class
         if unreachable is not None:
             cached = "" if streaming else " and datasets' cache holds no copy of it"

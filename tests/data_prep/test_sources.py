@@ -349,6 +349,26 @@ def test_a_dataset_folder_of_two_formats_says_which_files_it_does_not_read(tmp_p
     assert not any("not read" in m for m in caplog.messages), caplog.messages
 
 
+def test_a_dataset_without_the_split_asked_for_names_its_splits(tmp_path, monkeypatch):
+    """A Gutenberg dataset split by language (data/en-00000-of-00001.parquet, as on the Hub): hf:FOLDER asks for
+    its train split, and the line said "Unknown split" and to check the files' format and rows, not which split to
+    name."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    data = tmp_path / "gutenberg" / "data"
+    data.mkdir(parents=True)
+    for lang in ("en", "de"):
+        pq.write_table(pa.table({"id": ["1"], "text": [f"A book in {lang}."]}), data / f"{lang}-00000-of-00001.parquet")
+    folder = tmp_path / "gutenberg"
+    with pytest.raises(DataPrepError) as err:
+        list(iter_documents(f"hf:{folder}"))
+    assert str(err.value) == f"hf:{folder} has no split 'train' (its splits: de, en); name one: hf:{folder}:de"
+    assert [d.text for d in iter_documents(f"hf:{folder}:en")] == ["A book in en.\n"]
+
+
 def test_an_out_inside_a_local_dataset_folder_is_refused_before_any_work(tmp_path, monkeypatch):
     """--out shelf/prepared for hf:shelf was written, and then the same command stopped with "No (supported) data
     files found in shelf": datasets read the shards and lists there as the dataset's files."""
