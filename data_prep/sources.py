@@ -158,8 +158,10 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     """List the books of `spec` (downloading missing Gutenberg books into the cache); reads no local text."""
     parts = []
     specs = parse_spec(spec)
-    # the local dataset files named as sources of their own, which a folder's dataset need not say it leaves out
-    given = {os.path.realpath(Path(arg.partition(":")[0]).expanduser()) for kind, arg in specs if kind == "hf"}
+    # the local datasets' files and folders named as sources, with the split each reads: a folder's dataset need not
+    # say it leaves out those
+    hf = [_hf_parts(arg) for kind, arg in specs if kind == "hf"]
+    given = {(os.path.realpath(Path(name).expanduser()), split) for name, split, _ in hf}
     for kind, arg in specs:
         if kind == "default":
             parts.append(_plan_default(arg))
@@ -554,10 +556,15 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
     return None
 
 
-def _plan_hf(arg: str, streaming: bool, given: set[str]) -> Plan:
+def _hf_parts(arg: str) -> tuple[str, str, str]:
+    """An hf: source's dataset, split (train unless named) and column (text unless named)."""
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
-    split, column = split or "train", column or "text"
+    return name, split or "train", column or "text"
+
+
+def _plan_hf(arg: str, streaming: bool, given: set[tuple[str, str]]) -> Plan:
+    name, split, column = _hf_parts(arg)
     folder = Path(name).expanduser()
     if not folder.exists() and (not _HUB_ID.fullmatch(name) or PurePosixPath(name).suffix in _HF_FILE_BUILDERS):
         # a path mistyped, not a Hub id: the Hub asked for it would answer "not found" (offline: "cannot be reached")
@@ -603,7 +610,7 @@ def _plan_hf(arg: str, streaming: bool, given: set[str]) -> Plan:
     return Plan(ids, f"hf:{arg}:{ds._fingerprint}", records, folder=name if folder.exists() else None)
 
 
-def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: ANN202 - datasets: imported lazily
+def _load_hf(name: str, split: str, streaming: bool, given: set[tuple[str, str]]):  # noqa: ANN202 - datasets: imported lazily
     """The dataset's split (an IterableDataset where streaming), and, for a dataset of .txt files, each row's
     title: its file's name without the extension, as files: names a book (else None)."""
     import datasets  # lazily: training machines read prepared shards and may not have it
@@ -623,8 +630,6 @@ def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: 
             # load_dataset's own steps, from one resolution of the dataset's files (on the Hub: its API calls) where
             # load_dataset would make a second one
             builder = datasets.load_dataset_builder(name)
-            if path.is_dir():
-                _say_files_not_read(name, path, builder.config.data_files or {}, given)
             file_titles = None
             if builder.name == "text":  # datasets' builder of .txt files: a row per line by default; a book is a file
                 builder = datasets.load_dataset_builder(name, sample_by="document")
@@ -638,6 +643,8 @@ def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: 
                 raise DataPrepError(
                     f"hf:{name} has no split {split!r} (its splits: {named}); name one: hf:{name}:{splits[0]}"
                 )
+            if path.is_dir():
+                _say_files_not_read(name, path, builder.config.data_files or {}, split, given)
             if streaming:
                 return builder.as_streaming_dataset(split=split), file_titles
             builder.download_and_prepare()
@@ -672,10 +679,25 @@ def _load_hf(name: str, split: str, streaming: bool, given: set[str]):  # noqa: 
         ) from None
 
 
-def _say_files_not_read(name: str, folder: Path, data_files: dict[str, list[str]], given: set[str]) -> None:
-    """datasets reads one format of a folder (its most common) and passes over the rest: name the data files it
-    leaves out, which a source of their own reads (those `given` as one are read)."""
-    read = given | {os.path.realpath(f) for files in data_files.values() for f in files}
+def _say_files_not_read(
+    name: str, folder: Path, data_files: dict[str, list[str]], split: str, given: set[tuple[str, str]]
+) -> None:
+    """hf:FOLDER reads one split, and datasets one format of a folder (its most common), passing over the rest: name
+    the other splits and the data files it leaves out, which sources of their own read (those `given` as one are)."""
+    here = os.path.realpath(folder)
+    for other, files in sorted((str(s), files) for s, files in data_files.items()):
+        if other != split and (here, other) not in given:
+            log.warning(
+                "hf:%s: its %s split (%d file(s)) is not read, as hf:DATASET reads one split (train unless named); add "
+                "it as a source of its own, e.g. --source 'hf:%s+hf:%s:%s'",
+                name,
+                other,
+                len(files),
+                name,
+                name,
+                other,
+            )
+    read = {path for path, _ in given} | {os.path.realpath(f) for files in data_files.values() for f in files}
     left = sorted(
         p
         for p in _visible_files(folder)

@@ -349,6 +349,30 @@ def test_a_dataset_folder_of_two_formats_says_which_files_it_does_not_read(tmp_p
     assert not any("not read" in m for m in caplog.messages), caplog.messages
 
 
+def test_a_dataset_folders_other_splits_are_said_not_read(tmp_path, monkeypatch, caplog):
+    """A folder laid out as the Hub lays out a dataset (train.parquet, validation.parquet): hf:FOLDER reads its train
+    split alone, and its validation books were left out without a word."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    pq.write_table(pa.table({"text": ["First book.", "Second book."]}), shelf / "train.parquet")
+    pq.write_table(pa.table({"text": ["A held-out book."]}), shelf / "validation.parquet")
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        assert len(list(iter_documents(f"hf:{shelf}"))) == 2
+    assert (
+        f"hf:{shelf}: its validation split (1 file(s)) is not read, as hf:DATASET reads one split (train unless "
+        f"named); add it as a source of its own, e.g. --source 'hf:{shelf}+hf:{shelf}:validation'"
+    ) in caplog.messages
+    caplog.clear()  # that source reads all three books, and says nothing more
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        assert len(list(iter_documents(f"hf:{shelf}+hf:{shelf}:validation"))) == 3
+    assert not any("not read" in m for m in caplog.messages), caplog.messages
+
+
 def test_a_dataset_without_the_split_asked_for_names_its_splits(tmp_path, monkeypatch):
     """A Gutenberg dataset split by language (data/en-00000-of-00001.parquet, as on the Hub): hf:FOLDER asks for
     its train split, and the line said "Unknown split" and to check the files' format and rows, not which split to
