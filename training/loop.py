@@ -344,11 +344,7 @@ def _set_up_locked(
     # said before prepare(): DeepSpeed's ZeRO replaces each group's tensors with its flat partitions in place
     optimizer_text = describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
     total_steps = cfg.total_steps()
-    scheduler = build_scheduler(
-        optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio,
-        schedule=cfg.lr_schedule, decay_fraction=cfg.decay_fraction, decay_steps=cfg.decay_steps,
-        momentum_warmup=cfg.muon_momentum_warmup_steps,
-    )  # fmt: skip
+    scheduler = build_scheduler(optimizer, cfg)
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)

@@ -13,26 +13,19 @@ if TYPE_CHECKING:
     from training.config import TrainConfig
 
 
-def lr_multiplier(
-    step: int,
-    *,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float,
-    schedule: str = "cosine",
-    decay_fraction: float = 0.2,
-    decay_steps: int = 0,
-) -> float:
-    """Fraction of each group's peak lr at optimizer step ``step`` (0-based): linear warmup, then
+def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Fraction of each group's peak lr at optimizer step ``step`` (0-based) of a run of ``total_steps``, by cfg's
+    schedule (warmup_steps, lr_schedule, decay_fraction, decay_steps, min_lr_ratio): linear warmup, then
     cosine: a half cosine from 1 to min_lr_ratio at total_steps;
     wsd (warmup-stable-decay): 1 until the last ``decay_fraction`` of all steps, then a straight line to
     min_lr_ratio at total_steps (where a short run's decay would start inside the warmup, the lower of the two);
     ``decay_steps``, where set, is the decay's length in steps instead."""
+    warmup_steps, min_lr_ratio = cfg.warmup_steps, cfg.min_lr_ratio
     warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
     if step >= total_steps:
         return min_lr_ratio
-    if schedule == "wsd":
-        decay_steps = decay_steps or decay_fraction * total_steps
+    if cfg.lr_schedule == "wsd":
+        decay_steps = cfg.decay_steps or cfg.decay_fraction * total_steps
         to_go = total_steps - step  # in [1, total_steps]
         decay = 1.0 if to_go >= decay_steps else min_lr_ratio + (1.0 - min_lr_ratio) * to_go / decay_steps
         return min(warmup, decay)
@@ -273,21 +266,8 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
                 group["momentum"] = start + frac * (group["initial_momentum"] - start)
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    *,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float,
-    schedule: str = "cosine",
-    decay_fraction: float = 0.2,
-    decay_steps: int = 0,
-    momentum_warmup: int = 0,
-) -> Schedule:
-    """One schedule for every group: its lr is its own initial lr times lr_multiplier (Muon's and AdamW's alike),
-    and Muon's momentum warms up over the first momentum_warmup steps (0: none)."""
-    multiplier = partial(
-        lr_multiplier, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
-        schedule=schedule, decay_fraction=decay_fraction, decay_steps=decay_steps,
-    )  # fmt: skip
-    return Schedule(optimizer, multiplier, momentum_warmup=momentum_warmup)
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Schedule:
+    """cfg's schedule over cfg.total_steps() for every group: its lr is its own initial lr times lr_multiplier
+    (Muon's and AdamW's alike), and Muon's momentum warms up over cfg.muon_momentum_warmup_steps (0: none)."""
+    multiplier = partial(lr_multiplier, cfg=cfg, total_steps=cfg.total_steps())
+    return Schedule(optimizer, multiplier, momentum_warmup=cfg.muon_momentum_warmup_steps)

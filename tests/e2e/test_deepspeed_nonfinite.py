@@ -23,6 +23,7 @@ import json, sys
 import torch
 from modeling.runtime import finish
 from training.distributed import build_accelerator, set_deepspeed_batch
+from training.config import TrainConfig
 from training.optim import build_optimizer, build_scheduler
 from training.step import Trainer
 
@@ -48,7 +49,7 @@ call = [0]
 model.lin.weight.register_hook(lambda g: g * float("nan") if call[0] == bad else g)
 optimizer = build_optimizer([{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-2,
                             betas=(0.9, 0.95), device_type="cpu")
-scheduler = build_scheduler(optimizer, warmup_steps=1, total_steps=8, min_lr_ratio=0.1)
+scheduler = build_scheduler(optimizer, TrainConfig(warmup_steps=1, max_steps=8, min_lr_ratio=0.1))
 engine, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 trainer = Trainer(accelerator, engine, optimizer, scheduler, grad_accum=2, grad_clip=1.0, tokens_per_step=64,
                   max_bad_steps=3)

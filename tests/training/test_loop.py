@@ -86,10 +86,7 @@ def test_the_start_up_line_says_the_schedules_decay_as_the_schedule_runs_it(deca
     cfg = TrainConfig(optimizer="adamw", lr_schedule="wsd", warmup_steps=2, max_steps=12, min_lr_ratio=0.1, **decay)
     groups = [{"name": "decay", "params": [torch.zeros(2, 2)], "weight_decay": 0.1}]
     line = describe_optimizer(cfg, groups, "no").partition(" | ")[2]
-    lrs = [
-        lr_multiplier(step, warmup_steps=2, total_steps=12, min_lr_ratio=0.1, schedule="wsd", **decay)
-        for step in range(2, 12)
-    ]
+    lrs = [lr_multiplier(step, cfg, 12) for step in range(2, 12)]
     if decay == {"decay_fraction": 0.0}:
         assert line == "2 warmup steps, wsd with no decay: the peak lr to the last step" and set(lrs) == {1.0}
     else:
@@ -222,7 +219,7 @@ def small_trainer(
         optimizer = build_optimizer(groups, lr=1e-2, betas=(0.9, 0.95), device_type=device)
     else:
         optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), foreach=False, fused=False)
-    scheduler = build_scheduler(optimizer, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
+    scheduler = build_scheduler(optimizer, TrainConfig(warmup_steps=2, max_steps=8, min_lr_ratio=0.1))
     counter = [0]
     model.lin.weight.register_hook(nan_grads_at(bad, counter))
     trainer = Trainer(

@@ -10,6 +10,7 @@ import torch
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.gpt import GPT
 from training import optim
+from training.config import TrainConfig
 from training.loop import budget_steps
 from training.optim import (
     AdamWWithMuon,
@@ -22,20 +23,20 @@ from training.optim import (
 
 
 def test_warmup_is_linear_then_cosine_reaches_floor():
-    kw = dict(warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
-    assert lr_multiplier(0, **kw) == pytest.approx(0.1)
-    assert lr_multiplier(9, **kw) == pytest.approx(1.0)
-    assert lr_multiplier(10, **kw) == pytest.approx(1.0)
-    assert lr_multiplier(60, **kw) == pytest.approx(0.55)  # halfway through the cosine
-    assert lr_multiplier(110, **kw) == pytest.approx(0.1)
-    values = [lr_multiplier(s, **kw) for s in range(10, 111)]
+    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, cfg, 110) == pytest.approx(0.1)
+    assert lr_multiplier(9, cfg, 110) == pytest.approx(1.0)
+    assert lr_multiplier(10, cfg, 110) == pytest.approx(1.0)
+    assert lr_multiplier(60, cfg, 110) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_multiplier(110, cfg, 110) == pytest.approx(0.1)
+    values = [lr_multiplier(s, cfg, 110) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
 
 
 def test_scheduler_drives_optimizer_lr():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     opt = build_optimizer([{"params": [p], "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), device_type="cpu")
-    sched = build_scheduler(opt, warmup_steps=4, total_steps=8, min_lr_ratio=0.0)
+    sched = build_scheduler(opt, TrainConfig(lr_schedule="cosine", warmup_steps=4, max_steps=8, min_lr_ratio=0.0))
     lrs = []
     for _ in range(8):
         lrs.append(opt.param_groups[0]["lr"])
@@ -62,25 +63,38 @@ def test_fused_adamw_matches_foreach():
         torch.testing.assert_close(p, q)
 
 
-WSD = dict(warmup_steps=10, total_steps=100, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+WSD = dict(lr_schedule="wsd", warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
+
+
+def test_the_default_schedule_is_the_configs_recipe():
+    """build_scheduler takes the schedule from the run config alone: TrainConfig's defaults (wsd: the peak lr until
+    the last decay_fraction of the steps) are the one recipe, not a second set of defaults of its own."""
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([{"params": [p], "weight_decay": 0.1}], lr=1.0, betas=(0.9, 0.95), device_type="cpu")
+    cfg = TrainConfig(max_steps=100)
+    sched = build_scheduler(opt, cfg)
+    assert cfg.lr_schedule == "wsd" and sched.lrs_of_step(80) == [1.0]
+    assert sched.lrs_of_step(100) == [pytest.approx(cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) / 20)]
 
 
 def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
-    values = [lr_multiplier(s, **WSD) for s in range(101)]
+    cfg = TrainConfig(**WSD)
+    values = [lr_multiplier(s, cfg, 100) for s in range(101)]
     assert values[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # the same warmup as cosine
     assert values[9:81] == [1.0] * 72  # stable up to the last 20 steps
     assert values[90] == pytest.approx(0.55)  # halfway down the line
     assert values[99] == pytest.approx(0.1 + 0.9 / 20)  # the last update's lr, one step above the floor
-    assert values[100] == pytest.approx(0.1) and lr_multiplier(150, **WSD) == pytest.approx(0.1)
+    assert values[100] == pytest.approx(0.1) and lr_multiplier(150, cfg, 100) == pytest.approx(0.1)
     steps = [b - a for a, b in zip(values[80:], values[81:])]
     assert steps == pytest.approx([-0.9 / 20] * 20)  # a straight line
 
 
 def test_wsd_edge_cases_stay_continuous_and_monotone():
-    assert {lr_multiplier(s, **{**WSD, "decay_fraction": 0.0}) for s in range(10, 100)} == {1.0}  # never decays
+    never = TrainConfig(**{**WSD, "decay_fraction": 0.0})
+    assert {lr_multiplier(s, never, 100) for s in range(10, 100)} == {1.0}  # never decays
     # a decay longer than the run after warmup: the warmup ramp meets the line, never jumping back up
-    short = {**WSD, "total_steps": 12, "decay_fraction": 1.0}
-    values = [lr_multiplier(s, **short) for s in range(13)]
+    short = TrainConfig(**{**WSD, "decay_fraction": 1.0})
+    values = [lr_multiplier(s, short, 12) for s in range(13)]
     assert max(values) < 1.0 and values[-1] == pytest.approx(0.1)
     peak = values.index(max(values))
     assert values[: peak + 1] == sorted(values[: peak + 1]) and values[peak:] == sorted(values[peak:], reverse=True)
@@ -89,8 +103,8 @@ def test_wsd_edge_cases_stay_continuous_and_monotone():
 def test_wsd_decay_steps_give_the_decay_in_steps_whatever_the_fraction():
     """--decay-steps 4 of 14: peak up to and including the 4th-last step, then the line of a 4-step decay; no
     rounding of a fraction (4/14 typed as 0.29 would start the decay below the peak)."""
-    anneal = {**WSD, "total_steps": 14, "warmup_steps": 2, "decay_steps": 4}
-    values = [lr_multiplier(s, **anneal) for s in range(14)]
+    anneal = TrainConfig(**{**WSD, "warmup_steps": 2, "decay_steps": 4})
+    values = [lr_multiplier(s, anneal, 14) for s in range(14)]
     assert values[1:11] == [1.0] * 10
     assert values[10:] == pytest.approx([1.0, 0.1 + 0.9 * 3 / 4, 0.1 + 0.9 * 2 / 4, 0.1 + 0.9 / 4])
 
@@ -108,14 +122,15 @@ def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generat
             o.zero_grad(set_to_none=True)
 
 
-SCHEDULE = dict(warmup_steps=2, total_steps=6, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.5)
+SCHEDULE = TrainConfig(lr_schedule="wsd", warmup_steps=2, max_steps=6, min_lr_ratio=0.1, decay_fraction=0.5)
 
 
 def muon_run(model: GPT, momentum_warmup: int = 0, mixed_precision: str = "no") -> tuple[AdamWWithMuon, Schedule]:
     optimizer = build_optimizer(model.optimizer_groups(0.1, muon=True), lr=3e-3, betas=(0.9, 0.95),
                                 device_type="cpu", muon_lr=0.02, muon_momentum=0.9,
                                 mixed_precision=mixed_precision)  # fmt: skip
-    return optimizer, build_scheduler(optimizer, **SCHEDULE, momentum_warmup=momentum_warmup)
+    cfg = SCHEDULE.replace(muon_momentum_warmup_steps=momentum_warmup)
+    return optimizer, build_scheduler(optimizer, cfg)
 
 
 @pytest.mark.parametrize("batch_elements", [optim.MAX_BATCH_ELEMENTS, 3 * 64 * 64], ids=["one-batch-a-shape", "split"])
@@ -141,7 +156,7 @@ def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_
          {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
         lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True,  # as ours (fused vs foreach: test above)
     )  # fmt: skip
-    schedules = [build_scheduler(o, **SCHEDULE) for o in (muon, adamw)]
+    schedules = [build_scheduler(o, SCHEDULE) for o in (muon, adamw)]
     train(twin, [muon, adamw], schedules, torch.Generator().manual_seed(0), steps=5)
 
     trained = dict(twin.named_parameters())
@@ -149,7 +164,7 @@ def test_muon_for_block_matrices_with_adamw_matches_the_two_torch_optimizers_by_
     for name, p in model.named_parameters():
         assert not torch.equal(p, start[name]), name  # every tensor trained
         assert torch.equal(p, trained[name]), name  # the same updates on the same gradients, bit for bit
-    peak = lr_multiplier(5, **SCHEDULE)  # one schedule scales each group from its own peak
+    peak = lr_multiplier(5, SCHEDULE, 6)  # one schedule scales each group from its own peak
     assert [g["lr"] for g in ours.param_groups] == pytest.approx([3e-3 * peak] * 2 + [0.02 * peak])
 
 
@@ -232,7 +247,8 @@ def test_muon_momentum_warms_up_linearly_and_adamw_is_left_alone():
     p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
     groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
     optimizer = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.95)
-    schedule = build_scheduler(optimizer, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    cfg = TrainConfig(warmup_steps=0, max_steps=10, min_lr_ratio=0.0, muon_momentum_warmup_steps=4)
+    schedule = build_scheduler(optimizer, cfg)
     momenta = []
     for _ in range(6):
         momenta.append(optimizer.param_groups[-1]["momentum"])
@@ -241,7 +257,7 @@ def test_muon_momentum_warms_up_linearly_and_adamw_is_left_alone():
     assert "momentum" not in optimizer.param_groups[0] and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
     groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
     low = build_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), device_type="cpu", muon_momentum=0.5)
-    build_scheduler(low, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, momentum_warmup=4)
+    build_scheduler(low, cfg)
     assert low.param_groups[-1]["momentum"] == 0.5  # a peak below 0.85 is held from the start
 
 
@@ -275,7 +291,8 @@ def muon_schedule(schedule: str, total: int) -> tuple[torch.optim.Optimizer, Sch
     p, q = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
     groups = [{"name": "no_decay", "params": [q], "weight_decay": 0.0}, {"name": "muon", "params": [p]}]
     optimizer = build_optimizer(groups, lr=3e-3, betas=(0.9, 0.95), device_type="cpu", muon_lr=0.02)
-    return optimizer, build_scheduler(optimizer, warmup_steps=4, total_steps=total, min_lr_ratio=0.1, schedule=schedule)
+    cfg = TrainConfig(lr_schedule=schedule, warmup_steps=4, max_steps=total, min_lr_ratio=0.1)
+    return optimizer, build_scheduler(optimizer, cfg)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
