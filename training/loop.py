@@ -203,7 +203,8 @@ class Run:
     model: torch.nn.Module  # prepared
     sampler: torch.nn.Module  # the module to call generate() on (training.distributed.generation_model)
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # prepared (accelerate's wrapper), for the Trainer to step
+    schedule: Schedule  # the one it wraps: what the loop asks about the lrs and spans
     progress: TrainProgress
     grad_accum: int
     total_steps: int
@@ -233,10 +234,6 @@ class Run:
             return True
         last = self.is_last(step)
         return due(cfg.log_interval, step, last) and not last and self.schedule.keeps_past(self.total_steps + 1)
-
-    @property
-    def schedule(self) -> Schedule:
-        return getattr(self.scheduler, "scheduler", self.scheduler)  # accelerate's wrapper holds ours
 
     def span(self, total_steps: int) -> None:
         """Train to total_steps, the schedule ending there; saved with the progress, so a resumed run keeps it."""
@@ -344,12 +341,12 @@ def _set_up_locked(
     # said before prepare(): DeepSpeed's ZeRO replaces each group's tensors with its flat partitions in place
     optimizer_text = describe_optimizer(cfg, param_groups, accelerator.mixed_precision)
     total_steps = cfg.total_steps()
-    scheduler = build_scheduler(optimizer, cfg)
+    schedule = build_scheduler(optimizer, cfg)
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()  # before prepare(): ZeRO-3 leaves each rank's parameters empty
     one_checkpoint = checkpoint_bytes(model)
     startup.lap("model")
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, schedule)  # scheduler: a wrapper of it
     startup.lap("prepare")
     progress = TrainProgress()
     progress.reshape(world_size, cfg.micro_batch_size, grad_accum)
@@ -360,7 +357,6 @@ def _set_up_locked(
     for note in resume_notes:
         accelerator.print(note)
     if resume_from is not None:
-        schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds ours
         configured = schedule.configured()
         crossed = load_resume_state(accelerator, resume_from, model, optimizer, scheduler, registered)
         schedule.keep_configured(configured)
@@ -410,7 +406,7 @@ def _set_up_locked(
     startup.lap("probes")
     run = Run(
         cfg, run_dir, resume_from, model_config, accelerator, manifest, train_loader, val_windows, model,
-        generation_model(accelerator, model), optimizer, scheduler, progress, grad_accum, total_steps,
+        generation_model(accelerator, model), optimizer, scheduler, schedule, progress, grad_accum, total_steps,
         flops_per_token, peak, one_checkpoint, lock, startup,
     )  # fmt: skip
     if progress.total_steps and cfg.time_budget_minutes:  # resumed after a time budget's decision: the same steps
