@@ -284,6 +284,8 @@ def precision_name(mixed_precision: str) -> str:
 
 # A CPU's faster matmul dtype, as the CPU launch YAMLs choose it (mixed_precision 'no' = fp32).
 CPU_YAML = {"no": "accelerate_configs/cpu.yaml", "bf16": "accelerate_configs/cpu_bf16.yaml"}
+# fp32's several-process CPU launch YAML: it compiles nothing, so it runs wherever a launch YAML does
+CPU_DDP_YAML = "accelerate_configs/cpu_ddp2.yaml"
 FASTER_BY = 1.3  # below this, the measurement noise of a shared machine could decide
 
 
@@ -316,19 +318,20 @@ def precision_advice(mixed_precision: str, tflops: dict[str, float], yamls: dict
     name, other_name = dtype_name(mixed_precision), dtype_name(other)
     speeds = f"{other_name} {tflops[other] * 1e3:.3g} GFLOP/s, {name} {tflops[mixed_precision] * 1e3:.3g} GFLOP/s"
     ratio = tflops[other] / tflops[mixed_precision]
+    # said as the YAML's setting, with examples: the launch may be the user's own, or one of several processes
+    examples = f"{yamls[other]} for one process" + (f", {CPU_DDP_YAML} for two" if other == "no" else "")
     # the launch's precision may be its YAML's or accelerate launch's flag, which overrides the YAML's: both said
     flag = (
         f"or pass --mixed_precision {other} to accelerate launch (a --mixed_precision given there overrides the YAML's)"
     )
     if mixed_precision == "bf16" and (emulated := emulated_bf16(tflops)):
         return (
-            f"warning: {emulated}; set mixed_precision: '{other}' (fp32) in the launch YAML instead ({yamls[other]} "
-            f"for one process), {flag}"
+            f"warning: {emulated}; set mixed_precision: '{other}' (fp32) in the launch YAML instead ({examples}), "
+            f"{flag}"
         )
-    # said as the YAML's setting: the launch may be the user's own, or one of several processes (cpu_ddp2.yaml)
     return (
         f"hint: this CPU multiplies {other_name} matrices {ratio:.1f}x faster than {name} ({speeds}): "
-        f"mixed_precision: '{other}' in the launch YAML ({yamls[other]} for one process), {flag}, should train "
+        f"mixed_precision: '{other}' in the launch YAML ({examples}), {flag}, should train "
         "faster (a step gains less than its matmuls)"
     )
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from modeling.cpu_linear import cpu_matmul_speeds
 from modeling.device import X86
@@ -14,6 +15,7 @@ from testkit import REPO, run
 from training.config import ConfigError, TrainConfig
 from training.loop import setup
 from training.metrics import (
+    CPU_DDP_YAML,
     PEAK_TFLOPS,
     JSONLTracker,
     check_trackers,
@@ -63,11 +65,12 @@ def test_peak_flops_override_and_cpu_measurement():
 def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     # this project's Xeon (AVX-512 bf16, no AMX): bf16 runs at half the fp32 speed
     hint = precision_advice("bf16", {"bf16": 0.16, "no": 0.30})
-    assert hint.startswith("hint:") and "accelerate_configs/cpu.yaml" in hint and "1.9x" in hint
+    assert hint.startswith("hint:") and "1.9x" in hint
+    assert "(accelerate_configs/cpu.yaml for one process, accelerate_configs/cpu_ddp2.yaml for two)" in hint
     # an AMX or Zen 4 core: bf16 ~4x fp32, so the fp32 cpu.yaml is the slow choice
     hint = precision_advice("no", {"bf16": 0.9, "no": 0.21})
     assert hint.startswith("hint:") and "accelerate_configs/cpu_bf16.yaml" in hint and "4.3x" in hint
-    # the setting named, whichever YAML launched: the user's own, or a two-process one (cpu_ddp2.yaml)
+    # the setting named, whichever YAML launched: the user's own, or a two-process one (no bf16 one ships)
     assert "mixed_precision: 'bf16' in the launch YAML (accelerate_configs/cpu_bf16.yaml for one process)" in hint
     # and the flag, which a launch that gave --mixed_precision no needs: it overrides the YAML
     assert "(accelerate_configs/cpu_bf16.yaml for one process), or pass --mixed_precision bf16 to accelerate " in hint
@@ -75,10 +78,14 @@ def test_precision_advice_names_the_faster_cpu_yaml_only_when_clearly_faster():
     warning = precision_advice("bf16", {"bf16": 0.0011, "no": 0.15})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 136x slower than fp32")
     assert warning.endswith(
-        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one process), "
-        "or pass --mixed_precision no to accelerate launch (a --mixed_precision given there overrides the YAML's)"
+        "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu.yaml for one process, "
+        "accelerate_configs/cpu_ddp2.yaml for two), or pass --mixed_precision no to accelerate launch (a "
+        "--mixed_precision given there overrides the YAML's)"
     )
     assert "\n" not in warning
+    # the two-process YAML named is fp32, and compiles nothing: it runs wherever the one-process one does
+    ddp = yaml.safe_load((REPO / CPU_DDP_YAML).read_text())
+    assert (ddp["mixed_precision"], ddp["num_processes"], "dynamo_config" in ddp) == ("no", 2, False)
     # an AVX-512 Xeon without its bf16 instructions (Cascade Lake): emulated too, 4.6x slower
     warning = precision_advice("bf16", {"bf16": 0.050, "no": 0.231})
     assert warning.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs 5x slower than fp32")
@@ -109,8 +116,8 @@ def test_bf16_without_a_cpp_compiler_on_a_cpu_without_native_bf16_is_told_the_ea
     assert bf16.startswith("warning: this CPU has no native bf16 matmuls: bf16 runs ")
     assert bf16.endswith(
         "set mixed_precision: 'no' (fp32) in the launch YAML instead (accelerate_configs/cpu_eager.yaml"
-        " for one process), or pass --mixed_precision no to accelerate launch (a --mixed_precision given there"
-        " overrides the YAML's)"
+        " for one process, accelerate_configs/cpu_ddp2.yaml for two), or pass --mixed_precision no to accelerate"
+        " launch (a --mixed_precision given there overrides the YAML's)"
     )
     assert fp32 == "None"  # no bf16 YAML runs without a compiler
 
