@@ -373,18 +373,13 @@ class _RankBatches:
         rank: int,
         world_size: int,
         seed: int,
-        shuffle: bool,
-        infinite: bool,
     ) -> None:
         self.num_windows, self.micro_batch_size, self.seed = num_windows, micro_batch_size, seed
         self.rank, self.per_step = rank, world_size * micro_batch_size
-        self.shuffle, self.infinite = shuffle, infinite
         self.epoch = self.offset = 0  # where the next iteration begins; set by the TokenLoader
 
     def order(self, epoch: int) -> np.ndarray:
         """All window indices in `epoch`'s order."""
-        if not self.shuffle:
-            return np.arange(self.num_windows)
         key = hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
         return torch.randperm(self.num_windows, generator=generator).numpy()
@@ -401,8 +396,6 @@ class _RankBatches:
             while self.fits(offset):  # one list per micro-batch, never a list per batch up front
                 yield order[offset + mine : offset + mine + self.micro_batch_size].tolist()
                 offset += self.per_step
-            if not self.infinite:
-                return
             epoch, offset = epoch + 1, 0
 
 
@@ -416,8 +409,7 @@ class TokenLoader:
     The position is global: the tokens of the epoch's order that all ranks together consumed. Resumed with
     another world size or micro-batch size, the ranks go on from there, so no window is seen twice or skipped
     (only the epoch's dropped tail, less than one step, depends on the step's size).
-    An infinite loader is one endless stream; a finite one starts a new pass (epoch) at every
-    `iter()`, except right after `load_state_dict`, which resumes the saved pass.
+    It is one endless stream: an epoch ends where a step no longer fits, and the next one starts.
     A state of other data (other tokens in the shards: books added, a subset) does not load, unless
     `restart_on_other_data`: then the loader starts at this data's beginning and `left_behind` holds that state.
     Only one iterator may be in use at a time. Do not pass it through `accelerator.prepare`:
@@ -434,8 +426,6 @@ class TokenLoader:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        shuffle: bool = True,
-        infinite: bool = True,
         num_workers: int = 0,
         pin_memory: bool = False,
         restart_on_other_data: bool = False,
@@ -450,7 +440,6 @@ class TokenLoader:
         self.manifest = load_manifest(data_dir)
         self.split, self.block_size, self.micro_batch_size = split, block_size, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shuffle, self.infinite = shuffle, infinite
         self.restart_on_other_data = restart_on_other_data
         self.left_behind: dict[str, Any] | None = None  # the state of other data that load_state_dict set aside
         shards = self.manifest.shards_of(split)
@@ -465,10 +454,9 @@ class TokenLoader:
                 f"tokens in it; prepare more books (or a larger --val-fraction for val), or lower "
                 f"block_size / micro_batch_size / the number of processes"
             )
-        self._sampler = _RankBatches(len(self.dataset), micro_batch_size, rank, world_size, seed, shuffle, infinite)
+        self._sampler = _RankBatches(len(self.dataset), micro_batch_size, rank, world_size, seed)
         self.epoch = 0
         self._offset = 0  # windows of the epoch's order consumed by all ranks' delivered (not prefetched) batches
-        self._resume_pending = False
         self._loader = DataLoader(
             self.dataset,
             batch_sampler=self._sampler,
@@ -493,9 +481,6 @@ class TokenLoader:
         return self.epoch + self._offset / len(self.dataset)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.infinite and not self._resume_pending and self._offset > 0:
-            self.epoch, self._offset = self.epoch + 1, 0
-        self._resume_pending = False
         self._next_epoch_if_done()
         self._sampler.epoch, self._sampler.offset = self.epoch, self._offset
         for batch in self._loader:
@@ -504,8 +489,8 @@ class TokenLoader:
             yield batch
 
     def _next_epoch_if_done(self) -> None:
-        """An infinite loader's position moves to the next epoch as soon as no step fits in this one."""
-        if self.infinite and not self._sampler.fits(self._offset):
+        """The position moves to the next epoch as soon as no step fits in this one."""
+        if not self._sampler.fits(self._offset):
             self.epoch, self._offset = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,7 +501,6 @@ class TokenLoader:
             "tokens": self.tokens,
             "seed": self.seed,
             "block_size": self.block_size,
-            "shuffle": self.shuffle,
             "num_windows": len(self.dataset),
             "data_digest": self.manifest.content_digest,
             "world_size": self.world_size,
@@ -530,7 +514,7 @@ class TokenLoader:
             windows = state["batches_delivered"] * state["world_size"] * state["micro_batch_size"]
             state = {**state, "tokens": windows * state["block_size"]}
         mine = self.state_dict()
-        keys = ("seed", "block_size", "shuffle", "num_windows")
+        keys = ("seed", "block_size", "num_windows")  # older checkpoints' "shuffle" is True: every loader shuffled
         diffs = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
         saved = state.get("data_digest")  # absent from checkpoints written before it was kept
         # other tokens (books added or changed, as many windows or not); num_windows tells checkpoints without a digest
@@ -563,4 +547,3 @@ class TokenLoader:
                 f"{self.block_size} tokens in 0..{len(self.dataset)}"
             )
         self.epoch, self._offset = int(state["epoch"]), windows
-        self._resume_pending = True
