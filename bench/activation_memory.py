@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.measure import at_least
+from data_prep import at_least
 from modeling.config import GPTConfig
 from modeling.device import cpu_model
 from modeling.gpt import GPT

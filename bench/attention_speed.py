@@ -37,10 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bench.loss_numerics import relative_errors
-from bench.measure import at_least, check_can_compile, checked_inputs
+from bench.measure import check_can_compile, checked_inputs
 from bench.profile import YAML, build_step
 from bench.report import report_folder, save_report
 from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, launch_config
+from data_prep import at_least
 from evals.plot import png_bytes
 from modeling import cpu_attention
 from modeling.device import cpu_model

@@ -32,7 +32,6 @@ from bench import peer
 from bench.measure import (
     Bench,
     Result,
-    at_least,
     cannot_compile,
     checked_inputs,
     device_arg,
@@ -63,7 +62,7 @@ from bench.rungs import (
     full_recipe_trainer,
     tf32_matmuls,
 )
-from data_prep import number_arg
+from data_prep import at_least, number_arg
 from modeling.config import get_preset
 from modeling.device import cpu_model, device_name
 from training.compile_cache import set_up_compile_cache

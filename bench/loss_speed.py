@@ -28,7 +28,6 @@ from torch import Tensor
 
 from bench.loss_numerics import plain_cross_entropy
 from bench.measure import (
-    at_least,
     check_can_compile,
     checked_inputs,
     device_arg,
@@ -37,6 +36,7 @@ from bench.measure import (
     synchronize,
 )
 from bench.report import report_folder, save_report
+from data_prep import at_least
 from modeling import fp8_head
 from modeling.config import REAL_VOCAB_SIZE
 from modeling.device import device_name

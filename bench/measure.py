@@ -135,22 +135,6 @@ def checked_inputs(preset: str, data_dir: Path | None = None, log: Callable[[str
     return config
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type for the benchmarks' counts: a whole number of at least `minimum`, else argparse's one line
-    naming the flag before anything is made (a count of 0 timed steps was statistics' traceback after the work)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def device_arg(name: str) -> str:
     """An argparse type for the benchmarks' --device: cuda on a torch that sees no GPU (a CPU-only build, no driver)
     is argparse's one line naming the flag, not CUDA's AssertionError traceback at the first peak probe or tensor."""

@@ -33,8 +33,9 @@ import torch._inductor.config as inductor_config
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.measure import at_least, check_can_compile, checked_inputs, flops_per_token
+from bench.measure import check_can_compile, checked_inputs, flops_per_token
 from bench.rungs import REPO, STEP_BACKENDS, TRAIN, dynamo_backend, full_recipe_trainer, launch_config
+from data_prep import at_least
 from data_prep.loader import TokenLoader
 from modeling import cpu_linear
 from modeling.config import get_preset

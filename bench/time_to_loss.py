@@ -39,10 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from bench import peer
-from bench.measure import at_least, untimed_bf16
+from bench.measure import untimed_bf16
 from bench.report import report_folder, save_report
 from bench.rungs import REPO, checked_launch
-from data_prep import DataPrepError
+from data_prep import DataPrepError, at_least
 from evals.plot import png_bytes
 from modeling.cpu_linear import cpu_matmul_speeds
 from modeling.device import cpu_model, device_name

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+Number = TypeVar("Number", int, float)
 
 
 class DataPrepError(RuntimeError):
@@ -21,19 +24,26 @@ def ensure_default_corpus(data_dir: str | Path, log: Callable[[str], None] = pri
     prepare("default", data_dir)
 
 
-def number_arg(expected: str, valid: Callable[[float], bool], must_be: str) -> Callable[[str], float]:
-    """An argparse type for a number flag with a range (the benchmarks' --tokens, --peak-tflops, --p-target):
-    argparse's one line naming the flag, "expected EXPECTED, got 'x'" for text that is not a number and "must be
-    MUST_BE, got x" for one where valid() is false (nan included), before any work (out of range, each was a
-    traceback or a table of nonsense after it)."""
+def number_arg(
+    expected: str, valid: Callable[[float], bool], must_be: str, parse: Callable[[str], Number] = float
+) -> Callable[[str], Number]:
+    """The one argparse type of the entry points' number flags (the benchmarks' --tokens, --peak-tflops, --p-target;
+    every count through at_least): argparse's one line naming the flag, "expected EXPECTED, got 'x'" for text that
+    parse() does not take and "must be MUST_BE, got x" for a number where valid() is false (nan included), before
+    any work (out of range, each was a traceback or a table of nonsense after it)."""
 
-    def parse(text: str) -> float:
+    def parse_arg(text: str) -> Number:
         try:
-            value = float(text)
+            value = parse(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if not valid(value):
             raise argparse.ArgumentTypeError(f"must be {must_be}, got {text}")
         return value
 
-    return parse
+    return parse_arg
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """number_arg for a count: a whole number of at least `minimum`."""
+    return number_arg("a whole number", lambda value: value >= minimum, f"at least {minimum}", int)

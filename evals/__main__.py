@@ -17,7 +17,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from data_prep import DataPrepError
+from data_prep import DataPrepError, at_least
 from data_prep.assets import atomic_write_bytes
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
@@ -35,19 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_args(parser)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of: {', '.join(TASKS)}")
-    parser.add_argument("--limit", type=_positive_int, help="score only the first N examples of each task")
-    parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, help="sequences per forward")
+    parser.add_argument("--limit", type=at_least(1), help="score only the first N examples of each task")
+    parser.add_argument("--batch-size", type=at_least(1), default=DEFAULT_BATCH_SIZE, help="sequences per forward")
     parser.add_argument(
         "--mixed-precision", choices=["no", "bf16", "fp16"], help="autocast dtype (default: the launch config's)"
     )
     parser.add_argument("--json", help="also write the metrics and per-example predictions to this JSON file")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
 
 
 def check_json_path(path: str | None) -> None:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from data_prep import DataPrepError
+from data_prep import DataPrepError, at_least
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.data import TASK_DATA
@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m evals.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="tiny-cpu")
-    parser.add_argument("--limit", type=int, default=200, help="HellaSwag examples to score")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--limit", type=at_least(1), default=200, help="HellaSwag examples to score")
+    parser.add_argument("--batch-size", type=at_least(1), default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as in a bf16 training run")
-    parser.add_argument("--generate", type=int, metavar="N", help="time sampling N tokens instead of scoring")
-    parser.add_argument("--prompt-tokens", type=int, default=0, help="with --generate: the prompt's length")
+    parser.add_argument("--generate", type=at_least(1), metavar="N", help="time sampling N tokens instead of scoring")
+    parser.add_argument("--prompt-tokens", type=at_least(0), default=0, help="with --generate: the prompt's length")
     args = parser.parse_args(argv)
     try:
         run_bench(args)
@@ -61,14 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    """Time what `args` asks for and print one line; EvalError for bad arguments, before any model is built."""
-    checks = [("--limit", args.limit, 1), ("--batch-size", args.batch_size, 1)]
-    checks.append(("--prompt-tokens", args.prompt_tokens, 0))
-    if args.generate is not None:
-        checks.append(("--generate", args.generate, 1))
-    for flag, value, smallest in checks:
-        if value < smallest:
-            raise EvalError(f"{flag} must be >= {smallest}, got {value}")
+    """Time what `args` asks for and print one line; EvalError for an unknown preset, before any model is built."""
     try:
         config = get_preset(args.preset)
     except ValueError as err:  # an unknown preset: the message suggests the closest and lists them all

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from data_prep import at_least
 from modeling.config import PRESETS, GPTConfig
 from modeling.gpt import GPT
 from modeling.runs import SHAPE_FLAGS, shape_name
@@ -148,10 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (the total over machines)")
+    parser.add_argument("--gpus", type=at_least(1), default=8, help="GPUs sharing the model (the total over machines)")
     parser.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=at_least(1),
         help=f"sequences per GPU per forward (default: --config's where it gives a number, else "
         f"{TrainConfig.micro_batch_size})",
     )
@@ -170,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, help=helps[name])
     parser.add_argument("--config", help="a run-config YAML (train_accel.py's --config): size the model it names")
     args = parser.parse_args(argv)
-    if args.gpus < 1 or args.micro_batch_size is not None and args.micro_batch_size < 1:
-        parser.error("--gpus and --micro-batch-size must be >= 1")
     shape = {name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None}
     presets = None
     if args.presets is not None or not (shape or args.config):

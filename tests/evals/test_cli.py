@@ -279,9 +279,11 @@ def test_cli_bad_arguments_are_one_clear_error(tiny_run, argv, message, fresh_ac
 
 
 def test_bad_limits_are_one_clear_error(tiny_run, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         evals_main(["--run", str(tiny_run), "--limit", "0"])
-    assert "argument --limit: expected a positive whole number, got '0'" in capsys.readouterr().err
+    # argparse's line, as every entry point's count says it (data_prep.at_least)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: argument --limit: must be at least 1, got 0")
     model, _ = load_model(tiny_run)
     with pytest.raises(EvalError, match="eval limit must be a positive number of examples"):
         run_task(model, "lambada", get_encoding(), limit=0)
@@ -358,14 +360,27 @@ def test_json_on_a_disk_that_fills_up_keeps_the_scores_on_screen_and_no_file_cut
     ("argv", "message"),
     [
         (["--preset", "tiny-cpuu"], "error: Unknown model preset 'tiny-cpuu'. Did you mean 'tiny-cpu'? Valid presets:"),
-        (["--limit", "0"], "error: --limit must be >= 1, got 0"),
-        (["--generate", "4", "--prompt-tokens", "-1"], "error: --prompt-tokens must be >= 0, got -1"),
     ],
 )
 def test_bench_bad_arguments_are_one_clear_error(argv, message):
     with pytest.raises(SystemExit) as exc:
         bench_main(argv)
     assert str(exc.value.code).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        (["--generate", "4", "--prompt-tokens", "-1"], "argument --prompt-tokens: must be at least 0, got -1"),
+        (["--batch-size", "2.5"], "argument --batch-size: expected a whole number, got '2.5'"),
+    ],
+)
+def test_bench_bad_counts_are_argparses_line(argv, line, capsys):
+    """As every entry point's counts (data_prep.at_least): argparse's line naming the flag, last on screen."""
+    with pytest.raises(SystemExit) as exc:
+        bench_main(argv)
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"python -m evals.bench: error: {line}"
 
 
 def test_run_folder_problems_are_one_clear_error(tmp_path, capsys):

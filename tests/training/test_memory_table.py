@@ -117,6 +117,23 @@ def test_cli_takes_each_preset_once_and_refuses_none(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--gpus", "0"], "argument --gpus: must be at least 1, got 0"),
+        (["--micro-batch-size", "-2"], "argument --micro-batch-size: must be at least 1, got -2"),
+        (["--gpus", "eight"], "argument --gpus: expected a whole number, got 'eight'"),
+    ],
+)
+def test_cli_bad_counts_are_argparses_line_naming_the_flag(capsys, argv, line):
+    """As every entry point's counts (data_prep.at_least); it said '--gpus and --micro-batch-size must be >= 1'
+    whichever was wrong."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert exc.value.code == 2 and err[-1] == f"python -m training.memory_table: error: {line}"
+
+
 def test_the_docs_table_is_the_command_it_names():
     """docs/distributed.md shows `python -m training.memory_table --optimizer adamw` (its text says so): the same
     rows."""
