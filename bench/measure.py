@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.rungs import TRAIN, Recipe, Role, Trainer, ladder_trainer, tf32_matmuls
 from data_prep import DataPrepError, ensure_default_corpus
-from data_prep.loader import MANIFEST_NAME, TokenLoader
+from data_prep.loader import TokenLoader
+from data_prep.manifest import MANIFEST_NAME
 from modeling.config import GPTConfig, get_preset
 from training.compile_cache import missing_build_tools
 from training.metrics import memory_stats

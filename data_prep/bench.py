@@ -23,7 +23,6 @@ from pathlib import Path
 
 from data_prep import number_arg
 from data_prep.tokenizer import get_encoding
-from modeling.device import cpu_model
 
 BOOK_CHARS = 400_000  # ~120k GPT-2 tokens: the size of a long novel
 SHELF = 100  # books per sub-folder, as a library tree (PG-19's layout) has them
@@ -167,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {got['tokens_per_s'] / 1e6:.1f}M |"
                 )
             shutil.rmtree(out)
+    from modeling.device import cpu_model  # imports torch: here, not in the prepare child whose memory is measured
+
     print(f"Data preparation, CPU: {cpu_model()}, files: source, default shards\n")
     print(
         "| library | num_proc | raw tiktoken tokens/s | prepare tokens/s | prepare / raw | prepare s "

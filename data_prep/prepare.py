@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes
-from data_prep.loader import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
+from data_prep.manifest import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
 from data_prep.sources import (
     DEFAULT_MIRROR,
     SPEC_HELP,

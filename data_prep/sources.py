@@ -46,7 +46,7 @@ from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
 from data_prep.assets import atomic_write_bytes, cache_dir, sdist, writing_cache
-from data_prep.loader import MANIFEST_NAME
+from data_prep.manifest import MANIFEST_NAME
 from modeling.disk import is_disk_full
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only for the hint: data preparation imports modeling without torch
+    import torch
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_MAX = -4

@@ -27,7 +27,7 @@ from accelerate.utils import (
 )
 
 from data_prep import DataPrepError
-from data_prep.loader import Manifest, load_manifest
+from data_prep.manifest import Manifest, load_manifest
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
 from modeling.gpt import GPT, Block
 from modeling.runtime import joined, set_up_compute

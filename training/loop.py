@@ -19,7 +19,8 @@ from filelock import FileLock
 
 from data_prep import ensure_default_corpus
 from data_prep.assets import atomic_write_bytes
-from data_prep.loader import IGNORE_INDEX, PG19_DIR, EvalWindows, Manifest, TokenLoader, prepare_command
+from data_prep.loader import IGNORE_INDEX, EvalWindows, TokenLoader
+from data_prep.manifest import PG19_DIR, Manifest, prepare_command
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges, prompt_tokens
 from evals.data import load_examples
 from evals.generate import sample_text

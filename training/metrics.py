@@ -22,7 +22,7 @@ from accelerate.tracking import (
 )
 from accelerate.utils import LoggerType
 
-from data_prep.loader import MANIFEST_NAME
+from data_prep.manifest import MANIFEST_NAME
 from evals.plot import save_png
 from modeling.cpu_linear import cpu_matmul_speeds, emulated_bf16, matmul
 from modeling.disk import append_bytes, disk_full_reported

@@ -18,7 +18,7 @@ import pytest
 
 from data_prep import DataPrepError, sources
 from data_prep import prepare as prepare_module
-from data_prep.loader import load_manifest
+from data_prep.manifest import load_manifest
 from data_prep.prepare import PROGRESS_NAME, PreparationInterrupted, _score, prepare
 from data_prep.sources import clean_text, iter_documents
 from data_prep.tokenizer import get_encoding

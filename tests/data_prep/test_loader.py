@@ -14,15 +14,8 @@ import pytest
 import torch
 
 from data_prep import DataPrepError
-from data_prep.loader import (
-    IGNORE_INDEX,
-    EvalWindows,
-    TokenLoader,
-    WindowDataset,
-    load_manifest,
-    prepare_command,
-    spread,
-)
+from data_prep.loader import IGNORE_INDEX, EvalWindows, TokenLoader, WindowDataset, spread
+from data_prep.manifest import load_manifest, prepare_command
 from data_prep.prepare import main as prepare_main
 from data_prep.prepare import prepare
 from testkit import write_pg19_copy

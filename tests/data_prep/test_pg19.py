@@ -15,7 +15,7 @@ import pytest
 
 from data_prep import DataPrepError
 from data_prep import prepare as prepare_module
-from data_prep.loader import load_manifest
+from data_prep.manifest import load_manifest
 from data_prep.prepare import prepare
 from data_prep.sources import clean_text
 from data_prep.tokenizer import EOT_ID, get_encoding

@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file
 
-from data_prep.loader import load_manifest
+from data_prep.manifest import load_manifest
 from data_prep.prepare import prepare
 from evals.data import provision
 from testkit import (

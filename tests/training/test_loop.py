@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils._pytree import tree_leaves
 
-from data_prep.loader import EvalWindows, load_manifest
+from data_prep.loader import EvalWindows
+from data_prep.manifest import load_manifest
 from data_prep.prepare import prepare
 from data_prep.tokenizer import EOT_ID
 from training.checkpoint import load_resume_state
