@@ -61,7 +61,7 @@ from data_prep.sources import (
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
 from modeling.disk import DiskFull, cannot_write, disk_full_reported, mount_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("data_prep.prepare")  # not __name__: that is __main__ under `python -m`
 
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
@@ -932,7 +932,14 @@ def main(argv: list[str] | None = None) -> int:
         "--streaming", action="store_true", help="stream hf: datasets instead of downloading (pg19 always streams)"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # This project's lines on the screen, through a handler of its own: one on the root logger printed every line of
+    # datasets and huggingface_hub twice, as each library has a handler of its own as well (their INFO lines, an HTTP
+    # request each, are left out as before that; other libraries' warnings still show, once, through logging's own).
+    screen = logging.StreamHandler()
+    screen.setFormatter(logging.Formatter("%(message)s"))
+    project = logging.getLogger("data_prep")
+    project.setLevel(logging.INFO)
+    project.addHandler(screen)
     try:
         prepare(
             "+".join(args.source or ["default"]),
@@ -950,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(str(e) or f"interrupted: the same command prepares {args.out}", file=sys.stderr)
         return 130
+    finally:
+        project.removeHandler(screen)  # a second main() in the same process (the tests) prints each line once too
     return 0
 
 

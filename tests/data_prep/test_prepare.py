@@ -573,6 +573,29 @@ def test_preparing_data_does_not_import_torch(module):
 
 
 @pytest.mark.slow
+def test_each_line_of_a_library_that_logs_shows_once(tmp_path):
+    """main() configured the root logger, and datasets and huggingface_hub have handlers of their own: each of their
+    lines (the Hub's retries, datasets' notes on a local dataset, here at DATASETS_VERBOSITY=info) printed twice."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    pq.write_table(
+        pa.table({"text": ["First book. " * 20, "Second book. " * 20, "Third book. " * 20]}), shelf / "a.parquet"
+    )
+    env = {**os.environ, "DATASETS_VERBOSITY": "info", "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "data_prep.prepare", "--source", f"hf:{shelf}", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert "Generating train split" in lines  # a line of datasets' own
+    assert f"Listing source 'hf:{shelf}'" in lines and any(line.startswith(f"Wrote {out}:") for line in lines)
+    assert [line for line in lines if lines.count(line) > 1] == []
+
+
+@pytest.mark.slow
 def test_killed_reprepare_leaves_previous_dataset_intact(tmp_path):
     out = tmp_path / "data"
     prepare("default:sonnets,macbeth", out)
