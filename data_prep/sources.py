@@ -353,11 +353,12 @@ def _plan_default(arg: str) -> Plan:
     return Plan([r.id for r in records], key, lambda skip: iter(records[skip:]), text_bytes)
 
 
-def _visible_files(folder: Path) -> Iterator[Path]:
+def _visible_files(folder: Path, *, books_only: bool = False) -> Iterator[Path]:
     """The files in a folder's tree, hidden files and folders left out as a glob (and `datasets`) leaves them:
     editors' and notebooks' copies (.ipynb_checkpoints/), a Mac's resource forks (._book.txt: binary), version
     control. Linked folders are read as a glob reads them (a shelf on another disk linked in), each folder once: a
-    link back up the tree would repeat it forever."""
+    link back up the tree would repeat it forever. books_only (a files: library): a prepared dataset in the tree (its
+    manifest), e.g. the --out of `--source files:lib --out lib/prepared`, is left out, said in one line."""
     seen = {os.path.realpath(folder)}
     for top, dirs, files in os.walk(folder, followlinks=True):
         kept = []
@@ -365,6 +366,8 @@ def _visible_files(folder: Path) -> Iterator[Path]:
             real = os.path.realpath(os.path.join(top, name))
             if real in seen:
                 log.warning("skipping %s: the folder %s, read already", os.path.join(top, name), real)
+            elif books_only and os.path.isfile(os.path.join(real, MANIFEST_NAME)):
+                log.info("skipping %s: a prepared dataset (%s), no books", os.path.join(top, name), MANIFEST_NAME)
             else:
                 seen.add(real)
                 kept.append(name)
@@ -427,7 +430,7 @@ def _plan_files(arg: str) -> Plan:
         base = Path(*path.parts[: _first_magic(path.parts)])
     elif path.is_dir():  # a library's tree (PG-19: thousands of .txt files in subfolders)
         # .txt in any case: book.TXT from a Windows or DOS archive is a book too
-        files, base = list(_visible_files(path)), path
+        files, base = list(_visible_files(path, books_only=True)), path
         paths = sorted(p for p in files if p.suffix.lower() == ".txt")
         others = [p for p in files if p.suffix.lower() != ".txt"]
         if paths and others:  # said, not passed over: an .epub or a mirror's .zip is no book here

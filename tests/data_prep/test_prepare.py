@@ -223,6 +223,21 @@ def test_ctrl_c_before_a_book_is_finished_says_so_and_leaves_no_build(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "library"]
 
 
+def test_a_dataset_prepared_into_the_library_is_no_part_of_it(tmp_path, caplog):
+    """`--source files:lib --out lib/prepared`: the next run said "4 file(s) not read, books are read from .txt files
+    only (2 .bin, 1 .json, 1 .jsonl)", counting the dataset's own shards, manifest and index. It is left out of the
+    listing, said once, and the run finds the dataset up to date."""
+    library = _write_books(tmp_path / "library")
+    prepare(f"files:{library}", library / "prepared", val_fraction=0.25)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep"):
+        prepare(f"files:{library}", library / "prepared", val_fraction=0.25)
+    assert not any("not read" in m for m in caplog.messages), caplog.messages
+    said = [m for m in caplog.messages if str(library / "prepared") in m and "skipping" in m]
+    assert said == [f"skipping {library / 'prepared'}: a prepared dataset (manifest.json), no books"]
+    assert f"{library / 'prepared'} is up to date (same inputs and parameters); nothing to do" in caplog.messages
+
+
 def test_a_book_an_earlier_book_repeats_is_left_out_and_stays_out_on_resuming(tmp_path, monkeypatch, caplog):
     """One book saved under two names: it was trained on twice, and the hash could put one copy in train and the
     other in val, where the val loss would score text the model had learned. The later copy is left out, saying
