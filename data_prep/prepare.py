@@ -54,6 +54,7 @@ from data_prep.sources import (
     Record,
     SourceUnreadable,
     check_texts,
+    hf_parts,
     parse_spec,
     plan,
     source_licenses,
@@ -786,7 +787,7 @@ def _check_out_dir(out: Path) -> None:
 def _check_out_outside_datasets(out: Path, parts: list[tuple[str, str]]) -> None:
     # datasets reads a folder's files at any depth: the shards and lists written there would be read as the dataset's
     for arg in (arg for kind, arg in parts if kind == "hf"):
-        folder = Path(arg.partition(":")[0]).expanduser().absolute()
+        folder = Path(hf_parts(arg)[0]).expanduser().absolute()
         if folder.is_dir() and folder in out.parents:
             raise DataPrepError(
                 f"--out {out} is inside {folder}, the dataset folder of source 'hf:{arg}': the next preparation would "

@@ -160,7 +160,7 @@ def plan(spec: str, *, mirror: str = DEFAULT_MIRROR, streaming: bool = False) ->
     specs = parse_spec(spec)
     # the local datasets' files and folders named as sources, with the split each reads: a folder's dataset need not
     # say it leaves out those
-    hf = [_hf_parts(arg) for kind, arg in specs if kind == "hf"]
+    hf = [hf_parts(arg) for kind, arg in specs if kind == "hf"]
     given = {(os.path.realpath(Path(name).expanduser()), split) for name, split, _ in hf}
     for kind, arg in specs:
         if kind == "default":
@@ -559,7 +559,7 @@ def _download(book: int, mirror: str, path: Path) -> DataPrepError | None:
     return None
 
 
-def _hf_parts(arg: str) -> tuple[str, str, str]:
+def hf_parts(arg: str) -> tuple[str, str, str]:
     """An hf: source's dataset, split (train unless named) and column (text unless named)."""
     name, _, rest = arg.partition(":")
     split, _, column = rest.partition(":")
@@ -567,7 +567,7 @@ def _hf_parts(arg: str) -> tuple[str, str, str]:
 
 
 def _plan_hf(arg: str, streaming: bool, given: set[tuple[str, str]]) -> Plan:
-    name, split, column = _hf_parts(arg)
+    name, split, column = hf_parts(arg)
     folder = Path(name).expanduser()
     if not folder.exists() and (not _HUB_ID.fullmatch(name) or PurePosixPath(name).suffix in _HF_FILE_BUILDERS):
         # a path mistyped, not a Hub id: the Hub asked for it would answer "not found" (offline: "cannot be reached")
