@@ -230,11 +230,11 @@ def build_accelerator(*, grad_clip: float, **kwargs: Any) -> Accelerator:
                 state.distributed_type = DistributedType.MULTI_GPU
         else:  # a MULTI_GPU YAML (accelerate's torchrun launcher) runs DDP over gloo; one process may use MPS
             kwargs["cpu"] = accelerator_needs_cpu()
-    if _launched_with("DEEPSPEED") and os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").lower() == "auto":
-        # the YAML's deepspeed_config `gradient_accumulation_steps: auto`, which the Accelerator reads as an int (it
-        # failed in int()) and the DeepSpeed plugin, left without it, as auto: set_deepspeed_batch fills in the run's
-        del os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
     if _launched_with("DEEPSPEED"):
+        if os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").lower() == "auto":
+            # the YAML's deepspeed_config `gradient_accumulation_steps: auto`, which the Accelerator reads as an int
+            # (it failed in int()) and the DeepSpeed plugin, left without it, as auto: set_deepspeed_batch fills it in
+            del os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
         check_deepspeed_loads()
         # deepspeed 0.19 calls the collectives torch 2.13 renamed, warning on every rank
         deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
