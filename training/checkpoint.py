@@ -475,8 +475,8 @@ def _mb(n: int) -> str:
 
 
 def clear_partial(run_dir: str | Path) -> None:
-    """Remove this run's half-written checkpoints (`step-N.tmp`), which hold disk space: the run-folder lock
-    guarantees no live run is writing them."""
+    """Remove this run's half-written or half-pruned checkpoints (`step-N.tmp`), which hold disk space: the run-folder
+    lock guarantees no live run is writing them."""
     for stale in (Path(run_dir) / "checkpoints").glob("step-*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -561,7 +561,11 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     kept = {*found[-keep:], *(path for _, path in best.values())}
     for old in found:
         if old not in kept:
-            shutil.rmtree(old)
+            # renamed out of the checkpoints first: a kill mid-delete leaves a step-N.tmp, which the next start clears,
+            # not a step-N with part of its files that a resume would take for a checkpoint
+            doomed = old.with_name(old.name + ".tmp")
+            old.rename(doomed)
+            shutil.rmtree(doomed)
     return [p for p in found if p in kept]
 
 

@@ -4,10 +4,13 @@ and what a fresh start or a resume leaves behind is set aside, never mixed. Then
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from training.checkpoint import (
     CheckpointError,
     checkpoint_damage,
     checkpoint_dir,
+    clear_partial,
     list_checkpoints,
     outputs_in_the_way,
     plan_resume,
@@ -413,6 +417,33 @@ def test_pruning_keeps_the_best_of_each_data_a_run_evaluated_on(tmp_path):
     kept = ["step-00000002", "step-00000004", "step-00000006", "step-00000010"]
     assert [p.name for p in prune_checkpoints(run_dir, 1)] == kept
     assert [p.name for p in list_checkpoints(run_dir)] == kept
+
+
+@pytest.mark.slow  # forks the process that prunes, to kill it mid-delete
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint_under_its_name(tmp_path):
+    """A run killed while its save pruned an old checkpoint left that step-N/ with part of its files: a checkpoint
+    by its name, that --resume auto (past a damaged newer one) or --resume PATH took up and failed on."""
+    run_dir = tmp_path / "run"
+    old = fake_checkpoint(run_dir, 2)
+    for i in range(2000):  # enough files that deleting them takes longer than a look at the folder
+        (old / "sub" / f"{i}.distcp").write_bytes(b"x")
+    newest = fake_checkpoint(run_dir, 4)
+
+    def files_left() -> int:
+        with contextlib.suppress(FileNotFoundError):  # renamed, or deleted
+            return len(os.listdir(old / "sub"))
+        return 0
+
+    pruner = multiprocessing.get_context("fork").Process(target=prune_checkpoints, args=(run_dir, 1))
+    pruner.start()
+    while pruner.is_alive() and files_left() > 2000:  # until deleting has begun
+        pass
+    os.kill(pruner.pid, signal.SIGKILL)
+    pruner.join()
+    assert list_checkpoints(run_dir) == [newest]
+    assert plan_resume(config(run_dir)) == (newest, [])
+    clear_partial(run_dir)  # what the next start or save does
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [newest.name]
 
 
 def launched_rank(
