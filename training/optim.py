@@ -217,6 +217,11 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         self.lr_lambdas = [partial(fn, total_steps=total_steps) for fn in self.lr_lambdas]
         self._set_lrs()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved step and lrs; the momentum warmup stays this launch's (a resume may change
+        --muon-momentum-warmup-steps, and its line says the run goes on with the new one)."""
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "momentum_warmup"})
+
     def configured(self) -> list[dict[str, Any]]:
         """Each group's hyperparameters as this launch built them (lr and momentum aside: the step sets those)."""
         return [{k: v for k, v in g.items() if k not in STEP_SET} for g in self.optimizer.param_groups]

@@ -1,5 +1,5 @@
-"""A resume with a changed --lr, --muon-lr or --weight-decay trains with them, as its start-up line says; one
-with the same config continues with exactly the saved lrs."""
+"""A resume with a changed --lr, --muon-lr, --weight-decay or Muon's momentum (and its warmup) trains with them, as
+its start-up line says; one with the same config continues with exactly the saved lrs."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_a_resume_trains_with_this_launchs_hyperparameters(prepared_books, tmp_p
     same = setup(config(prepared_books, out))
     assert groups(same) == saved  # the same config: exactly the saved lrs, momenta and the rest
 
-    changed = setup(config(prepared_books, out, lr=1e-3, muon_lr=0.05, weight_decay=0.3, muon_momentum=0.9))
+    changes = {"lr": 1e-3, "muon_lr": 0.05, "weight_decay": 0.3, "muon_momentum": 0.9, "muon_momentum_warmup_steps": 8}
+    changed = setup(config(prepared_books, out, **changes))
     multiplier = saved[0]["lr"] / saved[0]["initial_lr"]  # the step's, which the resume keeps
     for group, before in zip(groups(changed), saved, strict=True):
         muon = "initial_momentum" in group
@@ -61,7 +62,7 @@ def test_a_resume_trains_with_this_launchs_hyperparameters(prepared_books, tmp_p
         assert group["lr"] == pytest.approx(group["initial_lr"] * multiplier, rel=1e-12)
         assert group["weight_decay"] == (0.3 if before["weight_decay"] else 0.0)
         if muon:
-            assert group["initial_momentum"] == 0.9 and group["momentum"] == pytest.approx(0.85 + 0.05 * 2 / 4)
+            assert group["initial_momentum"] == 0.9 and group["momentum"] == pytest.approx(0.85 + 0.05 * 2 / 8)
     assert changed.progress.step == 2
 
 
