@@ -37,10 +37,27 @@ RENDEZVOUS_WAIT_KEYS = {"static": "timeout", "c10d": "join_timeout"}
 
 
 def _root_cause_line(err: Exception) -> str | None:
-    """The line to print for torchrun's ChildFailedError: None when a rank printed its error already, else the first
+    """The line to print for torchrun's ChildFailedError: one naming a rank a signal killed (it printed nothing, and
+    the others' lost connection followed from it), else None when a rank printed its error already, else the first
     `error:` line a rank reported (from its error file), or one that names the first failed rank and how it ended."""
     from modeling.runtime import PRINTED  # here: this launcher imports torch only once its C++ logging is quieted
 
+    # A rank a signal killed printed nothing, and the others' lost connection followed from it. Killed first only:
+    # torchrun also lists the ranks it stopped after the first failure (SIGTERM, in the same second where they had no
+    # handler yet; SIGKILL 30 s on where one hangs, as in a collective with a dead rank), never the cause.
+    first = min(f.timestamp for f in err.failures.values())
+    killed = [
+        (rank, f.signal_name())
+        for rank, f in sorted(err.failures.items())
+        if f.exitcode < 0 and f.timestamp == first and f.signal_name() != "SIGTERM"
+    ]
+    if killed:
+        rank, name = killed[0]
+        oom = " (the kernel's out-of-memory killer sends SIGKILL: see `dmesg`)" if name == "SIGKILL" else ""
+        return (
+            f"error: rank {rank} was killed by {name} and printed nothing{oom}; the same command continues from the "
+            "newest checkpoint"
+        )
     failures = err.failures.values()
     if any(isinstance(f.message, dict) and f.message.get("extraInfo", {}).get(PRINTED) == "True" for f in failures):
         return None
@@ -50,8 +67,9 @@ def _root_cause_line(err: Exception) -> str | None:
     rank, failure = err.get_first_failure()
     if isinstance(failure.message, dict):  # an uncaught exception's (torchelastic's record decorator)
         return f"error: rank {rank} failed: {_message(failure)}"
-    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
-    return f"error: rank {rank} ended with {how} ({failure.message}); its output above says why"
+    return (
+        f"error: rank {rank} ended with exit status {failure.exitcode} ({failure.message}); its output above says why"
+    )
 
 
 def _message(failure: Any) -> object:

@@ -480,6 +480,21 @@ def test_the_launcher_prints_the_root_cause_only_when_no_rank_did(tmp_path, monk
     mixed[3] = launched_rank(tmp_path / "mixed", 3, oom, monkeypatch, capsys, torchrun_layout=False)
     mixed[3].timestamp = mixed[0].timestamp = 0
     assert _root_cause_line(ChildFailedError("train_accel.py", mixed)) == oom
+    # a rank the kernel's out-of-memory killer took printed nothing; rank 0 said it lost its connection, the effect
+    gone = "error: lost the connection to another process of this run (Connection reset by peer): ..."
+    killed = {0: launched_rank(tmp_path / "killed", 0, gone, monkeypatch, capsys)}
+    killed[1] = ProcessFailure(local_rank=1, pid=1001, exitcode=-9, error_file=str(tmp_path / "killed" / "none.json"))
+    killed[1].timestamp = killed[0].timestamp
+    assert _root_cause_line(ChildFailedError("train_accel.py", killed)) == (
+        "error: rank 1 was killed by SIGKILL and printed nothing (the kernel's out-of-memory killer sends SIGKILL: "
+        "see `dmesg`); the same command continues from the newest checkpoint"
+    )
+    # one torchrun killed after the rank that failed first, as it hung in a collective with it: that rank's line stands
+    killed[1].timestamp, killed[0].timestamp = 30, 0
+    assert _root_cause_line(ChildFailedError("train_accel.py", killed)) is None
+    # one torchrun stopped in the same second, still importing (no handler yet): that rank's line stands too
+    killed[1].exitcode, killed[1].timestamp = -15, 0
+    assert _root_cause_line(ChildFailedError("train_accel.py", killed)) is None
     crashed = {0: launched_rank(tmp_path / "crashed", 0, None, monkeypatch, capsys)}
     assert _root_cause_line(ChildFailedError("train_accel.py", crashed)) == (
         "error: rank 0 ended with exit status 1 (To enable traceback see: "
