@@ -800,14 +800,16 @@ def write_outputs(run: Run) -> None:
     the Hub push when asked for."""
     cfg, accelerator, run_dir = run.cfg, run.accelerator, run.run_dir
     # The final checkpoint is complete by now: after a full disk, a resumed run is at its last step and writes these.
+    # None in run_dir: a run continued from another folder's checkpoint at its last step, which is the final one.
     checkpoints = list_checkpoints(run_dir)
-    kept = f"the final checkpoint {checkpoints[-1].name} and metrics.jsonl are complete"
+    final = checkpoints[-1] if checkpoints else run.resumed_from
+    kept = f"the final checkpoint {final} and metrics.jsonl are complete"
     if accelerator.is_main_process:
         for plot, png in [(plot_losses, LOSS_PLOT)] + ([(plot_evals, EVALS_PLOT)] if cfg.eval_tasks else []):
             with disk_full_reported(run_dir / png, kept):
                 plot(run_dir / METRICS_FILE, run_dir / png)
     if cfg.export_hf:
-        export_model = final_model(run, checkpoints[-1])  # on the main process; None on the others
+        export_model = final_model(run, final)  # on the main process; None on the others
         if export_model is not None:
             with disk_full_reported(run_dir / EXPORT_DIR, kept):
                 export_final(run_dir, export_model)

@@ -12,7 +12,7 @@ import torch
 from testkit import TINY_MODEL
 from training.checkpoint import checkpoint_dir, save_checkpoint
 from training.config import TrainConfig
-from training.loop import TrainMetrics, setup, trainer_for
+from training.loop import TrainMetrics, setup, trainer_for, write_outputs
 from training.step import TrainingAborted
 
 
@@ -104,6 +104,22 @@ def test_a_run_continued_in_a_new_folder_that_diverges_names_the_checkpoint_it_c
     said, resume = str(aborted.value).split(", then continue with --resume ")
     assert said.endswith(f"Last good checkpoint: {good}. Lower --lr or raise --warmup-steps")
     assert shlex.split(resume) == [str(good)]  # as given in a shell, the path with its space
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_finished_run_continued_in_a_new_folder_writes_its_outputs_there(prepared_books, tmp_path, capsys):
+    """--resume OTHER/checkpoints/step-N --out-dir NEW (or a checkpoint set aside into previous-<time>/) at the run's
+    last step: nothing to train, and the outputs ended in an IndexError traceback, NEW holding no checkpoint."""
+    first = setup(config(prepared_books, tmp_path / "done", max_steps=1))
+    train_steps(first, 1)
+    first.accelerator.log({"train_loss": 1.0}, step=1)
+    save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
+    first.lock.release()
+    again = setup(config(prepared_books, tmp_path / "new", max_steps=1, resume=str(checkpoint_dir(first.run_dir, 1))))
+    write_outputs(again)
+    again.lock.release()
+    assert (again.run_dir / "loss.png").is_file()
+    assert capsys.readouterr().out.splitlines()[-1] == f"run folder: {again.run_dir} (checkpoints: 0, loss.png)"
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
