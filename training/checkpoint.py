@@ -518,7 +518,10 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
             shutil.copy2(Path(run_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
             umask_modes(tmp)  # model.safetensors: readable as the other files are
             write_manifest(tmp)  # last: it covers every rank's files and ours
-    except Exception as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError
+    except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C: stop at once (the .tmp is cleared at the next start)
+        raise
+    except BaseException as err:  # torch reports a full disk as RuntimeError, safetensors and json as OSError, and
+        # torch.distributed.checkpoint (FSDP2's shards) wraps either in its CheckpointException, a BaseException
         shutil.rmtree(tmp, ignore_errors=True)
         complete = list_checkpoints(run_dir)
         need = _size(complete[-1]) if complete else need

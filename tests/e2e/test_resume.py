@@ -623,6 +623,23 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     assert all(torch.equal(weights[k], t) for k, t in load_file(kept / "model.safetensors").items())
 
 
+def test_a_full_disk_under_fsdp2_fails_the_sharded_save_with_one_line(prepared_books, small_disk):
+    """FSDP2's shards are written by torch.distributed.checkpoint, whose error is a BaseException: the full disk ended
+    in both ranks' tracebacks and a line naming neither, the half-written step-00000004.tmp left taking the space."""
+    run_dir = small_disk / "run"
+    args = ["--optimizer", "adamw", "--max-steps", "6", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
+    eager = ["-q", "--dynamo_backend", "no"]  # the save is what is tested, not the compile
+    result = run(through_training_launch(tiny_cmd("cpu_fsdp2.yaml", run_dir, prepared_books, *args, launch_args=eager)),
+                 expect_rc=1)  # fmt: skip
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert re.fullmatch(
+        rf"error: disk full while writing {run_dir}/checkpoints/step-00000004: free space on {small_disk} .*; "
+        r"complete checkpoints untouched: step-00000002",
+        result.stderr.strip().splitlines()[-1],
+    ), result.stderr[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000002"]
+
+
 def test_a_full_disk_under_the_compile_cache_stops_the_run_with_one_line(prepared_books, tmp_path, tmpfs):
     """torch.compile writes its cache (TORCHINDUCTOR_CACHE_DIR) at start-up (inductor's ISA probes, once per cache
     folder) and at the first step (generated code, C++ kernels): a full disk under it at either stops the run with one
