@@ -394,7 +394,7 @@ def _set_up_locked(
         if moved:
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
-        warning = room_warning(run_dir, one_checkpoint)
+        warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints)
         if warning:
             print(warning, flush=True)
     accelerator.wait_for_everyone()

@@ -1,6 +1,6 @@
 """A full disk while training writes metrics, plots and exports: one line, nothing partial, and the same command
-goes on once there is room. Real full disks (a small tmpfs); checkpoints are in tests/e2e/test_resume.py and
-prepared shards in tests/data_prep/test_prepare.py."""
+goes on once there is room; and the start-up's warning where the checkpoints will not fit. Real full disks (a small
+tmpfs); checkpoint saves are in tests/e2e/test_resume.py and prepared shards in tests/data_prep/test_prepare.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from modeling.disk import DiskFull
 from modeling.gpt import GPT
 from modeling.runs import read_metrics
 from testkit import TINY_MODEL, fill_disk, new_run, write_checkpoint
-from training.checkpoint import checkpoint_dir
+from training.checkpoint import checkpoint_dir, room_warning
 from training.export import main as export_main
 from training.metrics import JSONLTracker, plot_losses
 
@@ -43,6 +43,24 @@ def test_metrics_rows_stay_whole_on_a_full_disk_and_go_on_after_room_is_made(tmp
     filler.unlink()
     tracker.log({"train_loss": 4.0}, step=2)
     assert [r["train_loss"] for r in read_metrics(disk / "metrics.jsonl")] == [5.0, 4.0]
+
+
+def test_the_start_up_warns_where_the_checkpoints_kept_and_the_one_being_written_do_not_fit(tmpfs):
+    """A run keeps --keep-checkpoints and writes each new one before pruning the oldest: the warning counted two,
+    so a run keeping two (the default) on room for two trained on until its third save failed, unwarned."""
+    run_dir = tmpfs("10m") / "run"
+    run_dir.mkdir()
+    four_mb = 4 * 2**20
+    assert room_warning(run_dir, four_mb, keep=1) is None  # 2 x 4 MB in 10 MB
+    assert re.fullmatch(
+        rf"warning: out_dir {run_dir} has 10 MB free, less than 3 more checkpoints need \(12 MB: --keep-checkpoints 2, "
+        r"and one more while a save writes\); a save will fail: free space, lower --keep-checkpoints or choose another "
+        r"--out-dir",
+        room_warning(run_dir, four_mb, keep=2) or "",
+    )
+    checkpoint_dir(run_dir, 1).mkdir(parents=True)  # one is there: two more to come
+    assert room_warning(run_dir, four_mb, keep=2) is None
+    assert "less than 1 more checkpoint need (12 MB: --keep-checkpoints 1," in room_warning(run_dir, 12 * 2**20, keep=1)
 
 
 def test_an_export_on_a_full_disk_says_so_leaves_nothing_and_completes_after_room_is_made(tmp_path, tmpfs):
