@@ -92,8 +92,15 @@ class TrainProgress:
 
 
 def ensure_writable(run_dir: str | Path) -> None:
-    """Fail before training, not at the first checkpoint, when the run folder can't be written."""
+    """Fail before training, not at the first checkpoint, when the run folder can't be written, or is a checkpoint
+    (whose config.yaml would make it a run to set aside, its files moved out of it)."""
     run_dir = Path(run_dir)
+    run = run_of_checkpoint(run_dir)
+    if run is not None:
+        raise NotADirectoryError(
+            f"out_dir {run_dir} is a checkpoint of the run in {run}, not a run folder: to continue from it, give it as "
+            f"--resume, with --out-dir {run} or a new folder"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=run_dir):  # a unique name: every rank probes the same folder at once

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from testkit import TINY_MODEL
-from training.checkpoint import checkpoint_dir, save_checkpoint
+from training.checkpoint import checkpoint_damage, checkpoint_dir, save_checkpoint
 from training.config import TrainConfig
 from training.loop import TrainMetrics, setup, trainer_for, write_outputs
 from training.step import TrainingAborted
@@ -120,6 +120,24 @@ def test_a_finished_run_continued_in_a_new_folder_writes_its_outputs_there(prepa
     again.lock.release()
     assert (again.run_dir / "loss.png").is_file()
     assert capsys.readouterr().out.splitlines()[-1] == f"run folder: {again.run_dir} (checkpoints: 0, loss.png)"
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_out_dir_that_is_a_checkpoint_is_refused_and_the_checkpoint_left_whole(prepared_books, tmp_path):
+    """--out-dir RUN/checkpoints/step-N (meant as --resume): its config.yaml made it a run folder to start afresh in,
+    so its files were moved into a previous-<time>/ inside it, and the run's checkpoint no longer resumed."""
+    first = setup(config(prepared_books, tmp_path / "run"))
+    train_steps(first, 1)
+    saved = save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
+    first.lock.release()
+    files = sorted(p.name for p in saved.iterdir())
+    with pytest.raises(NotADirectoryError) as refused:
+        setup(config(prepared_books, saved))
+    assert str(refused.value) == (
+        f"out_dir {saved} is a checkpoint of the run in {first.run_dir}, not a run folder: to continue from it, give "
+        f"it as --resume, with --out-dir {first.run_dir} or a new folder"
+    )
+    assert sorted(p.name for p in saved.iterdir()) == files and checkpoint_damage(saved) is None
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
