@@ -271,6 +271,11 @@ def setup(cfg: TrainConfig, startup: StartupClock | None = None) -> Run:
         cfg = cfg.replace(activation_checkpointing=True)
     check_trackers(trackers)
     run_dir = Path(cfg.out_dir)
+    if run_dir.resolve() == Path(cfg.data_dir).resolve():  # set_aside keeps a data dir inside out_dir, not out_dir
+        raise ConfigError(
+            f"out_dir and data_dir are one folder ({cfg.out_dir}): a fresh start there would set the dataset aside "
+            "with the run; give the run a folder of its own, e.g. --out-dir runs/mine"
+        )
     ensure_writable(run_dir)
     lock = lock_run_folder(run_dir)
     try:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import shutil
 
 import pytest
 import torch
 
 from testkit import TINY_MODEL
 from training.checkpoint import checkpoint_damage, checkpoint_dir, save_checkpoint
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 from training.loop import TrainMetrics, setup, trainer_for, write_outputs
 from training.step import TrainingAborted
 
@@ -138,6 +139,21 @@ def test_an_out_dir_that_is_a_checkpoint_is_refused_and_the_checkpoint_left_whol
         f"it as --resume, with --out-dir {first.run_dir} or a new folder"
     )
     assert sorted(p.name for p in saved.iterdir()) == files and checkpoint_damage(saved) is None
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_out_dir_that_is_the_data_dir_is_refused_before_anything_is_written(prepared_books, tmp_path):
+    """Trained in its dataset's folder, a fresh start there (--resume never) moved the shards and the manifest into
+    previous-<time>/ with the run's files: the next launch found no prepared dataset."""
+    data = tmp_path / "books"
+    shutil.copytree(prepared_books, data)
+    with pytest.raises(ConfigError) as refused:
+        setup(config(data, f"{data}/", resume="never"))
+    assert str(refused.value) == (
+        f"out_dir and data_dir are one folder ({data}/): a fresh start there would set the dataset aside with the run; "
+        "give the run a folder of its own, e.g. --out-dir runs/mine"
+    )
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in prepared_books.iterdir())
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
