@@ -6,6 +6,7 @@ No `datasets` import here on purpose: training machines only need numpy and torc
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ class WindowDataset(Dataset):
     def __init__(self, manifest: Manifest, split: str, block_size: int) -> None:
         shards = manifest.shards_of(split)
         self.paths = [str(manifest.data_dir / s.file) for s in shards]
+        self.split, self.data_dir, self.shard_tokens = split, manifest.data_dir, manifest.params["shard_tokens"]
         self.block_size, self.vocab_size = block_size, manifest.vocab_size
         self.redo = f"re-run `{prepare_command(manifest.data_dir, manifest.source)}`"  # what a damaged shard needs
         counts = [max(0, (s.num_tokens - 1) // block_size) for s in shards]
@@ -76,6 +78,26 @@ class WindowDataset(Dataset):
         except FileNotFoundError as err:  # checked by the manifest's reader, gone since
             missing = f"shard {err.filename} is missing (removed since the run started)"
             raise DataPrepError(f"{missing}; {self.redo}") from None
+        except OSError as err:
+            if err.errno != errno.EMFILE:
+                raise
+        # Each map keeps its file open: thousands of shards pass the usual soft limit of 1024 (ulimit -n), which any
+        # process may raise up to its hard limit, as this one now does (its DataLoader workers inherit it).
+        import resource  # POSIX only: Windows has no such limit to meet
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except ValueError:  # macOS: an unlimited hard limit is no soft one
+                pass
+            else:
+                return self._open()
+        raise DataPrepError(
+            f"the {len(self.paths)} {self.split} shards of {self.data_dir} need an open file each, past the {soft} "
+            f"files this process may open in all (ulimit -n); raise the open-files limit, or prepare the books "
+            f"again with a larger --shard-tokens than {self.shard_tokens} (fewer, larger shards)"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}  # memmaps don't travel to worker processes

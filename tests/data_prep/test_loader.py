@@ -2,9 +2,12 @@
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -519,6 +522,53 @@ def test_a_shard_altered_in_place_or_removed_is_one_error_naming_it(prepared_boo
     assert str(err.value) == (
         f"shard {shard} holds token id 65535, past the tokenizer's 50257 ids (altered or damaged); {redo}"
     )
+
+
+def _lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX open-file limits (ulimit -n)")
+def test_shards_past_the_open_files_soft_limit_still_load(prepared_books):
+    """Each shard's map holds an open file: a corpus of thousands of shards met the usual soft limit of 1024
+    (ulimit -n) with numpy's OSError traceback "Too many open files", though the hard limit allowed them. Here the
+    soft limit leaves room for one shard of the three."""
+    import resource  # POSIX only
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd() + 2, hard))
+    try:
+        loader = TokenLoader(prepared_books, "train", BLOCK, 4)
+        assert len(loader.dataset.paths) == 3 and next(iter(loader))[0].shape == (4, BLOCK)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX open-file limits (ulimit -n)")
+def test_shards_past_the_open_files_hard_limit_are_one_error_saying_what_to_do(prepared_books):
+    """Where even the hard limit is too low: one line naming the limit and the two ways out, not numpy's traceback."""
+    code = (
+        "import os, resource, sys\n"
+        "from data_prep import DataPrepError\n"
+        "from data_prep.loader import TokenLoader\n"
+        "fd = os.open(os.devnull, os.O_RDONLY); os.close(fd)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 2, fd + 2))\n"
+        "try:\n"
+        "    TokenLoader(sys.argv[1], 'train', 64, 4)\n"
+        "except DataPrepError as err:\n"
+        "    print(err)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code, str(prepared_books)], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(
+        rf"the 3 train shards of {re.escape(str(prepared_books))} need an open file each, past the \d+ files this "
+        r"process may open in all \(ulimit -n\); raise the open-files limit, or prepare the books again with a "
+        r"larger --shard-tokens than 40000 \(fewer, larger shards\)\n",
+        done.stdout,
+    ), done.stdout
 
 
 def test_a_data_dir_of_books_given_as_dot_is_prepared_beside_the_folder(tmp_path, monkeypatch):
