@@ -40,7 +40,7 @@ LOSS_PLOT = "loss.png"
 EVALS_PLOT = "evals.png"
 SAMPLES_FILE = "samples.txt"
 EXPORT_DIR = "export"  # the transformers export, with its model card
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")  # 8 digits sort as text; step 10**8 on has more
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
 
@@ -78,7 +78,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and is_checkpoint_dir(p))
+    found = [p for p in root.iterdir() if p.is_dir() and is_checkpoint_dir(p)]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -446,6 +446,17 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint_under_its_name(t
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [newest.name]
 
 
+def test_checkpoints_past_step_99999999_are_resumed_and_pruned_in_step_order(tmp_path):
+    """step-100000000 has nine digits: no step-NNNNNNNN name matched it, so a run that long never resumed from (or
+    pruned) its newest checkpoints, and those sorted as text before step-99999998."""
+    run_dir = tmp_path / "run"
+    older, newest = fake_checkpoint(run_dir, 99_999_998), fake_checkpoint(run_dir, 100_000_000)
+    assert newest.name == "step-100000000"
+    assert list_checkpoints(run_dir) == [older, newest]
+    assert plan_resume(config(run_dir))[0] == newest
+    assert prune_checkpoints(run_dir, 1) == [newest] and not older.exists()
+
+
 def launched_rank(
     folder: Path, rank: int, line: str | None, monkeypatch, capsys, torchrun_layout: bool = True
 ) -> ProcessFailure:
