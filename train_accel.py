@@ -121,7 +121,8 @@ def fit(run: Run) -> bool:
             step, last = progress.step, run.is_last(progress.step)
             bar.update(step - bar.n)
 
-            if metrics.due(step):
+            # a stop between log steps logs its step too: the model card counts the steps the checkpoint took
+            if metrics.due(step) or trainer.stopping:
                 row = metrics.log(step, out)
                 speed = {}  # none yet when a run's (or a resume's) first step, which compiles, is all it has timed
                 if "tokens_per_sec" in row:

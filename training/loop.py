@@ -639,7 +639,7 @@ def trainer_for(run: Run, stop: object) -> Trainer:
 
 
 class TrainMetrics:
-    """Throughput, MFU and the train rows of metrics.jsonl, every log_interval steps and at the last.
+    """Throughput, MFU and the train rows of metrics.jsonl, every log_interval steps, at the last and at a stop.
 
     Its clock counts train_step() time only (evals, samples and saves are left out) and starts after the first
     step: that one carries compile and warm-up. At its end the start-up row (time_to_first_step_s from the process's

@@ -44,6 +44,7 @@ from testkit import (
     train_cmd,
 )
 from training.checkpoint import checkpoint_damage, list_checkpoints
+from training.hub import render_model_card
 from training.metrics import read_metrics
 from training.runlock import LOCK_NAME
 
@@ -281,18 +282,23 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
+    """Between log steps too: the step it stopped at is logged, so the model card of an export of that checkpoint
+    counts the steps and tokens its weights took."""
     run_dir = tmp_path / "run"
-    cmd = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0")
-    proc = start_and_wait(cmd, run_dir, until_step=3, warm=True)
+    cmd = tiny_cmd(None, run_dir, prepared_books, "--max-steps", "500", "--checkpoint-interval", "0",
+                   "--log-interval", "1000")  # fmt: skip
+    proc = start_and_wait(cmd, run_dir, until_step=1, warm=True)  # the start-up row, logged after the first step
     proc.send_signal(signal.SIGTERM)  # passed on to the run
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     step = logged_steps(run_dir)
-    assert 3 <= step < 500
+    assert 2 <= step < 500
     assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{step:08d}"]
     assert f"stopped at step {step} by a signal" in out and "run the same command" in out
     meta = json.loads((list_checkpoints(run_dir)[0] / "meta.json").read_text())
     assert meta["step"] == step and meta["tokens_seen"] == step * 512
+    card = render_model_card(run_dir)
+    assert f"| optimizer steps | {step:,} |" in card and f"| tokens seen | {step * 512:,} |" in card
 
 
 def test_nonfinite_gradients_are_skipped_then_abort_keeping_the_checkpoint(prepared_books, tmp_path):
