@@ -310,6 +310,11 @@ def render_model_card(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     rows = read_metrics(run_dir / METRICS_FILE)
+    if checkpoints := list_checkpoints(run_dir):
+        # the steps the exported weights took (those of the newest checkpoint, write_model_card checks): a resume
+        # killed before its first save logged steps after it, which the next resume drops and trains again
+        saved = int(checkpoints[-1].name.removeprefix("step-"))
+        rows = [r for r in rows if (r.get("step") or 0) <= saved]
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_loss" in r]
     if not train:
