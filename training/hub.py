@@ -40,6 +40,7 @@ from modeling.runs import (
     run_of_checkpoint,
 )
 from training.metrics import data_for_the_card, precision_name
+from training.runlock import run_in_progress
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
@@ -643,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", action="store_true", help="also upload the training checkpoints")
     args = parser.parse_args(argv)
     try:
+        # its export and card are an earlier end's, or none yet; checked here, not in push(): the run's own end pushes
+        # while it holds the lock
+        if (holder := run_in_progress(Path(args.run_dir))) is not None:
+            raise HubError(
+                f"the run in {args.run_dir} is still training ({holder}): its end writes export/ and the model card; "
+                "push once it has ended"
+            )
         url = push(args.run_dir, args.repo_id, private=args.private, checkpoints=args.checkpoints)
     except HubError as err:
         print(f"error: {err}", file=sys.stderr)

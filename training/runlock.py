@@ -32,18 +32,37 @@ def lock_run_folder(run_dir: Path) -> FileLock | None:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        try:
-            holder = json.loads((run_dir / HOLDER_NAME).read_text())
-            who = f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
-        except (OSError, ValueError, KeyError):
-            who = "holder unknown"
         raise RunFolderInUse(
-            f"out_dir {run_dir} is in use by another run ({who}); wait for it to end or stop it, or choose another "
-            "--out-dir (the lock frees itself when that run exits, even if killed)"
+            f"out_dir {run_dir} is in use by another run ({_holder(run_dir)}); wait for it to end or stop it, or "
+            "choose another --out-dir (the lock frees itself when that run exits, even if killed)"
         ) from None
     since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     (run_dir / HOLDER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}))
     return lock
+
+
+def run_in_progress(run_dir: Path) -> str | None:
+    """Who holds run_dir's lock (host, pid, start time) while a run trains there; None where none does. A probe: the
+    lock is released at once, and a folder without a lock file (or one this process cannot open) gets none."""
+    if not (run_dir / LOCK_NAME).is_file():
+        return None
+    lock = FileLock(run_dir / LOCK_NAME)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return _holder(run_dir)
+    except OSError:  # a read-only copy of the run: no run writes there
+        return None
+    lock.release()
+    return None
+
+
+def _holder(run_dir: Path) -> str:
+    try:
+        holder = json.loads((run_dir / HOLDER_NAME).read_text())
+        return f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+    except (OSError, ValueError, KeyError):
+        return "holder unknown"
 
 
 def drop_if_unused(run_dir: Path, lock: FileLock | None) -> None:

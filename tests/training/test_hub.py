@@ -8,6 +8,8 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,7 +23,7 @@ from modeling.config import get_preset
 from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import checkpoint_dir
-from testkit import TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg19_copy
+from testkit import REPO, TINY_MODEL, hub_endpoint, whoami, write_checkpoint, write_pg19_copy
 from training.config import TrainConfig, config_to_yaml
 from training.export import main as export_main
 from training.hub import (
@@ -384,6 +386,29 @@ def test_the_card_of_an_export_describes_the_steps_of_its_checkpoint_not_a_resum
     assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card and "| val loss (final / best) | 9.5000 / 9.5000 |" in card
     assert "| throughput (median) | 1,000 tokens/s |" in card
+
+
+def test_a_run_still_training_is_not_pushed(finished_run, monkeypatch, capsys):
+    """A run folder whose run is still training (its lock held, here by a process that took it as a launch does):
+    the push wrote a card and uploaded the export of an earlier end (or, before its first end, was told to export a
+    checkpoint of the unfinished run). Now one line names the run's holder, before anything is written."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    hold = "import sys, time, pathlib; from training.runlock import lock_run_folder; "
+    hold += "held = lock_run_folder(pathlib.Path(sys.argv[1]))"
+    holder = subprocess.Popen([sys.executable, "-c", f"{hold}; print(); time.sleep(60)", finished_run], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "\n"  # the lock is held
+        before = tree_hashes(finished_run)
+        assert main([str(finished_run), "--repo-id", "someone/tiny-books"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the run in {finished_run} is still training (host ")
+        assert f"pid {holder.pid}," in err
+        assert "push once it has ended" in err and len(err.splitlines()) == 1
+        assert tree_hashes(finished_run) == before
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_push_without_token_is_a_clear_error(finished_run, tmp_path, monkeypatch, capsys):
