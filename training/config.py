@@ -361,9 +361,14 @@ class TrainConfig:
 
     def total_steps(self) -> int:
         """Optimizer steps to run: from the token budget when one is given, else max_steps."""
-        if self.max_tokens is None:
-            return self.max_steps
-        return -(-self.max_tokens // self.total_batch_tokens)
+        return run_steps(self.max_steps, self.max_tokens, self.total_batch_tokens)
+
+
+def run_steps(max_steps: int, max_tokens: int | None, total_batch_tokens: int) -> int:
+    """TrainConfig.total_steps of these fields (also of a run's saved config.yaml, read as a dict)."""
+    if max_tokens is None:
+        return max_steps
+    return -(-max_tokens // total_batch_tokens)
 
 
 def grad_accum_steps(total_batch_tokens: int, micro_batch_size: int, block_size: int, world_size: int) -> int:

@@ -39,6 +39,7 @@ from modeling.runs import (
     read_metrics,
     run_of_checkpoint,
 )
+from training.config import run_steps
 from training.metrics import data_for_the_card, precision_name
 from training.runlock import run_in_progress
 
@@ -369,7 +370,7 @@ Accelerate, MIT-licensed).
 | model | {model} (context {_context(run_dir, config)}) |
 | optimizer | {_optimizer_line(config)} |
 | lr schedule | {_schedule_line(config)} |
-| optimizer steps | {last["step"]:,} |
+| optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {throughput} |
@@ -386,6 +387,21 @@ print(tok.decode(out[0]))
 ```
 """
     return str(ModelCard(content))
+
+
+def _steps(config: dict, rows: list[dict], step: int) -> str:
+    """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
+    checkpoint): the lr schedule the card gives is the whole run's."""
+    decided = [r["total_steps"] for r in rows if "total_steps" in r]  # a time budget's count (max_steps: its cap)
+    if decided:
+        planned = decided[-1]
+    elif config.get("time_budget_minutes"):
+        return f"{step:,}"  # stopped before the budget decided: no count was planned yet
+    else:
+        planned = run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
+    if step >= planned:
+        return f"{step:,}"
+    return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
 
 
 def _val_set_line(rows: list[dict], val_step: int) -> str:

@@ -78,7 +78,7 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
 def write_run(run, data_dir, rows, **config) -> TrainConfig:
     """config.yaml and metrics.jsonl as a finished run leaves them."""
     run.mkdir(exist_ok=True)
-    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(data_dir), total_batch_tokens=1024, max_steps=2, **config)
+    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(data_dir), total_batch_tokens=1024, **{"max_steps": 2, **config})
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return cfg
@@ -235,6 +235,23 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
         "| hardware | steps 1-1: 1 × CPU: Xeon, bf16 mixed precision; steps 2-2: 4 × NVIDIA H100 80GB HBM3, bf16 "
         "mixed precision, torch.compile; steps 3-4: 8 × NVIDIA H100 80GB HBM3, bf16 mixed precision, torch.compile |"
     ) in render_model_card(finished_run)
+
+
+@pytest.mark.parametrize(
+    ("config", "rows", "steps"),
+    [
+        ({}, [], "| optimizer steps | 1 of 2 planned (stopped early: the lr schedule above did not run to its end) |"),
+        ({"max_tokens": 4096}, [], "| optimizer steps | 1 of 4 planned (stopped early: the lr schedule above did not "),
+        # under a time budget, the count it decided (max_steps is its cap)
+        ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
+        ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
+    ],
+)  # fmt: skip
+def test_the_card_of_a_run_stopped_early_says_so(tmp_path, prepared_books, config, rows, steps):
+    """A run stopped by a signal at step 1 of 2 and exported (python -m training.export RUN --out RUN/export, as
+    the push advises): its card gave the schedule of the whole run, with no word that it never ran to its end."""
+    write_run(tmp_path / "run", prepared_books, [*rows, {"step": 1, "train_loss": 9.25, "tokens_seen": 1024}], **config)
+    assert steps in render_model_card(tmp_path / "run")
 
 
 @pytest.mark.parametrize("start", ["hub", "export", "folder"])
