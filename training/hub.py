@@ -306,17 +306,22 @@ def _whoami(token: str, timeout: float) -> dict | HfHubHTTPError:
 
 def render_model_card(run_dir: str | Path) -> str:
     """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs and schedule
-    as config.yaml says the run used them, steps, tokens, losses, eval results, throughput and the loss plot."""
+    as the config.yaml of the newest checkpoint (the export's weights) says the run used them, steps, tokens,
+    losses, eval results, throughput and the loss plot."""
     from huggingface_hub import ModelCard
 
     run_dir = Path(run_dir)
-    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     rows = read_metrics(run_dir / METRICS_FILE)
+    config_file = run_dir / CONFIG_FILE
     if checkpoints := list_checkpoints(run_dir):
-        # the steps the exported weights took (those of the newest checkpoint, write_model_card checks): a resume
-        # killed before its first save logged steps after it, which the next resume drops and trains again
+        # the steps the exported weights took (those of the newest checkpoint, write_model_card checks), under the
+        # config that checkpoint was saved with: a resume killed before its first save logged steps after it (which
+        # the next resume drops and trains again) and wrote its own config.yaml
         saved = int(checkpoints[-1].name.removeprefix("step-"))
         rows = [r for r in rows if (r.get("step") or 0) <= saved]
+        if (checkpoints[-1] / CONFIG_FILE).is_file():  # not in checkpoints from before saves copied it
+            config_file = checkpoints[-1] / CONFIG_FILE
+    config = yaml.safe_load(config_file.read_text())
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_loss" in r]
     if not train:

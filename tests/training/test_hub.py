@@ -389,16 +389,21 @@ def test_an_export_older_than_the_runs_newest_checkpoint_gets_no_card(finished_r
 
 def test_the_card_of_an_export_describes_the_steps_of_its_checkpoint_not_a_resume_killed_since(finished_run):
     """A finished run launched again to train on, killed (kill -9) before its first save: metrics.jsonl logged steps
-    the export's weights (those of step-00000002, the newest checkpoint) never took. The card counted them."""
+    the export's weights (those of step-00000002, the newest checkpoint) never took, and config.yaml is the killed
+    launch's, with more steps. The card counted those steps, and then called the export stopped early."""
     shutil.rmtree(finished_run / "export")
     write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(finished_run, 2))  # the run's end: its last save, then its export
+    shutil.copy2(finished_run / "config.yaml", checkpoint_dir(finished_run, 2) / "config.yaml")  # as every save does
     export_hf(GPT(get_preset("tiny-cpu")), finished_run / "export", gpt2_vocab_and_merges())
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())  # the killed launch's: 2 more steps
+    (finished_run / "config.yaml").write_text(yaml.safe_dump({**config, "max_steps": 4}))
     gpu = {"world_size": 8, "device": "NVIDIA H100 80GB HBM3", "mixed_precision": "bf16", "dynamo_backend": "NO"}
     killed = [{"step": 2, "launch": gpu}, {"step": 3, "train_loss": 8.0, "tokens_per_sec": 9000.0, "tokens_seen": 3072},
               {"step": 3, "val_loss": 8.5}]  # fmt: skip
     with (finished_run / "metrics.jsonl").open("a") as metrics:
         metrics.write("".join(json.dumps(r) + "\n" for r in killed))
     card = write_model_card(finished_run, "someone/tiny-books").read_text()
+    # its checkpoint's config, which the export's steps trained under: the run's end, not 2 of the 4 planned since
     assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 |" in card
     assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card and "| val loss (final / best) | 9.5000 / 9.5000 |" in card
