@@ -579,14 +579,19 @@ def _optimizer_line(config: dict) -> str:
 
 
 def _schedule_line(config: dict) -> str:
-    warmup, floor = config["warmup_steps"], config["min_lr_ratio"]
+    warmup, floor = _plural(config["warmup_steps"], "warmup step"), config["min_lr_ratio"]
     if config["lr_schedule"] == "wsd" and not (config.get("decay_steps") or config["decay_fraction"]):
-        return f"wsd with no decay: {warmup} warmup steps, then the peak lr to the last step (the stable part of a run)"
+        return f"wsd with no decay: {warmup}, then the peak lr to the last step (the stable part of a run)"
     if config["lr_schedule"] == "wsd":
         steps = config.get("decay_steps")  # not in the configs of runs from before it
-        last = f"{steps} steps" if steps else f"{config['decay_fraction']:g} of the steps"
-        return f"wsd: {warmup} warmup steps, constant, then linear decay over the last {last} to {floor:g}× the peak"
-    return f"cosine: {warmup} warmup steps, then cosine decay to {floor:g}× the peak"
+        last = _plural(steps, "step") if steps else f"{config['decay_fraction']:g} of the steps"
+        return f"wsd: {warmup}, constant, then linear decay over the last {last} to {floor:g}× the peak"
+    return f"cosine: {warmup}, then cosine decay to {floor:g}× the peak"
+
+
+def _plural(count: int, noun: str) -> str:
+    """1 warmup step, 2 warmup steps."""
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:

@@ -116,6 +116,11 @@ ROWS = [{"step": 2, "train_loss": 9.25, "tokens_per_sec": 1000.0, "tokens_seen":
             "| optimizer | AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) |",
             "| lr schedule | cosine: 10 warmup steps, then cosine decay to 0.1× the peak |",
         ),
+        (  # one warmup step, a decay of one step: it said "1 warmup steps", "the last 1 steps"
+            {"optimizer": "adamw", "lr": 3e-4, "lr_schedule": "wsd", "warmup_steps": 1, "decay_steps": 1},
+            "| optimizer | AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) |",
+            "| lr schedule | wsd: 1 warmup step, constant, then linear decay over the last 1 step to 0.1× the peak |",
+        ),
     ],
 )  # fmt: skip
 def test_model_card_says_the_optimizers_lrs_and_schedule_of_the_run(
