@@ -327,9 +327,6 @@ def render_model_card(run_dir: str | Path) -> str:
     if not train:
         raise HubError(f"{run_dir}/metrics.jsonl has no training rows: train the run before writing its card")
     last = train[-1]
-    # The first step (compile, warm-up) is timed apart, so a one-step run has no throughput row.
-    speeds = [r["tokens_per_sec"] for r in train if "tokens_per_sec" in r]
-    throughput = f"{statistics.median(speeds):,.0f} tokens/s" if speeds else "n/a (one step)"
     manifest = _manifest(config, rows)
     val_line = score_lines = ""
     evals = {k: v for k, v in val[-1].items() if k != "step"} if val else {}
@@ -378,7 +375,7 @@ Accelerate, MIT-licensed).
 | optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
-{val_line}{score_lines}| throughput (median) | {throughput} |
+{val_line}{score_lines}| throughput (median) | {_throughput(train, launches, last["step"])} |
 
 ![loss curve](loss.png)
 
@@ -508,30 +505,50 @@ def _launches(rows: list[dict], last_step: int) -> list[tuple[int, dict]]:
     return [(r["step"] + 1, r["launch"]) for r in rows if "launch" in r and r["step"] < last_step]
 
 
-def _per_span(launches: list[tuple[int, dict]], last_step: int, what: Callable[[dict], str]) -> str:
-    """what(launch) for the run's steps, with each span's steps where a resume changed it."""
-    parts: list[tuple[int, int, str]] = []  # (first step, last step, what)
+def _spans(launches: list[tuple[int, dict]], last_step: int, what: Callable[[dict], str]) -> list[tuple[int, int, str]]:
+    """(first step, last step, what(launch)) of each span of the run's steps over which what(launch) held."""
+    parts: list[tuple[int, int, str]] = []
     for i, (first, launch) in enumerate(launches):
         until = launches[i + 1][0] - 1 if i + 1 < len(launches) else last_step
         text = what(launch)
         if parts and parts[-1][2] == text:
             first = parts.pop()[0]  # the same as the launch before: one span
         parts.append((first, until, text))
+    return parts
+
+
+def _per_span(launches: list[tuple[int, dict]], last_step: int, what: Callable[[dict], str]) -> str:
+    """what(launch) for the run's steps, with each span's steps where a resume changed it."""
+    return _joined(_spans(launches, last_step, what))
+
+
+def _joined(parts: list[tuple[int, int, str]]) -> str:
     if len(parts) == 1:
         return parts[0][2]
     return "; ".join(f"steps {a:,}-{b:,}: {text}" for a, b, text in parts)
+
+
+def _where(launch: dict) -> str:
+    """Where and in what precision a launch trained."""
+    compiled = "" if launch["dynamo_backend"] == "NO" else ", torch.compile"
+    return f"{launch['world_size']} × {launch['device']}, {precision_name(launch['mixed_precision'])}{compiled}"
 
 
 def _hardware_line(launches: list[tuple[int, dict]], last_step: int) -> str:
     """Where and in what precision each launch of the run trained: one table row."""
     if not launches:
         return ""
+    return f"| hardware | {_per_span(launches, last_step, _where)} |\n"
 
-    def where(launch: dict) -> str:
-        compiled = "" if launch["dynamo_backend"] == "NO" else ", torch.compile"
-        return f"{launch['world_size']} × {launch['device']}, {precision_name(launch['mixed_precision'])}{compiled}"
 
-    return f"| hardware | {_per_span(launches, last_step, where)} |\n"
+def _throughput(train: list[dict], launches: list[tuple[int, dict]], last_step: int) -> str:
+    """The median tokens/s of each span of steps on the same hardware (a median over two is neither's)."""
+    parts = []
+    for first, until, _ in _spans(launches, last_step, _where) or [(1, last_step, "")]:
+        speeds = [r["tokens_per_sec"] for r in train if "tokens_per_sec" in r and first <= r["step"] <= until]
+        # The first step (compile, warm-up) is timed apart, so a one-step launch has no throughput row.
+        parts.append((first, until, f"{statistics.median(speeds):,.0f} tokens/s" if speeds else "n/a (one step)"))
+    return _joined(parts)
 
 
 def _batch_line(config: dict, launches: list[tuple[int, dict]], last_step: int) -> str:

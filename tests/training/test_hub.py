@@ -259,6 +259,20 @@ def test_the_card_of_a_run_stopped_early_says_so(tmp_path, prepared_books, confi
     assert steps in render_model_card(tmp_path / "run")
 
 
+def test_the_card_gives_the_throughput_of_each_span_of_hardware(finished_run):
+    """A run resumed on 8 GPUs after 2 steps on a CPU: the card gave the median over both, 250,550 tokens/s, which no
+    launch of the run trained at. A launch on the same hardware as the one before it is of its span."""
+    gpu = {"world_size": 8, "device": "NVIDIA H100 80GB HBM3", "mixed_precision": "bf16", "dynamo_backend": "NO"}
+    rows = [
+        {"step": 2, "launch": gpu}, {"step": 3, "train_loss": 8.0, "tokens_per_sec": 5e5, "tokens_seen": 3072},
+        {"step": 3, "launch": gpu}, {"step": 4, "train_loss": 7.0, "tokens_per_sec": 7e5, "tokens_seen": 4096},
+    ]  # fmt: skip
+    with (finished_run / "metrics.jsonl").open("a") as metrics:
+        metrics.write("".join(json.dumps(r) + "\n" for r in rows))
+    card = render_model_card(finished_run)
+    assert "| throughput (median) | steps 1-2: 1,000 tokens/s; steps 3-4: 600,000 tokens/s |" in card
+
+
 @pytest.mark.parametrize("start", ["hub", "export", "folder"])
 def test_the_card_names_the_model_a_run_started_from_not_a_path(tmp_path, prepared_books, start):
     """--init-from a Hub id is the card's base_model; a local export is named by its own card's model name (its
