@@ -384,7 +384,8 @@ Accelerate, MIT-licensed).
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained("REPO_ID")
 model = AutoModelForCausalLM.from_pretrained("REPO_ID")
-out = model.generate(**tok("ROMEO:", return_tensors="pt"), max_new_tokens=50, do_sample=True, top_k=50)
+# as many new tokens as generation_config.json says (half the context, at most 256): prompt and text must fit in it
+out = model.generate(**tok("ROMEO:", return_tensors="pt"), do_sample=True, top_k=50)
 print(tok.decode(out[0]))
 ```
 """

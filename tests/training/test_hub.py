@@ -387,6 +387,17 @@ def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finis
     assert results == [("default:hamlet,macbeth,tempest,twelfth_night", 4.25)]
 
 
+def test_the_cards_usage_code_runs_on_a_model_of_a_short_context(finished_run, capsys):
+    """The card's snippet asked for 50 new tokens: past a 32-token context (a CPU run's --block-size 32) transformers'
+    GPT-2 fails with an IndexError. It now takes the export's generation_config (half the context)."""
+    shutil.rmtree(finished_run / "export")
+    export_hf(GPT(TINY_MODEL), finished_run / "export", gpt2_vocab_and_merges())
+    card = write_model_card(finished_run, str(finished_run / "export")).read_text()
+    [code] = re.findall(r"```python\n(.*?)```", card, re.DOTALL)
+    exec(code, {})
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
 def test_write_model_card_fills_repo_id(finished_run):
     path = write_model_card(finished_run, "someone/tiny-books")
     assert 'from_pretrained("someone/tiny-books")' in path.read_text()
