@@ -395,12 +395,12 @@ print(tok.decode(out[0]))
 def _steps(config: dict, rows: list[dict], step: int) -> str:
     """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
     checkpoint): the lr schedule the card gives is the whole run's."""
-    decided = [r["total_steps"] for r in rows if "total_steps" in r]  # a time budget's count (max_steps: its cap)
-    if decided:
+    if config.get("time_budget_minutes"):  # the count it decided last (max_steps is its cap)
+        decided = [r["total_steps"] for r in rows if "total_steps" in r]
+        if not decided:
+            return f"{step:,}"  # stopped before the budget decided: no count was planned yet
         planned = decided[-1]
-    elif config.get("time_budget_minutes"):
-        return f"{step:,}"  # stopped before the budget decided: no count was planned yet
-    else:
+    else:  # also where a run went on with its budget off: its decisions are an earlier plan's
         planned = run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
     if step >= planned:
         return f"{step:,}"

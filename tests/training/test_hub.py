@@ -250,6 +250,8 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
         # under a time budget, the count it decided (max_steps is its cap)
         ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
+        # a time-budget run went on with the budget off (--time-budget-minutes 0 --max-steps 4): max_steps decides
+        ({"max_steps": 4}, [{"step": 1, "total_steps": 1}], "| optimizer steps | 1 of 4 planned (stopped early"),
     ],
 )  # fmt: skip
 def test_the_card_of_a_run_stopped_early_says_so(tmp_path, prepared_books, config, rows, steps):
