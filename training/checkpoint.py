@@ -32,6 +32,7 @@ from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in, umask
 from modeling.runs import (
     CONFIG_FILE,
     METRICS_FILE,
+    SAMPLES_FILE,
     checkpoint_dir,
     checkpoint_engine,
     checkpoint_weights,
@@ -380,6 +381,8 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
                 said += f"; the file as it was is in {previous}"
             atomic_write_bytes(metrics, "".join(kept).encode())  # a kill leaves the old file or the new, never half
             lines.append(f"{said})")
+    if step:
+        lines.append(_cut_samples(run_dir / SAMPLES_FILE, step, previous if moved else None))
     if resumed_from is not None and not _in_run(resumed_from, run_dir):
         # a checkpoint in another run's checkpoints/ (not one copied elsewhere, whose parents are no run), as named
         # (that checkpoints/ may be linked to another disk) or as a link to it resolves
@@ -388,6 +391,33 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
         if origin is not None:
             lines.append(_carry_metrics(origin, run_dir, resumed_step))
     return "; ".join(line for line in lines if line) or None
+
+
+def _cut_samples(samples: Path, step: int, previous: Path | None) -> str | None:
+    """Keep samples.txt's samples of the steps before `step`, where a run resumed from its checkpoint of `step`
+    continues: fit() writes that step's sample again (a kill between the save and the sample left it out) and the
+    later ones come anew (a kill after them would repeat them). `previous`: where the file as it was goes."""
+    if not samples.is_file():
+        return None
+    lines = samples.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+    cut = next((i for i, line in enumerate(lines) if (s := _sample_step(line)) is not None and s >= step), None)
+    if cut is None:
+        return None
+    said = f"dropped the {sum(_sample_step(line) is not None for line in lines[cut:])} samples of {samples} from step "
+    said += f"{step} on (written again now"
+    if previous is not None:
+        shutil.copy2(samples, previous / SAMPLES_FILE)
+        said += f"; the file as it was is in {previous}"
+    atomic_write_bytes(samples, "".join(lines[:cut]).encode())
+    return f"{said})"
+
+
+def _sample_step(line: str) -> int | None:
+    """The step of a samples.txt header line ('--- step 12 ---', as training.loop.write_sample writes it)."""
+    if line.startswith("--- step ") and line.rstrip("\n").endswith(" ---"):
+        number = line.rstrip("\n").removeprefix("--- step ").removesuffix(" ---")
+        return int(number) if number.isdigit() else None
+    return None
 
 
 def _carry_metrics(origin: Path, run_dir: Path, step: int) -> str | None:

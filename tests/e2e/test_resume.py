@@ -216,6 +216,20 @@ def kill_after(cmd: list[str], run_dir: Path, step: int) -> Path:
     return list_checkpoints(run_dir)[-1]
 
 
+def test_samples_hold_each_step_once_after_kills_and_resumes(prepared_books, tmp_path, straight_runs):
+    """Killed right after the save of step 4 (before that step's sample), resumed, killed again after the sample of
+    step 7 (saved at 6), resumed to the end: samples.txt is the uninterrupted run's, each step once and in order."""
+    options = ["--sample-interval", "1", "--sample-tokens", "8"]
+    straight, killed = straight_runs(None, options), tmp_path / "killed"
+    cmd = tiny_cmd(None, killed, prepared_books, *TWELVE, *options)
+    samples = killed / "samples.txt"
+
+    kill_warm(start_until(cmd, (killed / "checkpoints/step-00000004").is_dir, warm=True), killed)
+    kill_warm(start_until(cmd, lambda: "--- step 7 ---" in samples.read_text(), warm=True), killed)
+    run(cmd)
+    assert samples.read_text() == (straight / "samples.txt").read_text()
+
+
 def test_a_run_resumes_on_another_number_of_processes_and_micro_batch(prepared_books, tmp_path, straight_runs):
     """Killed on 1 process (micro-batch 4, accumulation 2), resumed on 2 (DDP over gloo: 4, 1), killed, resumed on 1 at
     micro-batch 2 (accumulation 4), under Muon with a momentum warmup: one line names each change, the optimizer,
