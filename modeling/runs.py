@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,6 +46,10 @@ EXPORT_DIR = "export"  # the transformers export, with its model card
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")  # 8 digits sort as text; step 10**8 on has more
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
+MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
+_CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
+_READ = 4 * 2**20  # each thread reads its chunk in pieces: memory stays a few MB however many threads run
+_THREADS = min(8, os.cpu_count() or 1)  # one process hashes: the main one (a resume's check, a save's manifest)
 
 
 class RunError(ValueError):
@@ -293,6 +300,52 @@ def checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor],
     )
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 over the sha256 of each 64 MiB chunk: a multi-GB file hashes on several cores."""
+    size = path.stat().st_size
+
+    def chunk(offset: int) -> bytes:
+        digest, left = hashlib.sha256(), min(_CHUNK, size - offset)
+        with path.open("rb") as f:
+            f.seek(offset)
+            while left > 0 and (piece := f.read(min(left, _READ))):
+                digest.update(piece)
+                left -= len(piece)
+        return digest.digest()
+
+    with ThreadPoolExecutor(_THREADS) as pool:
+        return hashlib.sha256(b"".join(pool.map(chunk, range(0, max(size, 1), _CHUNK)))).hexdigest()
+
+
+def manifest_damage(folder: Path, wanted: Callable[[str], bool] = lambda name: True) -> str | None:
+    """What is wrong with the files of a checkpoint that its manifest lists and `wanted` picks (by relative path): one
+    missing, of another size or hash than when saved. None: they match, or the folder has no manifest (saved before
+    manifests existed)."""
+    if not (folder / MANIFEST).is_file():
+        return None
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in listed.items() if wanted(name)}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, (size, _) in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, {size:,} when saved"
+    for name, (_, digest) in files.items():
+        if file_sha256(folder / name) != digest:
+            return f"{name} does not match its sha256 when saved"
+    return None
+
+
+def _holds_weights(name: str) -> bool:
+    """Whether a checkpoint's file (relative path) is one checkpoint_weights reads, of any engine: the reader hashes
+    those alone (ZeRO's fp32 weights are in its optimizer partitions, under the same tag)."""
+    return name == "model.safetensors" or name.split("/")[0] in (_FSDP_SHARDS, _ZERO_TAG)
+
+
 def checkpoint_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
     """A checkpoint given by path, or by its name in the run's checkpoints/ (step-NNNNNNNN), as a path."""
     run_dir, path = Path(run_dir), Path(checkpoint)
@@ -310,6 +363,8 @@ def load_checkpoint(run_dir: str | Path, checkpoint: str | Path) -> tuple[GPT, s
         raise RunError(f"checkpoint {checkpoint} does not exist; {run_dir} has {', '.join(found) or 'none'}")
     model = GPT(run_model_config(run_dir))
     try:
+        if damage := manifest_damage(checkpoint, _holds_weights):  # a flipped byte loads silently otherwise
+            raise RunError(f"checkpoint {checkpoint} is damaged ({damage})")
         weights, how = checkpoint_weights(checkpoint)
     except RunError as err:
         others = [p.name for p in list_checkpoints(run_dir) if p.resolve() != checkpoint.resolve()]

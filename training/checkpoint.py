@@ -7,16 +7,13 @@ sha256) tells whether it still is, so `--resume auto` skips one damaged since (a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,13 +28,16 @@ from data_prep.assets import atomic_write_bytes
 from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in, umask_modes
 from modeling.runs import (
     CONFIG_FILE,
+    MANIFEST,
     METRICS_FILE,
     SAMPLES_FILE,
     checkpoint_dir,
     checkpoint_engine,
     checkpoint_weights,
+    file_sha256,
     is_checkpoint_dir,
     list_checkpoints,
+    manifest_damage,
     merge_shards,
     run_of_checkpoint,
     zero_layout,
@@ -111,30 +111,9 @@ def ensure_writable(run_dir: str | Path) -> None:
         raise NotADirectoryError(f"out_dir {run_dir} {said}; choose another --out-dir") from None
 
 
-MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index: which bytes of which shard hold each tensor
 PREVIOUS = "previous-"  # run folders' subfolders holding what a fresh start or a resume set aside
 _LOCKS = (".run.lock", ".run.lock.json")  # training.runlock's: the live run's, never set aside
-_CHUNK = 64 * 2**20  # files are hashed in chunks on threads (hashlib releases the GIL): GBs take seconds, not minutes
-_READ = 4 * 2**20  # each thread reads its chunk in pieces: memory stays a few MB however many threads run
-_THREADS = min(8, os.cpu_count() or 1)  # one process hashes: the main one (plan_resume's check, a save's manifest)
-
-
-def _sha256(path: Path) -> str:
-    """sha256 over the sha256 of each 64 MiB chunk: a multi-GB file hashes on several cores."""
-    size = path.stat().st_size
-
-    def chunk(offset: int) -> bytes:
-        digest, left = hashlib.sha256(), min(_CHUNK, size - offset)
-        with path.open("rb") as f:
-            f.seek(offset)
-            while left > 0 and (piece := f.read(min(left, _READ))):
-                digest.update(piece)
-                left -= len(piece)
-        return digest.digest()
-
-    with ThreadPoolExecutor(_THREADS) as pool:
-        return hashlib.sha256(b"".join(pool.map(chunk, range(0, max(size, 1), _CHUNK)))).hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -143,7 +122,7 @@ def _files(folder: Path) -> list[Path]:
 
 def write_manifest(folder: Path) -> None:
     """Every file's size and hash, written last into a checkpoint (all ranks' files are complete by then)."""
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(folder)}
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in _files(folder)}
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -156,21 +135,7 @@ def checkpoint_damage(folder: Path) -> str | None:
     if not folder.is_dir():
         return "it does not exist"
     if (folder / MANIFEST).is_file():
-        try:
-            listed = json.loads((folder / MANIFEST).read_text())["files"]
-            files = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in listed.items()}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return f"its {MANIFEST} is unreadable"
-        for name, (size, _) in files.items():
-            path = folder / name
-            if not path.is_file():
-                return f"{name} is missing"
-            if path.stat().st_size != size:
-                return f"{name} is {path.stat().st_size:,} bytes, {size:,} when saved"
-        for name, (_, digest) in files.items():
-            if _sha256(folder / name) != digest:
-                return f"{name} does not match its sha256 when saved"
-        return None
+        return manifest_damage(folder)
     for path in _files(folder):
         name = str(path.relative_to(folder))
         try:

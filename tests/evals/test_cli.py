@@ -28,7 +28,8 @@ from modeling.gpt import GPT
 from modeling.hf_export import export_hf
 from modeling.runs import read_metrics
 from testkit import REPO, TINY_MODEL, fill_disk, new_run, write_checkpoint
-from training.checkpoint import checkpoint_dir
+from training.checkpoint import checkpoint_dir, write_manifest
+from training.export import main as export_main
 from training.metrics import JSONLTracker
 
 
@@ -462,6 +463,31 @@ def test_a_damaged_checkpoint_or_export_is_one_line_naming_the_others(tmp_path, 
         line,
     ), line
     assert load_model(run, "step-00000001")[1].endswith("step-00000001 (model.safetensors)")  # the intact one
+
+
+def test_a_checkpoint_with_a_flipped_byte_is_one_line_in_evals_generate_and_export(tmp_path, capsys):
+    """A flipped byte in a checkpoint's weights loaded silently in evals, evals.generate and training.export (a resume
+    checks the manifest); now each stops with one line naming the file and another checkpoint. One saved before
+    manifests existed still loads."""
+    run = new_run(tmp_path / "run")
+    for step in (1, 2):
+        write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(run, step))
+    write_manifest(checkpoint_dir(run, 2))  # step 1: saved before manifests existed
+    weights = checkpoint_dir(run, 2) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # in the last tensor's bytes: safetensors still loads the file
+    weights.write_bytes(bytes(data))
+    line = (
+        f"error: checkpoint {checkpoint_dir(run, 2)} is damaged (model.safetensors does not match its sha256 when "
+        "saved); give another of its checkpoints: step-00000001"
+    )
+    assert evals_error(["--run", str(run), "--tasks", "lambada", "--limit", "1"], capsys) == line
+    generate, export = ["--run", str(run), "--prompt", "x"], [str(run), "--out", str(tmp_path / "export")]
+    for main, argv in ((generate_main, generate), (export_main, export)):
+        with pytest.raises(SystemExit, match=f"^{re.escape(line)}$"):
+            main(argv)
+    assert not (tmp_path / "export").exists()
+    assert load_model(run, "step-00000001")[1].endswith("step-00000001 (model.safetensors)")
 
 
 def test_plot_evals_writes_png(tmp_path):
