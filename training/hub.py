@@ -642,6 +642,12 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
     return export / "README.md"
 
 
+def checkpoint_patterns(run_dir: Path) -> list[str]:
+    """The upload's allow_patterns in run_dir/checkpoints/: its complete checkpoints' files, not a crash's half-written
+    step-N.tmp/ (nor anything else there)."""
+    return [f"{checkpoint.name}/*" for checkpoint in list_checkpoints(run_dir)]
+
+
 def push(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoints: bool = False) -> str:
     """Upload the export (with its model card) and optionally the training checkpoints; returns the repo URL."""
     from huggingface_hub import HfApi
@@ -665,10 +671,10 @@ def push(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoint
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=run_dir / EXPORT_DIR, commit_message="Upload bookgpt export")
-        if checkpoints and (run_dir / "checkpoints").is_dir():
+        if checkpoints and (complete := checkpoint_patterns(run_dir)):
             api.upload_folder(
                 repo_id=repo_id, folder_path=run_dir / "checkpoints", path_in_repo="checkpoints",
-                commit_message="Upload training checkpoints",
+                allow_patterns=complete, commit_message="Upload training checkpoints",
             )  # fmt: skip
     except Exception as err:  # network, auth and Hub errors all end the same way for the user
         retry = _retry_hint(run_dir, repo_id, private, checkpoints)

@@ -15,6 +15,7 @@ import time
 import pytest
 import yaml
 from huggingface_hub import ModelCard, constants
+from huggingface_hub.utils import filter_repo_objects
 from transformers import GPT2Config
 
 from data_prep.prepare import prepare
@@ -30,6 +31,7 @@ from training.hub import (
     HubError,
     check_model_card,
     check_push,
+    checkpoint_patterns,
     main,
     push,
     render_model_card,
@@ -574,6 +576,24 @@ def check_on_hub(monkeypatch, repo_id: str, status: int = 200, answer: dict | No
         note = check_push(repo_id, **kw)
     assert [r["authorization"] for r in requests] == ["Bearer hf_not_a_real_token"]
     return note
+
+
+def test_the_checkpoints_pushed_are_the_complete_ones(tmp_path):
+    """--checkpoints uploaded everything in checkpoints/, a crash's half-written step-N.tmp/ too; upload_folder now
+    gets allow_patterns that pick the complete checkpoints' files alone (filtered as huggingface_hub filters them)."""
+    run = tmp_path / "run"
+    for name in ("step-00000002", "step-00000004", "step-00000006.tmp", "step-00000004.old", "notes"):
+        (run / "checkpoints" / name / "nested").mkdir(parents=True)
+        for file in ("model.safetensors", "nested/random_states_0.pkl"):
+            (run / "checkpoints" / name / file).write_text(name)
+    (run / "checkpoints" / "step-00000008").write_text("a file, not a checkpoint")
+    files = sorted(str(p.relative_to(run / "checkpoints")) for p in (run / "checkpoints").rglob("*") if p.is_file())
+    assert list(filter_repo_objects(files, allow_patterns=checkpoint_patterns(run))) == [
+        f"{step}/{file}"
+        for step in ("step-00000002", "step-00000004")
+        for file in ("model.safetensors", "nested/random_states_0.pkl")
+    ]
+    assert checkpoint_patterns(tmp_path / "untrained") == []
 
 
 def test_check_push_refuses_a_malformed_repo_id_or_no_token(tmp_path, monkeypatch):
