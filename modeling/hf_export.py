@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from modeling.config import EOT_ID, PADDED_VOCAB_SIZE, REAL_VOCAB_SIZE, GPTConfi
 from modeling.device import quiet_deepspeed
 from modeling.disk import swap_in, umask_modes
 from modeling.gpt import GPT, VOCAB_ROWS, real_vocab_rows
+from modeling.runs import EXPORT_STEP_FILE
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # GPT-2's vocab.json (token -> id) and merges.txt (pairs in rank order) contents
@@ -113,10 +115,11 @@ def from_hf_state_dict(state_dict: dict[str, Tensor], config: GPTConfig) -> dict
     return out
 
 
-def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges) -> Path:
+def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges, step: int | None = None) -> Path:
     """Write a transformers folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
     tokenizer_config.json) for model and the GPT-2 tokenizer (data_prep.tokenizer.gpt2_vocab_and_merges());
-    returns out_dir.
+    returns out_dir. `step`: the optimizer step of a run whose weights these are, recorded in bookgpt.json (the Hub
+    push compares it with the run's newest checkpoint).
 
     It is written as OUT.tmp and swapped in whole: a failed export (a full disk) leaves no partial folder and
     the previous export, if any, as it was."""
@@ -134,6 +137,8 @@ def export_hf(model: GPT, out_dir: str | Path, vocab_and_merges: VocabAndMerges)
         with _no_progress_bars():
             hf_model.save_pretrained(tmp_dir)  # safetensors
         export_tokenizer(vocab_and_merges, tmp_dir, model.config.block_size)
+        if step is not None:
+            (tmp_dir / EXPORT_STEP_FILE).write_text(json.dumps({"step": step}) + "\n")
         umask_modes(tmp_dir)  # model.safetensors: readable as the other files are
         swap_in(tmp_dir, out_dir)
     except BaseException:

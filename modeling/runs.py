@@ -43,6 +43,7 @@ LOSS_PLOT = "loss.png"
 EVALS_PLOT = "evals.png"
 SAMPLES_FILE = "samples.txt"
 EXPORT_DIR = "export"  # the transformers export, with its model card
+EXPORT_STEP_FILE = "bookgpt.json"  # in an export: {"step": n}, the optimizer step of the weights it holds
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")  # 8 digits sort as text; step 10**8 on has more
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's name for the model's state dict (fsdp SHARDED_STATE_DICT)
 _ZERO_TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its folder name)
@@ -235,6 +236,15 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
             f"{path}: {str(err).split('; ')[0]}: the run's model shape comes from there; put it back (or, once the "
             "run has finished, its export/ stands in for it)"
         ) from None
+
+
+def export_step(export: Path) -> int | None:
+    """The optimizer step whose weights an export holds, as it recorded it; None for an export made before it did."""
+    try:
+        step = json.loads((export / EXPORT_STEP_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def checkpoint_engine(checkpoint: str | Path) -> str | None:

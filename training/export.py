@@ -16,7 +16,15 @@ from pathlib import Path
 
 from data_prep.tokenizer import gpt2_vocab_and_merges
 from modeling.disk import DiskFull, cannot_write, disk_full_reported
-from modeling.runs import RunError, checkpoint_path, list_checkpoints, load_checkpoint, named, run_of_checkpoint
+from modeling.runs import (
+    RunError,
+    checkpoint_path,
+    is_checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    named,
+    run_of_checkpoint,
+)
 
 
 class ExportError(RuntimeError):
@@ -49,7 +57,8 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 
     with disk_full_reported(out, f"{path} is untouched and nothing of the export is left"):
-        export_hf(model, out, gpt2_vocab_and_merges())
+        step = int(path.name.removeprefix("step-")) if is_checkpoint_dir(path) else None  # a copy named otherwise
+        export_hf(model, out, gpt2_vocab_and_merges(), step)
     print(f"{source} -> {out}")
     return out
 

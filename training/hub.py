@@ -32,6 +32,7 @@ from modeling.runs import (
     LOSS_PLOT,
     METRICS_FILE,
     SHAPE_FIELDS,
+    export_step,
     is_hub_id,
     list_checkpoints,
     model_shape,
@@ -627,7 +628,7 @@ def write_model_card(run_dir: str | Path, repo_id: str | None = None) -> Path:
             f"{shlex.quote(str(export))}"
         )
     # The run's end saves its last checkpoint, then exports: a newer checkpoint is a resume that stopped before its end
-    if checkpoints and checkpoints[-1].stat().st_mtime > (export / "config.json").stat().st_mtime:
+    if checkpoints and _trained_since(export, checkpoints[-1]):
         raise HubError(
             f"{export} holds the weights of an earlier end of this run, which has trained on to {checkpoints[-1].name} "
             "since (a resume stopped before its end), and its card would describe those steps: finish the run with "
@@ -646,6 +647,15 @@ def checkpoint_patterns(run_dir: Path) -> list[str]:
     """The upload's allow_patterns in run_dir/checkpoints/: its complete checkpoints' files, not a crash's half-written
     step-N.tmp/ (nor anything else there)."""
     return [f"{checkpoint.name}/*" for checkpoint in list_checkpoints(run_dir)]
+
+
+def _trained_since(export: Path, newest: Path) -> bool:
+    """Whether the run's newest checkpoint is of a later step than the export's weights: by the step the export
+    recorded (a copied run folder's times are the copy's order), else (an export made before it did) by time."""
+    step = export_step(export)
+    if step is None:
+        return newest.stat().st_mtime > (export / "config.json").stat().st_mtime
+    return int(newest.name.removeprefix("step-")) > step
 
 
 def push(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoints: bool = False) -> str:

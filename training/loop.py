@@ -817,7 +817,7 @@ def write_outputs(run: Run) -> None:
         export_model = final_model(run, final)  # on the main process; None on the others
         if export_model is not None:
             with disk_full_reported(run_dir / EXPORT_DIR, kept):
-                export_final(run_dir, export_model)
+                export_final(run_dir, export_model, run.progress.step)
                 write_model_card(run_dir, cfg.push_to_hub or None)
     written = [LOSS_PLOT, *([EVALS_PLOT] if cfg.eval_tasks else []), *([f"{EXPORT_DIR}/"] if cfg.export_hf else [])]
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
@@ -845,15 +845,15 @@ def final_model(run: Run, final_checkpoint: Path) -> GPT | None:
     return model
 
 
-def export_final(run_dir: Path, model: GPT) -> None:
-    """The run's export/ (a transformers folder), written under a temporary name and renamed into place (replacing
-    the export of an earlier end of this run, resumed since). A failure leaves the checkpoints, and says how to
-    export the newest of them, which holds these same weights."""
+def export_final(run_dir: Path, model: GPT, step: int) -> None:
+    """The run's export/ (a transformers folder) of the weights of optimizer step `step`, which it records, written
+    under a temporary name and renamed into place (replacing the export of an earlier end of this run, resumed since).
+    A failure leaves the checkpoints, and says how to export the newest of them, which holds these same weights."""
     export = run_dir / EXPORT_DIR
     try:
         from modeling.hf_export import export_hf  # imports transformers (~3 s): only runs that export pay for it
 
-        export_hf(model, export, gpt2_vocab_and_merges())  # written whole or not at all
+        export_hf(model, export, gpt2_vocab_and_merges(), step)  # written whole or not at all
     except Exception as err:  # after all the training, whatever it is: one line that says how to finish the job
         if is_disk_full(err, export):
             raise

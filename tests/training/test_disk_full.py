@@ -79,5 +79,6 @@ def test_an_export_on_a_full_disk_says_so_leaves_nothing_and_completes_after_roo
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
     export_main([str(run), "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "bookgpt.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
     ]  # fmt: skip

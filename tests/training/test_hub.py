@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -419,6 +420,23 @@ def test_an_export_older_than_the_runs_newest_checkpoint_gets_no_card(finished_r
     with pytest.raises(HubError, match=r"holds the weights of an earlier end of this run, .* on to step-00000003 "):
         write_model_card(finished_run, "someone/tiny-books")
     assert tree_hashes(finished_run) == before
+
+
+def test_a_copied_run_folder_is_told_apart_from_one_trained_since_by_steps_not_times(finished_run, tmp_path):
+    """A run folder copied with cp -r (times set by the copy's order) was refused: its newest checkpoint's time was
+    after the export's. The export records its checkpoint's step, which the push compares; one trained on since (a
+    later step, whatever its time) is still refused."""
+    shutil.rmtree(finished_run / "export")
+    write_checkpoint(GPT(get_preset("tiny-cpu")), checkpoint_dir(finished_run, 2))  # the run's shape
+    export_main([str(finished_run), "--out", str(finished_run / "export")])
+    copy = shutil.copytree(finished_run, tmp_path / "copy")
+    later = (copy / "export/config.json").stat().st_mtime + 60
+    os.utime(checkpoint_dir(copy, 2), (later, later))  # copied after the export
+    assert write_model_card(copy, "someone/tiny-books").is_file()
+    write_checkpoint(GPT(TINY_MODEL), checkpoint_dir(copy, 3))  # a resume stopped before its end
+    os.utime(checkpoint_dir(copy, 3), (later - 120, later - 120))  # copied before the export
+    with pytest.raises(HubError, match=r"holds the weights of an earlier end of this run, .* on to step-00000003 "):
+        write_model_card(copy, "someone/tiny-books")
 
 
 def test_the_card_of_an_export_describes_the_steps_of_its_checkpoint_not_a_resume_killed_since(finished_run):

@@ -21,6 +21,7 @@ from data_prep.tokenizer import get_encoding
 from modeling.config import REAL_VOCAB_SIZE, get_preset
 from modeling.disk import swap_in
 from modeling.hf_export import load_hf
+from modeling.runs import export_step
 from training.checkpoint import checkpoint_dir, list_checkpoints, save_checkpoint
 from training.config import ConfigError, TrainConfig
 from training.export import ExportError
@@ -179,6 +180,7 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
     text = "The end of a run:  ünïcödé\n\n<|endoftext|>"
     assert tokenizer(text)["input_ids"] == get_encoding().encode(text, allowed_special="all")
     assert "| optimizer steps | 2 |" in (run.run_dir / "export" / "README.md").read_text()
+    assert export_step(run.run_dir / "export") == export_step(run.run_dir / "export-step-00000002") == 2  # the push's
     # safetensors 0.8 creates its files 0600: the weights were their writer's alone, the files beside them not
     for folder, beside in (
         (checkpoint_dir(run.run_dir, 2), "meta.json"),
