@@ -28,6 +28,7 @@ from data_prep.assets import atomic_write_bytes
 from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in, umask_modes
 from modeling.runs import (
     CONFIG_FILE,
+    EXPORT_DIR,
     MANIFEST,
     METRICS_FILE,
     SAMPLES_FILE,
@@ -39,6 +40,7 @@ from modeling.runs import (
     list_checkpoints,
     manifest_damage,
     merge_shards,
+    named,
     run_of_checkpoint,
     zero_layout,
 )
@@ -101,6 +103,12 @@ def ensure_writable(run_dir: str | Path) -> None:
         raise NotADirectoryError(
             f"out_dir {run_dir} is a checkpoint of the run in {run}, not a run folder: to continue from it, give it as "
             f"--resume, with --out-dir {run} or a new folder"
+        )
+    run = named(run_dir).parent
+    if named(run_dir).name == EXPORT_DIR and (run / CONFIG_FILE).is_file():  # a run there would mix into its export
+        raise NotADirectoryError(
+            f"out_dir {run_dir} is the export folder of the run in {run}, not a run folder: to continue that run, give "
+            f"--out-dir {run}; to train from the export's weights, give it as --init-from, with a new --out-dir"
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

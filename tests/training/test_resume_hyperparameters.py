@@ -4,6 +4,7 @@ its start-up line says; one with the same config continues with exactly the save
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import shutil
 
@@ -139,6 +140,25 @@ def test_an_out_dir_that_is_a_checkpoint_is_refused_and_the_checkpoint_left_whol
         f"it as --resume, with --out-dir {first.run_dir} or a new folder"
     )
     assert sorted(p.name for p in saved.iterdir()) == files and checkpoint_damage(saved) is None
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_out_dir_that_is_a_runs_export_is_refused_and_the_export_left_whole(prepared_books, tmp_path):
+    """--out-dir RUN/export started a run inside the run's export folder (its config.yaml, metrics and checkpoints
+    mixed into what the Hub push uploads), as --out-dir RUN/checkpoints/step-N did before it was refused."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "config.yaml").write_text("preset: tiny-cpu\n")
+    (run / "export" / "config.json").write_text("{}")
+    for given in (run / "export", run / "export" / "x" / ".."):
+        with pytest.raises(NotADirectoryError) as refused:
+            setup(config(prepared_books, given))
+        where = os.path.abspath(run) if ".." in given.parts else run
+        assert str(refused.value) == (
+            f"out_dir {given} is the export folder of the run in {where}, not a run folder: to continue that run, "
+            f"give --out-dir {where}; to train from the export's weights, give it as --init-from, with a new --out-dir"
+        )
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["config.json"]
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
