@@ -633,6 +633,13 @@ def load_resume_state(
     if saved == now or saved is None:  # None: accelerate names the missing file
         try:
             accelerator.load_state(str(checkpoint))
+        except FileNotFoundError as err:  # saved before manifests: its load test checks the files it holds, not these
+            others = [p.name for p in list_checkpoints(checkpoint.parent.parent) if p.name != checkpoint.name]
+            raise CheckpointError(
+                f"checkpoint {checkpoint} is damaged ({Path(err.filename).name} is missing); restore it, resume from "
+                f"another checkpoint of {checkpoint.parent} with --resume PATH ({', '.join(others) or 'none'}), or "
+                "start afresh with --resume never"
+            ) from None
         except RuntimeError as err:  # the model's load_state_dict: a run started with --init-from before it kept
             if "size mismatch" not in str(err):  # the folder's 50,257 ids saved them padded to 50,304
                 raise

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from testkit import TINY_MODEL
-from training.checkpoint import checkpoint_damage, checkpoint_dir, save_checkpoint
+from training.checkpoint import CheckpointError, checkpoint_damage, checkpoint_dir, save_checkpoint
 from training.config import ConfigError, TrainConfig
 from training.loop import TrainMetrics, setup, trainer_for, write_outputs
 from training.step import TrainingAborted
@@ -159,6 +159,24 @@ def test_an_out_dir_that_is_a_runs_export_is_refused_and_the_export_left_whole(p
             f"give --out-dir {where}; to train from the export's weights, give it as --init-from, with a new --out-dir"
         )
     assert sorted(p.name for p in (run / "export").iterdir()) == ["config.json"]
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_checkpoint_from_before_manifests_missing_a_file_is_one_line_naming_it(prepared_books, tmp_path):
+    """A checkpoint saved before manifests existed is load-tested file by file, so a lost file went unnoticed until
+    accelerate's load_state, whose raw '[Errno 2] No such file or directory' was the launch's last line."""
+    first = setup(config(prepared_books, tmp_path / "run"))
+    train_steps(first, 1)
+    saved = save_checkpoint(first.accelerator, first.run_dir, 1, 1, {"step": 1}, first.checkpoint_bytes)
+    first.lock.release()
+    (saved / "manifest.json").unlink()
+    (saved / "optimizer.bin").unlink()
+    with pytest.raises(CheckpointError) as refused:
+        setup(config(prepared_books, first.run_dir))
+    assert str(refused.value) == (
+        f"checkpoint {saved} is damaged (optimizer.bin is missing); restore it, resume from another checkpoint of "
+        f"{saved.parent} with --resume PATH (none), or start afresh with --resume never"
+    )
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
