@@ -18,14 +18,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_ladder_smoke_reports_every_rung(prepared_books, tmp_path):
-    """The CLI end to end at tiny-cpu: 1 warm-up + 1 timed step per row, no batch search (its cap is 1x), so
-    only rungs 8, 9 and 11 compile, with dynamo's eager backend: the CLI is what this tests, and inductor's C++
-    builds of three graphs cost 2 minutes of CPU on a machine without a compile cache (CI's; inductor's
-    numerics: tests/modeling, the compiled train step: tests/e2e/test_train.py). Peer dir absent: skipped with a
-    message."""
+    """The CLI end to end at tiny-cpu, micro-batch 1 (rungs 5-11 autocast to bf16, whose matmuls crawl on an
+    AVX2-only CPU: micro-batch 2 made those rows' head matmuls twice as long, ~6 s more CPU): 1 warm-up + 1 timed
+    step per row, no batch search (its cap is 1x), so only rungs 8, 9 and 11 compile, with dynamo's eager backend:
+    the CLI is what this tests, and inductor's C++ builds of three graphs cost 2 minutes of CPU on a machine
+    without a compile cache (CI's; inductor's numerics: tests/modeling, the compiled train step:
+    tests/e2e/test_train.py). Peer dir absent: skipped with a message."""
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "bench.ladder", "--preset", "tiny-cpu", "--device", "cpu", "--micro-batch-size", "2",
+        sys.executable, "-m", "bench.ladder", "--preset", "tiny-cpu", "--device", "cpu", "--micro-batch-size", "1",
         "--warmup", "1", "--steps", "1", "--max-batch-factor", "1", "--peak-tflops", "1", "--dynamo-backend", "eager",
         "--data-dir", str(prepared_books), "--out", str(out), "--peer-dir", str(tmp_path / "no-peer"),
     ]  # fmt: skip
