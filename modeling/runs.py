@@ -61,6 +61,11 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step of a checkpoint folder named by checkpoint_dir (is_checkpoint_dir holds)."""
+    return int(checkpoint.name.removeprefix("step-"))
+
+
 def is_checkpoint_dir(path: Path) -> bool:
     """Whether `path` is named as a complete checkpoint (step-NNNNNNNN, no .tmp/.old suffix)."""
     return bool(_STEP_DIR.match(path.name))
@@ -87,7 +92,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and is_checkpoint_dir(p)]
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+    return sorted(found, key=checkpoint_step)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

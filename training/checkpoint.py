@@ -34,6 +34,7 @@ from modeling.runs import (
     SAMPLES_FILE,
     checkpoint_dir,
     checkpoint_engine,
+    checkpoint_step,
     checkpoint_weights,
     file_sha256,
     is_checkpoint_dir,
@@ -413,7 +414,7 @@ def _to_set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir:
     if resumed_from is None or not _in_run(resumed_from, run_dir):
         step = 0
     if step:
-        return step, [c for c in list_checkpoints(run_dir) if int(c.name.removeprefix("step-")) > step]  # .tmp: cleared
+        return step, [c for c in list_checkpoints(run_dir) if checkpoint_step(c) > step]  # .tmp: cleared
     if not _holds_a_run(run_dir):
         return 0, []
     inputs = {*Path(data_dir).resolve().parents, Path(data_dir).resolve()} if data_dir else set()

@@ -19,6 +19,7 @@ from modeling.disk import DiskFull, cannot_write, disk_full_reported
 from modeling.runs import (
     RunError,
     checkpoint_path,
+    checkpoint_step,
     is_checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
@@ -57,7 +58,7 @@ def export_checkpoint(run_dir: str | Path, checkpoint: str | None = None, out: s
     from modeling.hf_export import export_hf  # imports transformers (~3 s)
 
     with disk_full_reported(out, f"{path} is untouched and nothing of the export is left"):
-        step = int(path.name.removeprefix("step-")) if is_checkpoint_dir(path) else None  # a copy named otherwise
+        step = checkpoint_step(path) if is_checkpoint_dir(path) else None  # a copy named otherwise
         export_hf(model, out, gpt2_vocab_and_merges(), step)
     print(f"{source} -> {out}")
     return out

@@ -32,6 +32,7 @@ from modeling.runs import (
     LOSS_PLOT,
     METRICS_FILE,
     SHAPE_FIELDS,
+    checkpoint_step,
     export_step,
     is_hub_id,
     list_checkpoints,
@@ -318,7 +319,7 @@ def render_model_card(run_dir: str | Path) -> str:
         # the steps the exported weights took (those of the newest checkpoint, write_model_card checks), under the
         # config that checkpoint was saved with: a resume killed before its first save logged steps after it (which
         # the next resume drops and trains again) and wrote its own config.yaml
-        saved = int(checkpoints[-1].name.removeprefix("step-"))
+        saved = checkpoint_step(checkpoints[-1])
         rows = [r for r in rows if (r.get("step") or 0) <= saved]
         if (checkpoints[-1] / CONFIG_FILE).is_file():  # not in checkpoints from before saves copied it
             config_file = checkpoints[-1] / CONFIG_FILE
@@ -655,7 +656,7 @@ def _trained_since(export: Path, newest: Path) -> bool:
     step = export_step(export)
     if step is None:
         return newest.stat().st_mtime > (export / "config.json").stat().st_mtime
-    return int(newest.name.removeprefix("step-")) > step
+    return checkpoint_step(newest) > step
 
 
 def push(run_dir: str | Path, repo_id: str, *, private: bool = False, checkpoints: bool = False) -> str:
