@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import shutil
 import tempfile
 import time
@@ -386,12 +387,17 @@ def _cut_samples(samples: Path, step: int, previous: Path | None) -> str | None:
     return f"{said})"
 
 
+def sample_header(step: int) -> str:
+    """The line above each sample in samples.txt (training.loop.write_sample), which _sample_step reads back."""
+    return f"--- step {step} ---\n"
+
+
+_SAMPLE_HEADER = re.compile(r"--- step (\d+) ---\n?")
+
+
 def _sample_step(line: str) -> int | None:
-    """The step of a samples.txt header line ('--- step 12 ---', as training.loop.write_sample writes it)."""
-    if line.startswith("--- step ") and line.rstrip("\n").endswith(" ---"):
-        number = line.rstrip("\n").removeprefix("--- step ").removesuffix(" ---")
-        return int(number) if number.isdigit() else None
-    return None
+    """The step of a samples.txt header line (sample_header's); None for a line of a sample's text."""
+    return int(found[1]) if (found := _SAMPLE_HEADER.fullmatch(line)) else None
 
 
 def _carry_metrics(origin: Path, run_dir: Path, step: int) -> str | None:

@@ -51,6 +51,7 @@ from training.checkpoint import (
     outputs_in_the_way,
     plan_resume,
     room_warning,
+    sample_header,
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
@@ -796,7 +797,7 @@ def write_sample(run: Run, step: int) -> None:
         samples = run.run_dir / SAMPLES_FILE
         kept = "it keeps every complete sample, the checkpoints are untouched"
         with disk_full_reported(samples, kept):
-            append_bytes(samples, f"--- step {step} ---\n{text}\n".encode())
+            append_bytes(samples, f"{sample_header(step)}{text}\n".encode())
     accelerator.print(f"sample @ step {step}: {text!r}")
 
 
