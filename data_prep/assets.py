@@ -16,15 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from data_prep import DataPrepError
-
-
-def cache_dir() -> Path:
-    """`$BOOKGPT_CACHE`, else `$XDG_CACHE_HOME/bookgpt`, else `~/.cache/bookgpt` (not created)."""
-    if os.environ.get("BOOKGPT_CACHE"):
-        return Path(os.environ["BOOKGPT_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "bookgpt"
+from modeling.disk import cache_dir
 
 
 class CacheNotWritable(DataPrepError):

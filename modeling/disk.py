@@ -3,7 +3,8 @@ with one error, DiskFull, whose text is the one line to show:
 
     disk full while writing <path>: free space on <mount> and run the same command again; <what was kept>
 
-It lives in modeling, the lowest layer, because data preparation, training and exports all write.
+It lives in modeling, the lowest layer, because data preparation, training and exports all write; so does the
+cache folder, where data preparation keeps the tokenizer and books, the evals their data and the model its CPU kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How the libraries that do not raise OSError word it: Python's and the C library's text, and safetensors' Rust
 # error kind. torch's own writer says only "file write failed": is_disk_full's `need` covers it.
 _FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull")
+
+
+def cache_dir() -> Path:
+    """`$BOOKGPT_CACHE`, else `$XDG_CACHE_HOME/bookgpt`, else `~/.cache/bookgpt` (not created)."""
+    if os.environ.get("BOOKGPT_CACHE"):
+        return Path(os.environ["BOOKGPT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "bookgpt"
 
 
 class DiskFull(RuntimeError):

@@ -13,7 +13,7 @@ import pytest
 
 import data_prep.tokenizer as tokenizer
 from data_prep import DataPrepError
-from data_prep.assets import cache_dir, sdist
+from data_prep.assets import sdist
 from data_prep.tokenizer import (
     EOT_ID,
     TOKENIZER_SHA256,
@@ -22,6 +22,7 @@ from data_prep.tokenizer import (
     gpt2_vocab_and_merges,
     prompt_tokens,
 )
+from modeling.disk import cache_dir
 from testkit import REPO
 
 

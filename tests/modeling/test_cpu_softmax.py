@@ -2,6 +2,7 @@
 form (modeling.fused_ce.softmax_grad), which it replaces where it is built and which stays where it is not."""
 
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -148,3 +149,49 @@ def test_without_gcc_the_fused_loss_keeps_its_torch_form(monkeypatch):
         )
     finally:
         cpu_softmax._library.cache_clear()
+
+
+@needs_kernel
+def test_a_build_is_kept_for_the_next_process_on_this_cpu_and_a_damaged_copy_built_again(monkeypatch, tmp_path):
+    """The kernel is built once per machine and kept in the cache folder, one file per ISA build; a process that finds
+    it loads it without gcc and computes the same bits; a copy cut short is built again; an unwritable cache leaves
+    each process building its own."""
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "cache"))
+    logits, target, scale = chunk(0.5, torch.float32)
+
+    def computed(library) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(cpu_softmax, "_library", lambda: library)
+        out = logits.clone()
+        return cpu_softmax.softmax_grad_(out, target, scale, True), out
+
+    built = computed(cpu_softmax.build([]))
+    (kept,) = (tmp_path / "cache" / "kernels").iterdir()
+    assert kept.name.startswith("cpu_softmax-") and kept.suffix == ".so"
+
+    real_run = subprocess.run
+
+    def no_gcc(*args, **kwargs):
+        raise AssertionError("gcc ran although the cache holds the build")
+
+    monkeypatch.setattr(subprocess, "run", no_gcc)
+    loaded = computed(cpu_softmax.build([]))
+    assert all(torch.equal(a, b) for a, b in zip(loaded, built, strict=True))
+    if X86:  # the AVX2 build is another file beside it
+        monkeypatch.setattr(subprocess, "run", real_run)
+        assert cpu_softmax.build(cpu_softmax.isa_flags("AVX2")) is not None
+        assert len(list(kept.parent.iterdir())) == 2
+
+    # a copy cut short (a disk error; copies land whole by rename), in another cache folder: this process has the
+    # first path loaded, and the C library hands a loaded path's library out again without reading the file
+    damaged = tmp_path / "other" / "kernels" / kept.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(kept.read_bytes()[:100])
+    monkeypatch.setenv("BOOKGPT_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(subprocess, "run", real_run)
+    rebuilt = computed(cpu_softmax.build([]))
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt, built, strict=True))
+    assert damaged.read_bytes() == kept.read_bytes()
+
+    monkeypatch.setenv("BOOKGPT_CACHE", str(kept))  # a file, not a folder: nothing can be kept there
+    assert computed(cpu_softmax.build([])) is not None
+    assert not [p for p in kept.parent.iterdir() if p.name.endswith(".tmp")]
