@@ -9,11 +9,14 @@ from pathlib import Path
 
 # Under pytest-xdist, each worker and every process it launches computes on its share of the cores (set before torch
 # starts its thread pool; accelerate launch passes it on): workers of all-core thread pools on the same cores spin on
-# each other's OpenMP barriers, and a tiny step then takes seconds instead of milliseconds.
+# each other's OpenMP barriers, and a tiny step then takes seconds instead of milliseconds. Inductor's compile workers
+# likewise: a process compiling C++ starts one worker per core it sees, each a fresh interpreter importing torch; on
+# a share of one core they compile nothing sooner (the README run's compile on an empty cache: 90 s of CPU with the
+# two a 2-core Zen 3 gives it, 77 s with one).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault(
-        "OMP_NUM_THREADS", str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    )
+    share = str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
