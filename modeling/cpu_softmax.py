@@ -74,9 +74,13 @@ def build(extra_flags: list[str]) -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux") or gcc is None or not _gnu_openmp_loaded():
         return None
     command = [gcc, *FLAGS, *extra_flags, str(SOURCE)]
-    kept = cache_dir() / "kernels" / f"cpu_softmax-{_build_key(command)}.so"
-    with suppress(OSError, AttributeError):  # none kept yet, or a copy that does not load (cut short, damaged)
-        return _loaded(kept)
+    try:
+        kept = cache_dir() / "kernels" / f"cpu_softmax-{_build_key(command)}.so"
+    except (RuntimeError, OSError):  # no home folder (a container's user without one): built, not kept
+        kept = None
+    if kept is not None:
+        with suppress(OSError, AttributeError):  # none kept yet, or a copy that does not load (damaged)
+            return _loaded(kept)
     with tempfile.TemporaryDirectory(prefix="bookgpt-kernel-") as folder:
         library = Path(folder) / "cpu_softmax.so"
         try:
@@ -86,15 +90,22 @@ def build(extra_flags: list[str]) -> ctypes.CDLL | None:
             loaded = _loaded(library)
         except (OSError, AttributeError, subprocess.TimeoutExpired):
             return None
-        part = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
-        try:  # whole or not at all, for the processes (ranks) loading it at once
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(library, part)
-            os.replace(part, kept)
-        except OSError:  # a read-only or full cache: the next process builds its own again
-            with suppress(OSError):
-                part.unlink(missing_ok=True)
+        if kept is not None:
+            _keep(library, kept)
         return loaded
+
+
+def _keep(library: Path, kept: Path) -> None:
+    """library copied to kept, whole or not at all, for the processes (ranks) loading it at once; where the cache
+    takes no write (read-only, full), nothing: the next process builds its own again."""
+    part = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(library, part)
+        os.replace(part, kept)
+    except OSError:
+        with suppress(OSError):
+            part.unlink(missing_ok=True)
 
 
 def _loaded(library: Path) -> ctypes.CDLL:

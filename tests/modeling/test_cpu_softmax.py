@@ -3,6 +3,7 @@ form (modeling.fused_ce.softmax_grad), which it replaces where it is built and w
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,11 @@ def test_a_build_is_kept_for_the_next_process_on_this_cpu_and_a_damaged_copy_bui
     monkeypatch.setenv("BOOKGPT_CACHE", str(kept))  # a file, not a folder: nothing can be kept there
     assert computed(cpu_softmax.build([])) is not None
     assert not [p for p in kept.parent.iterdir() if p.name.endswith(".tmp")]
+
+    def no_home() -> Path:  # what pathlib raises for a user without a home folder (a container's uid)
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("BOOKGPT_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    assert computed(cpu_softmax.build([])) is not None
