@@ -12,7 +12,7 @@ from pathlib import Path
 # each other's OpenMP barriers, and a tiny step then takes seconds instead of milliseconds. Inductor's compile workers
 # likewise: a process compiling C++ starts one worker per core it sees, each a fresh interpreter importing torch; on
 # a share of one core they compile nothing sooner (the README run's compile on an empty cache: 90 s of CPU with the
-# two a 2-core Zen 3 gives it, 77 s with one).
+# two a 2-core Zen 3 gives it, 77 s with one). A run alone on the cores keeps them: its compile ends sooner so.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     share = str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ.setdefault("OMP_NUM_THREADS", share)
