@@ -8,9 +8,8 @@ from pathlib import Path
 
 from bench.measure import Result
 from bench.rungs import Role
-from data_prep.assets import atomic_write_bytes
 from evals.plot import png_bytes
-from modeling.disk import DiskFull, cannot_write, disk_full_reported
+from modeling.disk import DiskFull, atomic_write_bytes, cannot_write, disk_full_reported
 
 
 def report_folder(out: Path) -> None:

@@ -36,20 +36,6 @@ def writing_cache(folder: Path, error: type[Exception] = CacheNotWritable) -> It
         ) from err
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file + rename so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cached assets are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _pip_download_command(name: str, version: str, dest: str | Path) -> list[str]:
     return [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",

@@ -45,7 +45,6 @@ from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from data_prep import DataPrepError
-from data_prep.assets import atomic_write_bytes
 from data_prep.manifest import DOCUMENTS_NAME, DTYPE, FORMAT_VERSION, MANIFEST_NAME, SPLITS, file_sha256, load_manifest
 from data_prep.sources import (
     DEFAULT_MIRROR,
@@ -60,7 +59,7 @@ from data_prep.sources import (
     source_licenses,
 )
 from data_prep.tokenizer import EOT_ID, TOKENIZER_NAME, TOKENIZER_SHA256, VOCAB_SIZE, get_encoding
-from modeling.disk import DiskFull, cannot_write, disk_full_reported, mount_of
+from modeling.disk import DiskFull, atomic_write_bytes, cannot_write, disk_full_reported, mount_of
 
 log = logging.getLogger("data_prep.prepare")  # not __name__: that is __main__ under `python -m`
 

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from data_prep import DataPrepError
-from data_prep.assets import atomic_write_bytes, sdist, writing_cache
+from data_prep.assets import sdist, writing_cache
 from data_prep.manifest import MANIFEST_NAME
-from modeling.disk import cache_dir, is_disk_full
+from modeling.disk import atomic_write_bytes, cache_dir, is_disk_full
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import tiktoken
 import tiktoken.load
 
 from data_prep import DataPrepError
-from data_prep.assets import CacheNotWritable, atomic_write_bytes, sdist, writing_cache
+from data_prep.assets import CacheNotWritable, sdist, writing_cache
 from modeling.config import EOT_ID, REAL_VOCAB_SIZE
-from modeling.disk import cache_dir
+from modeling.disk import atomic_write_bytes, cache_dir
 
 if TYPE_CHECKING:
     from modeling.hf_export import VocabAndMerges  # imports transformers: for the type alone

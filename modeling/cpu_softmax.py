@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from modeling.device import X86
-from modeling.disk import cache_dir
+from modeling.disk import atomic_write_bytes, cache_dir
 
 SOURCE = Path(__file__).with_suffix(".c")
 # -fno-trapping-math: without it gcc leaves the exp loop scalar for AVX2 (its selects; AVX-512 masks them anyway)
@@ -91,21 +91,9 @@ def build(extra_flags: list[str]) -> ctypes.CDLL | None:
         except (OSError, AttributeError, subprocess.TimeoutExpired):
             return None
         if kept is not None:
-            _keep(library, kept)
+            with suppress(OSError):  # a read-only or full cache: the next process builds its own again
+                atomic_write_bytes(kept, library.read_bytes())  # whole, for the processes (ranks) loading it at once
         return loaded
-
-
-def _keep(library: Path, kept: Path) -> None:
-    """library copied to kept, whole or not at all, for the processes (ranks) loading it at once; where the cache
-    takes no write (read-only, full), nothing: the next process builds its own again."""
-    part = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
-    try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(library, part)
-        os.replace(part, kept)
-    except OSError:
-        with suppress(OSError):
-            part.unlink(missing_ok=True)
 
 
 def _loaded(library: Path) -> ctypes.CDLL:

@@ -131,6 +131,20 @@ def disk_full_reported(path: str | Path, kept: str | Callable[[], str]) -> Itera
         raise DiskFull(disk_full_line(path, kept() if callable(kept) else kept)) from err
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file + rename so readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cached files are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def append_bytes(path: str | Path, data: bytes) -> None:
     """Append `data` to `path` whole or not at all: a write the disk cannot take is cut off again, so the file only
     ever holds complete records (JSON rows, samples). Raises the OSError."""

@@ -25,8 +25,7 @@ from accelerate.checkpointing import load_custom_state
 from accelerate.utils import DistributedType
 from safetensors import safe_open
 
-from data_prep.assets import atomic_write_bytes
-from modeling.disk import DiskFull, disk_full_line, is_disk_full, swap_in, umask_modes
+from modeling.disk import DiskFull, atomic_write_bytes, disk_full_line, is_disk_full, swap_in, umask_modes
 from modeling.runs import (
     CONFIG_FILE,
     EXPORT_DIR,

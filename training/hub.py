@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from data_prep.assets import atomic_write_bytes
 from data_prep.sources import LICENSES, SOURCE_START
+from modeling.disk import atomic_write_bytes
 from modeling.runs import (
     CONFIG_FILE,
     EXPORT_DIR,

@@ -18,7 +18,6 @@ from accelerate.utils import DistributedType, set_seed
 from filelock import FileLock
 
 from data_prep import ensure_default_corpus
-from data_prep.assets import atomic_write_bytes
 from data_prep.loader import IGNORE_INDEX, EvalWindows, TokenLoader
 from data_prep.manifest import PG19_DIR, Manifest, prepare_command
 from data_prep.tokenizer import get_encoding, gpt2_vocab_and_merges, prompt_tokens
@@ -29,7 +28,7 @@ from evals.runner import evaluate_tasks, parse_tasks
 from modeling import fp8_head
 from modeling.config import GPTConfig
 from modeling.device import device_name
-from modeling.disk import append_bytes, disk_full_reported, is_disk_full
+from modeling.disk import append_bytes, atomic_write_bytes, disk_full_reported, is_disk_full
 from modeling.gpt import GPT
 from modeling.runs import (
     CONFIG_FILE,
