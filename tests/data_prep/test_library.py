@@ -281,7 +281,8 @@ def test_an_interrupted_streamed_preparation_leaves_nothing_behind(tmp_path, mon
 def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
     """Ctrl-C (SIGINT to the terminal's process group) stops the workers' preparation in one line, then the same
     command resumes it; SIGKILL of that run mid-way, and the command again, gives the uninterrupted output."""
-    source = f"files:{_library(tmp_path / 'library')}"
+    books = 64  # a progress checkpoint every ~10 (BATCH_BYTES of text): room for both stops before the last
+    source = f"files:{_library(tmp_path / 'library', books)}"
     args = {"shard_tokens": 300_000, "val_fraction": 0.2}
     prepare(source, tmp_path / "whole", **args)
 
@@ -304,8 +305,12 @@ def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
         f"interrupted: {out} is unchanged; the books prepared so far are kept in {build}, and the same command "
         "resumes from there"
     )
-    assert 10 <= interrupted < 48 and not out.exists()
+    assert 10 <= interrupted < books and not out.exists()
 
+    # One process this time: its checkpoints are a batch's tokenizing apart, so the kill lands before the last one
+    # (two workers finish batches in pairs, checkpointed ms apart: a kill after `interrupted + 1` books landed after
+    # the last book where Ctrl-C had stopped the first run late).
+    cmd[cmd.index("--num-proc") + 1] = "1"
     child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _books_done(child, progress, interrupted + 1)
     child.send_signal(signal.SIGKILL)
@@ -313,7 +318,7 @@ def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
     assert child.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
     assert f"Resuming the killed preparation in {build} after {interrupted} books" in err
     done = json.loads(progress.read_text())["records_done"]
-    assert interrupted < done < 48 and not out.exists()
+    assert interrupted < done < books and not out.exists()
     # what a kill inside the progress file's atomic write leaves beside it (once in this test's runs): not data
     (build / f".{PROGRESS_NAME}.k1ll3d.tmp").write_bytes(b"")
 
