@@ -280,7 +280,8 @@ def test_an_interrupted_streamed_preparation_leaves_nothing_behind(tmp_path, mon
 @pytest.mark.slow
 def test_killed_preparation_resumes_to_byte_identical_output(tmp_path, caplog):
     """Ctrl-C (SIGINT to the terminal's process group) stops the workers' preparation in one line, then the same
-    command resumes it; SIGKILL of that run mid-way, and the command again, gives the uninterrupted output."""
+    command resumes it; SIGKILL of that resumed run (in one process) mid-way, and the command again, gives the
+    uninterrupted output."""
     books = 64  # a progress checkpoint every ~10 (BATCH_BYTES of text): room for both stops before the last
     source = f"files:{_library(tmp_path / 'library', books)}"
     args = {"shard_tokens": 300_000, "val_fraction": 0.2}
