@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from modeling.device import X86
+from modeling.device import X86, cpu_fields
 from modeling.disk import atomic_write_bytes, cache_dir
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -108,11 +108,8 @@ def _build_key(command: list[str]) -> str:
     the CPU that -march=native reads (its vendor, family, model, name and flags, from /proc/cpuinfo's first CPU)."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     gcc = os.stat(os.path.realpath(command[0]))
-    digest.update(json.dumps([command[1:-1], gcc.st_size, gcc.st_mtime_ns]).encode())
-    named = ("vendor_id", "cpu family", "model", "model name", "flags")
-    with suppress(OSError):
-        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines()
-        digest.update("\n".join(line for line in first_cpu if line.split(":")[0].strip() in named).encode())
+    cpu = [cpu_fields().get(name) for name in ("vendor_id", "cpu family", "model", "model name", "flags")]
+    digest.update(json.dumps([command[1:-1], gcc.st_size, gcc.st_mtime_ns, cpu]).encode())
     return digest.hexdigest()[:16]
 
 

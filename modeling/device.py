@@ -50,17 +50,26 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")  # Linux's name, and Win
 MATMUL_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The CPU as the figures need it named: e.g. 'AMD EPYC (family 25 model 17, avx512_bf16)'. VMs often report a
-    bare model name, which the family, model and best matmul ISA tell apart (Zen 3 / 4 / 5, Xeon with or without
-    AMX); an ISA capped by ONEDNN_MAX_CPU_ISA is named too. cpuinfo: /proc/cpuinfo's text (read when None)."""
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ('vendor_id', 'cpu family', 'model', 'model name', 'flags', ...);
+    empty where there is none to read (not Linux). cpuinfo: that file's text (read when None)."""
     if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU as the figures need it named: e.g. 'AMD EPYC (family 25 model 17, avx512_bf16)'. VMs often report a
+    bare model name, which the family, model and best matmul ISA tell apart (Zen 3 / 4 / 5, Xeon with or without
+    AMX); an ISA capped by ONEDNN_MAX_CPU_ISA is named too. cpuinfo: /proc/cpuinfo's text (read when None)."""
+    fields = cpu_fields(cpuinfo)
     if "model name" not in fields:
         return platform.processor() or platform.machine()
     flags = set(fields.get("flags", "").split())
@@ -74,11 +83,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 def amd_cpu() -> bool:
     """Whether /proc/cpuinfo names AMD as the CPU's vendor (False where there is none to read: not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    except OSError:
-        return False
+    return cpu_fields().get("vendor_id") == "AuthenticAMD"
 
 
 def device_name(device: torch.device) -> str:
