@@ -108,7 +108,8 @@ def _build_key(command: list[str]) -> str:
     the CPU that -march=native reads (its vendor, family, model, name and flags, from /proc/cpuinfo's first CPU)."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     gcc = os.stat(os.path.realpath(command[0]))
-    cpu = [cpu_fields().get(name) for name in ("vendor_id", "cpu family", "model", "model name", "flags")]
+    fields = cpu_fields()
+    cpu = [fields.get(name) for name in ("vendor_id", "cpu family", "model", "model name", "flags")]
     digest.update(json.dumps([command[1:-1], gcc.st_size, gcc.st_mtime_ns, cpu]).encode())
     return digest.hexdigest()[:16]
 
