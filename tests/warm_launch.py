@@ -191,7 +191,7 @@ def keep(script: Path, conn: socket.socket, modules: Sequence[str]) -> dict:
     request["cpus"] = sorted(os.sched_getaffinity(client_pid(conn)))
     reason = why_fresh(script, request, modules)
     if reason:
-        print(f"fresh: {reason}", flush=True)
+        log_line(f"fresh: {reason}")
         conn.send(b"fresh")
         os._exit(0)
     pid = os.fork()
@@ -203,7 +203,7 @@ def keep(script: Path, conn: socket.socket, modules: Sequence[str]) -> dict:
         return request
     for fd in fds:
         os.close(fd)
-    print(f"forked {pid}: {' '.join(request['args'])[:200]}", flush=True)
+    log_line(f"forked {pid}: {' '.join(request['args'])[:200]}")
     conn.send(str(pid).encode())
     copy = os.pidfd_open(pid)
     while True:
@@ -217,6 +217,13 @@ def keep(script: Path, conn: socket.socket, modules: Sequence[str]) -> dict:
         os.kill(pid, int(message) if message else signal.SIGKILL)
         if not message:
             select.select([copy], [], [])
+
+
+def log_line(line: str) -> None:
+    """One line of the server's log in one write: the keepers of a launch's ranks write theirs at the same moment,
+    and print() under PYTHONUNBUFFERED writes the line and its newline apart (two lines ran together and
+    testkit.WarmLaunches.forking counted one copy for two)."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 def client_pid(conn: socket.socket) -> int:
