@@ -148,18 +148,32 @@ def _check_one_process_launcher() -> None:
     --cpu, as one process whatever num_processes says (several only through mpirun), and sets MASTER_ADDR for a
     process group where num_processes or num_machines is above 1: such a run trained alone, saying only `1
     process(es)` (two machines: two runs, each alone, into one out_dir). torchrun's ranks have TORCHELASTIC_RUN_ID,
-    mpirun's a world size."""
+    mpirun's a world size. A MASTER_ADDR the launcher itself started with (a one-replica Kubernetes PyTorchJob, an
+    sbatch script exporting it) is the job's, not accelerate's: such a one-process launch trains."""
     one_process_launcher = "ACCELERATE_USE_CPU" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
     world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
     if one_process_launcher and "MASTER_ADDR" in os.environ and world_size == 1:
+        launcher = _launcher_environment()
+        if launcher is not None and all(launcher.get(k) == os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")):
+            return  # accelerate set neither (it sets both, to the YAML's address and port or 127.0.0.1:29500)
         raise ConfigError(
             "the launch asks for several processes (num_processes or num_machines above 1: accelerate set "
             "MASTER_ADDR for them), but accelerate launch started one: it starts a YAML of distributed_type MULTI_CPU "
             "or NO, or a launch given --cpu, as one process (several only through mpirun). For N processes on the "
             "CPU launch accelerate_configs/cpu_ddp2.yaml --num_processes N (DDP over gloo; in a YAML of your own: "
             "distributed_type: MULTI_GPU, use_cpu: false, which trains on the CPU where there is no GPU), or give "
-            "--num_processes 1 for one (and unset MASTER_ADDR where your environment sets it)"
+            "--num_processes 1 for one"
         )
+
+
+def _launcher_environment() -> dict[str, str] | None:
+    """The environment this process's parent, the launcher, started with (Linux keeps it in /proc): the shell's or
+    the job's, before accelerate set anything for this run; None where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def _check_fsdp_yaml() -> None:

@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -289,6 +290,20 @@ def test_a_launch_of_several_processes_that_starts_one_stops_at_start_up(prepare
     ), failed.stderr[-3000:]
     assert "cpu_ddp2.yaml --num_processes N" in failed.stderr.splitlines()[-1]
     assert not run_dir.exists()
+
+
+def test_a_one_process_launch_in_a_job_that_exports_master_addr_trains(prepared_books, tmp_path):
+    """A one-replica Kubernetes PyTorchJob gives its one process MASTER_ADDR, MASTER_PORT, WORLD_SIZE 1 and RANK 0 (an
+    sbatch script may export the first two): a one-process launch there is not the launch above, whose MASTER_ADDR
+    accelerate set, and trains. Its launcher starts fresh, not as a warm copy: the run compares its MASTER_ADDR with
+    the environment the launcher started with."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd("cpu_eager.yaml", run_dir, prepared_books, "--max-steps", "1", "--eval-interval", "0",
+                    "--micro-batch-size", "4", "--total-batch-tokens", "256", launch_args=["-q"])  # fmt: skip
+    job = {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "23456", "WORLD_SIZE": "1", "RANK": "0"}
+    result = subprocess.run(cmd, cwd=REPO, env={**os.environ, **job}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step-00000001"]
 
 
 def test_the_first_rank_to_fail_prints_the_line_when_torchrun_stops_rank_0_first(tmp_path):
