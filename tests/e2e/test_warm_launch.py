@@ -147,3 +147,25 @@ def test_the_modules_a_server_is_given_are_served_as_python_m_from_the_repo_on_i
     assert why_fresh(TRAIN_ACCEL, request("-m", "bench.ladder", cpus=ours), modules) == ""
     other = [ours[-1] + 1]
     assert why_fresh(TRAIN_ACCEL, request(str(TRAIN_ACCEL), cpus=other)) == f"CPUs {ours} -> {other}"
+
+
+def test_the_server_log_keeps_each_line_whole_when_two_keepers_write_at_once(tmp_path):
+    """The keepers of a 2-process launch's ranks log their `forked PID: ...` lines at the same moment, into one file
+    (testkit.WarmLaunches.forking counts them): under PYTHONUNBUFFERED, print() wrote a line and its newline apart,
+    two lines ran together and one copy was counted for two. Two processes let go at once, 50,000 lines each: every
+    line whole."""
+    log = tmp_path / "warm_launch.log"
+    writer = "import sys\nfrom warm_launch import log_line\nsys.stdin.read(1)\n"  # both imported, then let go
+    writer += "for i in range(50000):\n    log_line(f'forked {sys.argv[1]}: {i}')"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests")}
+    with log.open("a") as out:
+        writers = [
+            subprocess.Popen([sys.executable, "-c", writer, n], stdin=subprocess.PIPE, stdout=out, env=env)
+            for n in ("1", "2")
+        ]
+        for w in writers:
+            w.stdin.write(b"go")
+            w.stdin.close()
+        assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    lines = log.read_text().splitlines()
+    assert sorted(lines) == sorted(f"forked {n}: {i}" for n in ("1", "2") for i in range(50000))
