@@ -121,12 +121,15 @@ def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainCon
     return resolved, note
 
 
-def memorization_warning(cfg: TrainConfig, train_tokens: int, step: int = 0, epochs_read: float = 0.0) -> str | None:
+def memorization_warning(
+    cfg: TrainConfig, train_tokens: int, step: int = 0, tokens_seen: int = 0, epochs_read: float = 0.0
+) -> str | None:
     """One warning line when the run plans more than MEMORIZE_EPOCHS epochs of its train split (for a time budget,
-    the most it may train), naming the command that prepares a bigger corpus; None otherwise. A resume at `step`
-    plans the steps after it, on top of the `epochs_read` of this split before it: none where the run went on from
-    other data (an anneal on curated books reads them alone, not the steps trained on the big corpus)."""
-    planned = (cfg.total_steps() - step) * cfg.total_batch_tokens
+    the most it may train), naming the command that prepares a bigger corpus; None otherwise. A resume at `step`,
+    `tokens_seen` trained, plans the steps after it, on top of the `epochs_read` of this split before it: none where
+    the run went on from other data (an anneal on curated books reads them alone, not the steps trained on the big
+    corpus)."""
+    planned = (cfg.total_steps(step, tokens_seen) - step) * cfg.total_batch_tokens
     epochs = epochs_read + planned / train_tokens
     if epochs <= MEMORIZE_EPOCHS:
         return None
@@ -375,10 +378,18 @@ def _set_up_locked(
             data = new_data or f"data position {train_loader.tokens:,} tokens{epoch} kept"
             accelerator.print(f"resume: {', '.join(changes)}{'; ' if changes else ''}{data}")
         startup.lap("resume")
+    # a token budget counts the tokens trained: where the checkpoint's steps held another number of tokens a step
+    # than this launch's, the run ends at another step than the config alone gives
+    planned = cfg.total_steps(progress.step, progress.tokens_seen)
+    if planned != total_steps:
+        total_steps = planned
+        schedule.span(total_steps)
     # after the resume: the epochs of this data are those read of it (none, where the run went on from other data)
     # and the steps still to train
     warnings = (
-        memorization_warning(cfg, manifest.num_tokens("train"), progress.step, train_loader.epochs_read),
+        memorization_warning(
+            cfg, manifest.num_tokens("train"), progress.step, progress.tokens_seen, train_loader.epochs_read
+        ),
         warmup_warning(cfg),
         unused_settings_warning(cfg),
     )
@@ -685,7 +696,7 @@ class TrainMetrics:
         slowest = accelerator.gather(torch.tensor([median, spent], device=accelerator.device)).view(-1, 2).amax(0)
         step_s, progress.train_seconds = slowest.tolist()
         self.step_seconds, self.untimed = [], 0
-        cap = cfg.total_steps()
+        cap = cfg.total_steps(progress.step, progress.tokens_seen)
         wanted = budget_steps(
             cfg.time_budget_minutes, step_s, elapsed_s=progress.train_seconds, done=progress.step, cap=cap
         )

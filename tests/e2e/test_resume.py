@@ -366,6 +366,14 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
         in resumed.stdout
     ), resumed.stdout
     assert "resumed from" in resumed.stdout
+    # steps 1-2 at 512 tokens, step 3 at 1024: a token budget of 4096 is two more steps of 1024, not its 4 steps
+    # at 1024 (which would have stopped at 3,072 tokens)
+    budget = run(tiny_cmd(None, run_dir, prepared_books, "--max-tokens", "4096", "--checkpoint-interval", "2",
+                          "--total-batch-tokens", "1024"))  # fmt: skip
+    assert "| 5 steps |" in budget.stdout, budget.stdout
+    assert [(r["step"], r["tokens_seen"]) for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_seen" in r][
+        -2:
+    ] == [(4, 3072), (5, 4096)]
 
 
 def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_the_new_datas_start(

@@ -81,7 +81,8 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
 def write_run(run, data_dir, rows, **config) -> TrainConfig:
     """config.yaml and metrics.jsonl as a finished run leaves them."""
     run.mkdir(exist_ok=True)
-    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(data_dir), total_batch_tokens=1024, **{"max_steps": 2, **config})
+    fields = {"max_steps": 2, "total_batch_tokens": 1024, **config}
+    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(data_dir), **fields)
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return cfg
@@ -250,6 +251,8 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     [
         ({}, [], "| optimizer steps | 1 of 2 planned (stopped early: the lr schedule above did not run to its end) |"),
         ({"max_tokens": 4096}, [], "| optimizer steps | 1 of 4 planned (stopped early: the lr schedule above did not "),
+        # resumed with half the batch: 3,072 tokens to go at 512 a step
+        ({"max_tokens": 4096, "total_batch_tokens": 512}, [], "| optimizer steps | 1 of 7 planned (stopped early"),
         # under a time budget, the count it decided (max_steps is its cap)
         ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
