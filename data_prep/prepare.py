@@ -66,6 +66,11 @@ log = logging.getLogger("data_prep.prepare")  # not __name__: that is __main__ u
 DEFAULT_SHARD_TOKENS = 50_000_000  # 100 MB per shard file
 DEFAULT_VAL_FRACTION = 0.1
 GPT2_CONTEXT = 1024  # the gpt2-* presets' block_size: a val split shorter than a window + 1 is unusable there
+# About what nanoGPT holds out of OpenWebText (0.05% of its 9B tokens): a run's val loss reads --eval-windows
+# windows spread over the val split, so a bigger one measures it no better. Past VAL_PLENTY times this many val
+# tokens drawn by --val-fraction, the end of the preparation names the fraction that keeps about this many.
+VAL_ENOUGH = 5_000_000
+VAL_PLENTY = 4
 BATCH_BYTES = 1 << 20  # text per worker task: amortises the hand-over, bounds memory, spreads small corpora
 BATCH_DOCS = 256  # ... and at most this many books, so tiny documents still make progress checkpoints
 PROGRESS_NAME = "progress.json"  # in the build dir only: how far a killed run got
@@ -215,10 +220,10 @@ def prepare(
             into_val,
         )
     totals = manifest["splits"]
-    documents = [(d["id"], d["split"]) for d in load_manifest(out, verify="none").documents()]
+    documents = [(d["id"], d["split"], d["num_tokens"]) for d in load_manifest(out, verify="none").documents()]
     # a line a book kept, and one for the part of a book split off by position (ID#val); in a big library the
     # skipping lines scroll away, so the summary counts them (a streamed source's books are not counted up front)
-    kept, left_out = sum(not doc_id.endswith("#val") for doc_id, _ in documents), ""
+    kept, left_out = sum(not doc_id.endswith("#val") for doc_id, *_ in documents), ""
     if books.ids is not None and kept < len(books.ids):
         left_out = (
             f"; {len(books.ids) - kept} of the {len(books.ids)} books listed left out (each named in a skipping line)"
@@ -232,10 +237,13 @@ def prepare(
         totals["val"]["num_documents"],
         left_out,
     )
+    note = _plenty_of_val(documents, books.splits, val_fraction)
+    if note:
+        log.info(note)
     if totals["val"]["num_tokens"] <= GPT2_CONTEXT:  # written, but the GPT-2 presets' runs could not use it
         # split BY_POSITION: the written corpus is one document (a book left out as empty or repeated counts none),
         # its val part named ID#val
-        one_document = any(doc_id.endswith("#val") for doc_id, split in documents if split == "val")
+        one_document = any(doc_id.endswith("#val") for doc_id, split, _ in documents if split == "val")
         log.warning(
             "the val split holds %d tokens, fewer than one window of the GPT-2 presets' %d-token context + 1: their "
             "runs would stop at start-up (smaller block_size runs can use it); %s",
@@ -246,6 +254,25 @@ def prepare(
             else "add books, as val takes whole books",
         )
     return out / MANIFEST_NAME
+
+
+def _plenty_of_val(documents: list[tuple[str, str, int]], given: dict[str, str], val_fraction: float) -> str | None:
+    """A note where --val-fraction drew far more val tokens than a val loss needs (VAL_PLENTY × VAL_ENOUGH), naming
+    the fraction that keeps about VAL_ENOUGH of them; None otherwise. Only the books whose split was drawn count
+    (`given`: those whose source names their split, as PG-19's validation books). A smaller fraction keeps a subset
+    of these val books, so no book moves from train to val."""
+    drawn = [(split, tokens) for doc_id, split, tokens in documents if doc_id.removesuffix("#val") not in given]
+    val = sum(tokens for split, tokens in drawn if split == "val")
+    if val <= VAL_PLENTY * VAL_ENOUGH:
+        return None
+    total = sum(tokens for _, tokens in drawn)
+    fraction = float(f"{VAL_ENOUGH / total:.0e}")
+    kept = _amount(fraction * total, "B", "M", "k")
+    return (
+        f"note: --val-fraction {val_fraction:g} put {val:,} tokens in val, far more than a run's val loss needs (it "
+        f"reads --eval-windows windows of them); to train on most of them, prepare again with --val-fraction "
+        f"{fraction:g} (~{kept} tokens stay in val, all from this val split: no book moves there from train)"
+    )
 
 
 def size_estimate(source: str, books: int, text_bytes: int, num_proc: int, reusable: int = 0) -> str:

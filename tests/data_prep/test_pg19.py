@@ -38,11 +38,13 @@ def split_tokens(data_dir: Path, split: str) -> np.ndarray:
     return np.concatenate([np.fromfile(data_dir / s.file, dtype=np.uint16) for s in manifest.shards_of(split)])
 
 
-def test_pg19_keeps_its_splits_and_tokenizes_every_book_exactly(pg19_copy, tmp_path, caplog):
+def test_pg19_keeps_its_splits_and_tokenizes_every_book_exactly(pg19_copy, tmp_path, caplog, monkeypatch):
     out = tmp_path / "data"
+    monkeypatch.setattr(prepare_module, "VAL_ENOUGH", 1)  # its val books are PG-19's own: no --val-fraction to lower
     with caplog.at_level(logging.INFO):
         prepare(f"pg19:{pg19_copy}", out, shard_tokens=2_000)
     assert f"pg19:{pg19_copy}: 8 books, " in caplog.text and " of shards, <1 min with 1 process(es)" in caplog.text
+    assert "--val-fraction" not in caplog.text
     manifest = load_manifest(out, verify="sha256")
     numbers = {split: [n for name, ns in PG19_FILES.items() if name.startswith(split) for n in ns] for split in SPLITS}
     expected = {

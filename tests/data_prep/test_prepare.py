@@ -127,6 +127,33 @@ def test_a_corpus_of_one_document_is_split_by_position(tmp_path):
     assert manifest.splits["val"]["num_documents"] == manifest.splits["train"]["num_documents"] == 1
 
 
+def test_a_val_split_far_larger_than_a_val_loss_needs_names_the_fraction_that_trains_on_the_rest(
+    tmp_path, caplog, monkeypatch
+):
+    """--val-fraction's 10% of a big library is hundreds of times what a run's val loss reads: one note at the end
+    names the fraction that keeps ~VAL_ENOUGH tokens in val (here 400 of ~16,000); prepared again with it, val holds
+    some of the same books and no other, and no note."""
+    monkeypatch.setattr(prepare_module, "VAL_ENOUGH", 400)
+    library, data = _write_books(tmp_path / "library", n=40), tmp_path / "data"
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{library}", data, val_fraction=0.5)
+    before = load_manifest(data).splits
+    total = before["train"]["num_tokens"] + before["val"]["num_tokens"]
+    fraction = float(f"{400 / total:.0e}")
+    assert (
+        f"note: --val-fraction 0.5 put {before['val']['num_tokens']:,} tokens in val, far more than a run's val loss "
+        f"needs (it reads --eval-windows windows of them); to train on most of them, prepare again with --val-fraction "
+        f"{fraction:g} (~{fraction * total / 1e3:.2g}k tokens stay in val, all from this val split: no book moves "
+        "there from train)"
+    ) in caplog.messages
+    val_books = {d["id"] for d in load_manifest(data).documents() if d["split"] == "val"}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        prepare(f"files:{library}", data, val_fraction=fraction)
+    now = {d["id"] for d in load_manifest(data).documents() if d["split"] == "val"}
+    assert now and now < val_books and "note:" not in caplog.text
+
+
 def test_a_val_split_too_short_for_a_gpt2_window_is_said_when_written(tmp_path, caplog):
     """A val split of fewer tokens than one 1,024-token window + 1 was written without a word; the GPT-2 presets' runs
     then stopped at start-up. One warning line at the end of the preparation, and none for a val split that holds a
