@@ -64,6 +64,9 @@ class TrainProgress:
 
     step: int = 0  # optimizer steps taken
     tokens_seen: int = 0  # training tokens consumed over all ranks
+    # the tokens of the steps applied (a skipped step's are in tokens_seen only): what --max-tokens counts, as the
+    # steps do; None from a checkpoint written before it was kept (the run takes its steps at this launch's batch)
+    tokens_applied: int | None = 0
     total_steps: int = 0  # the steps a time budget decided on (0: none decided; the config's count)
     train_seconds: float = 0.0  # a time budget's train-step time spent (its last decision's, then each step's)
     # The batch shape of the launch that took the steps: processes, micro-batch size, accumulation (0: not known,
@@ -77,6 +80,7 @@ class TrainProgress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.tokens_applied = state.get("tokens_applied")
         self.total_steps = state.get("total_steps", 0)  # absent from checkpoints written before time budgets
         self.train_seconds = state.get("train_seconds", 0.0)  # absent from those written before re-timing
         self.world_size = state.get("world_size", 0)  # absent from those written before elastic resumes

@@ -374,7 +374,7 @@ Accelerate, MIT-licensed).
 | model | {model} (context {_context(run_dir, config)}) |
 | optimizer | {_optimizer_line(config)} |
 | lr schedule | {_schedule_line(config)} |
-| optimizer steps | {_steps(config, rows, last)} |
+| optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {_throughput(train, launches, last["step"])} |
@@ -394,18 +394,23 @@ print(tok.decode(out[0]))
     return str(ModelCard(content))
 
 
-def _steps(config: dict, rows: list[dict], last: dict) -> str:
-    """The steps the run took (to `last`, its last train row), and of how many where it stopped before its end (a
-    signal, then an export of that checkpoint): the lr schedule the card gives is the whole run's."""
-    step = last["step"]
+def _steps(config: dict, rows: list[dict], step: int) -> str:
+    """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
+    checkpoint): the lr schedule the card gives is the whole run's."""
     if config.get("time_budget_minutes"):  # the count it decided last (max_steps is its cap)
         decided = [r["total_steps"] for r in rows if "total_steps" in r]
         if not decided:
             return f"{step:,}"  # stopped before the budget decided: no count was planned yet
         planned = decided[-1]
     else:  # also where a run went on with its budget off: its decisions are an earlier plan's
-        batch = config["total_batch_tokens"]  # a token budget's steps to go are at this batch
-        planned = run_steps(config["max_steps"], config.get("max_tokens"), batch, step, last["tokens_seen"])
+        # the last launch's plan (a resume with another batch moves a token budget's last step); runs from before
+        # launches kept it: the config's
+        plans = [r["launch"]["planned_steps"] for r in rows if "planned_steps" in r.get("launch", {})]
+        planned = (
+            plans[-1]
+            if plans
+            else run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
+        )
     if step >= planned:
         return f"{step:,}"
     return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"

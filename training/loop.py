@@ -122,14 +122,14 @@ def optimizer_for_engine(cfg: TrainConfig, engine: str | None) -> tuple[TrainCon
 
 
 def memorization_warning(
-    cfg: TrainConfig, train_tokens: int, step: int = 0, tokens_seen: int = 0, epochs_read: float = 0.0
+    cfg: TrainConfig, train_tokens: int, step: int = 0, tokens_applied: int = 0, epochs_read: float = 0.0
 ) -> str | None:
     """One warning line when the run plans more than MEMORIZE_EPOCHS epochs of its train split (for a time budget,
-    the most it may train), naming the command that prepares a bigger corpus; None otherwise. A resume at `step`,
-    `tokens_seen` trained, plans the steps after it, on top of the `epochs_read` of this split before it: none where
-    the run went on from other data (an anneal on curated books reads them alone, not the steps trained on the big
-    corpus)."""
-    planned = (cfg.total_steps(step, tokens_seen) - step) * cfg.total_batch_tokens
+    the most it may train), naming the command that prepares a bigger corpus; None otherwise. A resume at `step`
+    (its steps' `tokens_applied`) plans the steps after it, on top of the `epochs_read` of this split before it:
+    none where the run went on from other data (an anneal on curated books reads them alone, not the steps trained
+    on the big corpus)."""
+    planned = (cfg.total_steps(step, tokens_applied) - step) * cfg.total_batch_tokens
     epochs = epochs_read + planned / train_tokens
     if epochs <= MEMORIZE_EPOCHS:
         return None
@@ -378,9 +378,11 @@ def _set_up_locked(
             data = new_data or f"data position {train_loader.tokens:,} tokens{epoch} kept"
             accelerator.print(f"resume: {', '.join(changes)}{'; ' if changes else ''}{data}")
         startup.lap("resume")
-    # a token budget counts the tokens trained: where the checkpoint's steps held another number of tokens a step
-    # than this launch's, the run ends at another step than the config alone gives
-    planned = cfg.total_steps(progress.step, progress.tokens_seen)
+    # a token budget counts the tokens of the steps taken: where the checkpoint's steps held another number of tokens
+    # a step than this launch's, the run ends at another step than the config alone gives
+    if progress.tokens_applied is None:  # a checkpoint from before they were counted: as if at this batch
+        progress.tokens_applied = progress.step * cfg.total_batch_tokens
+    planned = cfg.total_steps(progress.step, progress.tokens_applied)
     if planned != total_steps:
         total_steps = planned
         schedule.span(total_steps)
@@ -388,7 +390,7 @@ def _set_up_locked(
     # and the steps still to train
     warnings = (
         memorization_warning(
-            cfg, manifest.num_tokens("train"), progress.step, progress.tokens_seen, train_loader.epochs_read
+            cfg, manifest.num_tokens("train"), progress.step, progress.tokens_applied, train_loader.epochs_read
         ),
         warmup_warning(cfg),
         unused_settings_warning(cfg),
@@ -583,6 +585,7 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         "val_windows": len(run.val_windows.indices),  # --eval-windows, or all the val split has where it has fewer
         "val_tokens": len(run.val_windows.indices) * run.model_config.block_size,
         "start_step": run.progress.step,  # a resumed launch's first step is the next
+        "planned_steps": run.total_steps,  # the model card's "of N planned" (a time budget's: its decisions' rows)
         "new_data": new_data_note(run.train_loader),  # metrics.jsonl's launch row keeps where the data changed
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": dynamo,
@@ -696,7 +699,7 @@ class TrainMetrics:
         slowest = accelerator.gather(torch.tensor([median, spent], device=accelerator.device)).view(-1, 2).amax(0)
         step_s, progress.train_seconds = slowest.tolist()
         self.step_seconds, self.untimed = [], 0
-        cap = cfg.total_steps(progress.step, progress.tokens_seen)
+        cap = cfg.total_steps(progress.step, progress.tokens_applied)
         wanted = budget_steps(
             cfg.time_budget_minutes, step_s, elapsed_s=progress.train_seconds, done=progress.step, cap=cap
         )

@@ -401,7 +401,7 @@ def check_trackers(names: list[str]) -> None:
 # and the val windows its val loss is the mean over, with their tokens (what the card says the loss measured)
 LAUNCH_KEYS = (
     "world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path", "val_windows",
-    "val_tokens",
+    "val_tokens", "planned_steps",
 )  # fmt: skip
 # What the model card says of the data, from its manifest.json: the sources with their licenses, the splits' sizes
 CARD_DATA_KEYS = ("source", "sources", "splits")

@@ -225,6 +225,7 @@ class Trainer:
         """Count an applied step (the schedule advances per applied update), or report a skipped one."""
         if self.applied:
             self.progress.step += 1
+            self.progress.tokens_applied += self.tokens_per_step
             if self.scheduler is not None:
                 self.scheduler.step()
             return

@@ -371,9 +371,9 @@ def test_resume_checks_the_checkpoints_config_before_loading(prepared_books, tmp
     budget = run(tiny_cmd(None, run_dir, prepared_books, "--max-tokens", "4096", "--checkpoint-interval", "2",
                           "--total-batch-tokens", "1024"))  # fmt: skip
     assert "| 5 steps |" in budget.stdout, budget.stdout
-    assert [(r["step"], r["tokens_seen"]) for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_seen" in r][
-        -2:
-    ] == [(4, 3072), (5, 4096)]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["tokens_seen"]) for r in rows if "tokens_seen" in r][-2:] == [(4, 3072), (5, 4096)]
+    assert [r["launch"]["planned_steps"] for r in rows if "launch" in r][-1] == 5  # the model card's "of N planned"
 
 
 def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_the_new_datas_start(

@@ -251,8 +251,9 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     [
         ({}, [], "| optimizer steps | 1 of 2 planned (stopped early: the lr schedule above did not run to its end) |"),
         ({"max_tokens": 4096}, [], "| optimizer steps | 1 of 4 planned (stopped early: the lr schedule above did not "),
-        # resumed with half the batch: 3,072 tokens to go at 512 a step
-        ({"max_tokens": 4096, "total_batch_tokens": 512}, [], "| optimizer steps | 1 of 7 planned (stopped early"),
+        # resumed with half the batch after a step of 1,024 tokens: its launch planned 6 more (the config alone, 8)
+        ({"max_tokens": 4096, "total_batch_tokens": 512}, [{"step": 1, "launch": CPU_LAUNCH | {"planned_steps": 7}}],
+         "| optimizer steps | 1 of 7 planned (stopped early"),
         # under a time budget, the count it decided (max_steps is its cap)
         ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run

@@ -256,6 +256,7 @@ def run_steps(trainer: Trainer, counter: list[int], n: int) -> list[dict]:
         states.append(
             {
                 "step": trainer.progress.step,
+                "tokens": (trainer.progress.tokens_applied, trainer.progress.tokens_seen),
                 "lr": trainer.scheduler.get_last_lr()[0],
                 "weights": copy.deepcopy(trainer.model.state_dict()),
                 "opt": copy.deepcopy(tree_leaves(trainer.optimizer.state_dict())),  # both optimizers' under muon
@@ -272,6 +273,8 @@ def test_non_finite_step_changes_no_weight_no_optimizer_state_and_no_counter(fus
     assert masks_on_device(trainer.accelerator, trainer.optimizer) is fused  # Muon has no found_inf
     states = run_steps(trainer, counter, 4)
     assert [s["step"] for s in states] == [1, 2, 2, 3]  # call 2 skipped
+    # its tokens were read (the data moves on) but trained no step: --max-tokens counts the steps' tokens
+    assert [s["tokens"] for s in states] == [(16, 16), (32, 32), (32, 48), (48, 64)]
     assert states[2]["lr"] == states[1]["lr"]  # the schedule did not advance
     for key, value in states[1]["weights"].items():
         assert torch.equal(states[2]["weights"][key], value), key
