@@ -14,7 +14,9 @@ import math
 import os
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -424,7 +426,12 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
             return float(value)
         except ValueError:
             pass
-    what = "a whole number or auto" if kind == INT_OR_AUTO else kind.__name__
+    if kind is int and isinstance(value, (float, str)):  # 2.5e9 tokens: a string to YAML, 2.5e+9 a float
+        try:
+            return whole_number(str(value))
+        except ValueError:
+            pass
+    what = {INT_OR_AUTO: "a whole number or auto", int: "a whole number"}.get(kind) or kind.__name__
     if kind is bool and not isinstance(value, bool) or kind is not bool and isinstance(value, bool):
         raise ConfigError(f"{name} must be {what}, got {value!r}")
     if not isinstance(value, kind) or kind == INT_OR_AUTO and isinstance(value, str) and value != AUTO:
@@ -524,19 +531,41 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def whole_number(text: str) -> int:
+    """A whole number as written: 524288, 524_288, or in e-notation (2.5e9, as token budgets are written);
+    ValueError for anything else (2.5e-3, 1.5, four)."""
+    try:
+        number = Decimal(text.strip())  # exact, where float(2.5e9 + 1) would round
+    except InvalidOperation:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not number.is_finite() or number != number.to_integral_value():
+        raise ValueError(f"not a whole number: {text!r}")
+    return int(number)
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return whole_number(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
 def _parse_int_or_auto(text: str) -> int | str:
     if text == AUTO:
         return AUTO
     try:
-        return int(text)
+        return whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
 
 
-def _parse_optional(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        return None if text.lower() in ("none", "null", "") else kind(text)
+def _parse_optional(value: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A flag's parser that also takes none/null (or nothing) for None."""
 
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null", "") else value(text)
+
+    parse.__name__ = getattr(value, "__name__", "value")  # argparse's error names it: "invalid float value: 'x'"
     return parse
 
 
@@ -559,9 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     names += [(old, new, argparse.SUPPRESS) for old, new in RENAMED.items()]  # renamed by parse_config
     for name, current, help_ in names:
         kind, optional = types_[current]
-        parse = {bool: _parse_bool, INT_OR_AUTO: _parse_int_or_auto}.get(kind, kind)
+        parse = {bool: _parse_bool, int: _parse_int, INT_OR_AUTO: _parse_int_or_auto}.get(kind, kind)
         if optional:
-            parse = _parse_optional(kind)
+            parse = _parse_optional(parse)
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         parser.add_argument(*flags, dest=name, type=parse, default=argparse.SUPPRESS, help=help_)
     return parser

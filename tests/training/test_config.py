@@ -235,8 +235,26 @@ def test_a_key_given_twice_is_one_error_naming_both_lines(tmp_path):
 def test_wrong_type_in_yaml(tmp_path):
     run_config = tmp_path / "run.yaml"
     run_config.write_text("max_steps: four\n")
-    with pytest.raises(ConfigError, match="max_steps must be int"):
+    with pytest.raises(ConfigError, match="max_steps must be a whole number, got 'four' \\(str\\)"):
         load_yaml(run_config)
+
+
+def test_a_whole_number_in_e_notation_is_the_number_written(tmp_path, capsys):
+    """Token budgets are written 2.5e9: YAML reads it as a string (`max_tokens must be int, got '2.5e9' (str)`),
+    2.5e+9 as a float, and the flag was `invalid parse value: '2.5e9'`. A value that is not whole is still refused,
+    in words."""
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("max_tokens: 2.5e9\ntotal_batch_tokens: 5.24288e+5\nmax_steps: 1_000\n")
+    assert load_yaml(run_config) == {"max_tokens": 2_500_000_000, "total_batch_tokens": 524_288, "max_steps": 1000}
+    run_config.write_text("max_steps: 1.5\n")
+    with pytest.raises(ConfigError, match=r"^max_steps must be a whole number, got 1.5 \(float\)$"):
+        load_yaml(run_config)
+    cfg, _ = parse_config(["--max-tokens", "2.5e9", "--max-steps", "1E3", "--total-batch-tokens", "524_288"])
+    assert (cfg.max_tokens, cfg.max_steps, cfg.total_batch_tokens) == (2_500_000_000, 1000, 524_288)
+    for flag, value in (("--max-tokens", "2.5e-3"), ("--max-steps", "four")):
+        with pytest.raises(SystemExit):
+            parse_config([flag, value])
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"expected a whole number, got '{value}'")
 
 
 def test_a_yaml_list_of_trackers_or_eval_tasks_is_their_comma_list(tmp_path):
