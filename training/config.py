@@ -428,7 +428,7 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
             pass
     if kind is int and isinstance(value, (float, str)):  # 2.5e9 tokens: a string to YAML, 2.5e+9 a float
         try:
-            return whole_number(str(value))
+            return _whole_number(str(value))
         except ValueError:
             pass
     what = {INT_OR_AUTO: "a whole number or auto", int: "a whole number"}.get(kind) or kind.__name__
@@ -531,7 +531,7 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def whole_number(text: str) -> int:
+def _whole_number(text: str) -> int:
     """A whole number as written: 524288, 524_288, or in e-notation (2.5e9, as token budgets are written);
     ValueError for anything else (2.5e-3, 1.5, four)."""
     try:
@@ -545,7 +545,7 @@ def whole_number(text: str) -> int:
 
 def _parse_int(text: str) -> int:
     try:
-        return whole_number(text)
+        return _whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
@@ -554,7 +554,7 @@ def _parse_int_or_auto(text: str) -> int | str:
     if text == AUTO:
         return AUTO
     try:
-        return whole_number(text)
+        return _whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
 
