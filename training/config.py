@@ -364,20 +364,20 @@ class TrainConfig:
                 "times its steps during the warmup, whose lrs do not depend on how many steps follow"
             )
 
-    def total_steps(self, step: int = 0, tokens_trained: int = 0) -> int:
+    def total_steps(self, step: int = 0, tokens_applied: int = 0) -> int:
         """Optimizer steps to run: from the token budget when one is given, else max_steps. A run at `step` whose
-        steps held `tokens_trained` tokens (a resume, perhaps with another total_batch_tokens than its steps so far
+        steps held `tokens_applied` tokens (a resume, perhaps with another total_batch_tokens than its steps so far
         had) ends at the step that brings them to the budget."""
-        return run_steps(self.max_steps, self.max_tokens, self.total_batch_tokens, step, tokens_trained)
+        return run_steps(self.max_steps, self.max_tokens, self.total_batch_tokens, step, tokens_applied)
 
 
 def run_steps(
-    max_steps: int, max_tokens: int | None, total_batch_tokens: int, step: int = 0, tokens_trained: int = 0
+    max_steps: int, max_tokens: int | None, total_batch_tokens: int, step: int = 0, tokens_applied: int = 0
 ) -> int:
     """TrainConfig.total_steps of these fields (also of a run's saved config.yaml, read as a dict)."""
     if max_tokens is None:
         return max_steps
-    return step + -(-max(0, max_tokens - tokens_trained) // total_batch_tokens)
+    return step + -(-max(0, max_tokens - tokens_applied) // total_batch_tokens)
 
 
 def grad_accum_steps(total_batch_tokens: int, micro_batch_size: int, block_size: int, world_size: int) -> int:

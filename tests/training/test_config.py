@@ -185,10 +185,10 @@ def test_token_budget_sets_steps():
     assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps() == 3
     assert TrainConfig(max_steps=7).total_steps() == 7
     # resumed at step 4, whose steps held 4 × 500 tokens, now 1000 a step: the steps that bring them to 2500
-    assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps(step=4, tokens_trained=2000) == 5
-    assert TrainConfig(total_batch_tokens=250, max_tokens=2500).total_steps(step=4, tokens_trained=2000) == 6
-    assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps(step=4, tokens_trained=3000) == 4
-    assert TrainConfig(max_steps=7).total_steps(step=4, tokens_trained=2000) == 7
+    assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps(step=4, tokens_applied=2000) == 5
+    assert TrainConfig(total_batch_tokens=250, max_tokens=2500).total_steps(step=4, tokens_applied=2000) == 6
+    assert TrainConfig(total_batch_tokens=1000, max_tokens=2500).total_steps(step=4, tokens_applied=3000) == 4
+    assert TrainConfig(max_steps=7).total_steps(step=4, tokens_applied=2000) == 7
 
 
 def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
