@@ -137,10 +137,12 @@ def fit(run: Run) -> bool:
                 accelerator.log(evals, step=step)
                 accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
                 val_loss = evals["val_loss"]
-            if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping:
+            before_decay = run.before_decay(step)  # a longer run branches off there: a resume going back up names it
+            if due(cfg.checkpoint_interval, step, last) or last or trainer.stopping or before_decay:
                 meta = {
                     "step": step, "tokens_seen": progress.tokens_seen, "val_loss": val_loss,
                     "data": run.manifest.content_digest,  # what val_loss was measured on: other data, another best
+                    "before_decay": before_decay,
                 }  # fmt: skip
                 save_started = time.perf_counter()
                 saved = save_checkpoint(

@@ -563,27 +563,40 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, ke
     return final
 
 
-def _val_score(checkpoint: Path) -> tuple[float, str | None] | None:
-    """(val loss, the data it was measured on) from a checkpoint's meta.json; None where it has no val loss."""
+def _meta(checkpoint: Path) -> dict:
+    """A checkpoint's meta.json ({} where it has none, or a damaged one: nothing to keep the checkpoint for)."""
     try:
         meta = json.loads((checkpoint / "meta.json").read_text())
-        return None if meta.get("val_loss") is None else (meta["val_loss"], meta.get("data"))
-    except (OSError, ValueError, AttributeError):  # none, or damaged: no score to keep the checkpoint for
-        return None
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def is_before_decay(checkpoint: Path) -> bool:
+    """Whether the checkpoint was saved where a wsd schedule's decay was about to start (meta.json's before_decay):
+    where a longer run of the schedule branches off (training.optim.decay_start)."""
+    return bool(_meta(checkpoint).get("before_decay"))
+
+
+def before_decay_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run's newest checkpoint from before a wsd decay (is_before_decay), or None."""
+    return next((p for p in reversed(list_checkpoints(run_dir)) if is_before_decay(p)), None)
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` (>= 1, so the resumable state survives) checkpoints and the one with the
-    best val loss on each data the run evaluated on (one but for a run that went on from other data, whose val
-    split gave losses that do not compare with the earlier ones); returns the kept."""
+    """Delete all but the newest `keep` (>= 1, so the resumable state survives) checkpoints, the one with the best
+    val loss on each data the run evaluated on (one but for a run that went on from other data, whose val split gave
+    losses that do not compare with the earlier ones) and the newest one from before a wsd decay (where a longer run
+    branches off); returns the kept."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest checkpoint is the run's resumable state), got {keep}")
     found = list_checkpoints(run_dir)
     best: dict[str | None, tuple[float, Path]] = {}  # data digest (None: saved before it was kept) -> best
     for path in found:
-        if (score := _val_score(path)) is not None and score[0] < best.get(score[1], (math.inf,))[0]:
-            best[score[1]] = (score[0], path)
-    kept = {*found[-keep:], *(path for _, path in best.values())}
+        meta = _meta(path)
+        if meta.get("val_loss") is not None and meta["val_loss"] < best.get(meta.get("data"), (math.inf,))[0]:
+            best[meta.get("data")] = (meta["val_loss"], path)
+    kept = {*found[-keep:], *(path for _, path in best.values()), before_decay_checkpoint(run_dir)}
     for old in found:
         if old not in kept:
             # renamed out of the checkpoints first: a kill mid-delete leaves a step-N.tmp, which the next start clears,

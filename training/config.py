@@ -222,7 +222,8 @@ class TrainConfig:
         default=2,
         metadata={
             "help": "newest step checkpoints kept on disk (>= 1: the newest is the run's resumable state), plus the "
-            "best-val one; to save less often raise --checkpoint-interval"
+            "best-val one and, under wsd, the one from before the decay (where a longer run branches off); to save "
+            "less often raise --checkpoint-interval"
         },
     )
     resume: str = field(

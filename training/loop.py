@@ -37,14 +37,18 @@ from modeling.runs import (
     LOSS_PLOT,
     METRICS_FILE,
     SAMPLES_FILE,
+    checkpoint_step,
     load_checkpoint,
     plain_state_dict,
 )
 from training.checkpoint import (
+    PREVIOUS,
     TrainProgress,
+    before_decay_checkpoint,
     checkpoint_bytes,
     clear_partial,
     ensure_writable,
+    is_before_decay,
     list_checkpoints,
     load_resume_state,
     outputs_in_the_way,
@@ -82,7 +86,14 @@ from training.metrics import (
     startup_line,
 )
 from training.micro_batch import resolve_micro_batch
-from training.optim import MUON_MOMENTUM_START, Schedule, build_scheduler, newton_schulz_dtype, optimizer_for
+from training.optim import (
+    MUON_MOMENTUM_START,
+    Schedule,
+    build_scheduler,
+    decay_start,
+    newton_schulz_dtype,
+    optimizer_for,
+)
 from training.runlock import drop_if_unused, lock_run_folder
 from training.step import StepOutput, Trainer
 
@@ -143,6 +154,33 @@ def memorization_warning(
         f"warning: this run plans {at_most}{planned:,} {tokens}, {epochs:.1f} epochs{in_all} of the "
         f"{train_tokens:,}-token train split of {cfg.data_dir}: past {MEMORIZE_EPOCHS} epochs a model memorizes its "
         f"data (val loss stalls, then rises); for a bigger corpus {bigger}"
+    )
+
+
+def rewarm_warning(
+    cfg: TrainConfig, checkpoint: Path, step: int, total_steps: int, saved: float, schedule: Schedule
+) -> str | None:
+    """One warning line when a resume's schedule (more steps, a shorter decay) takes the lr back up from a decay the
+    checkpoint at `step` was trained into (`saved`: the next step's lr as a fraction of the peak by the checkpoint's
+    schedule), naming the checkpoint its run kept from before a wsd decay, where a run planned longer from the start
+    branches off; None otherwise."""
+    now = schedule.next_multiplier()
+    # the checkpoint from before a decay: its steps were not decayed, only the next one would have been
+    if step < cfg.warmup_steps or saved >= 1.0 or now <= saved * 1.001 or is_before_decay(checkpoint):
+        return None
+    line = (
+        f"warning: the checkpoint's schedule had decayed the lr to {saved:.2f}x its peak for step {step + 1}, and "
+        f"this launch's {total_steps}-step schedule trains that step at {now:.2f}x: the annealed weights go back up"
+    )
+    branch = before_decay_checkpoint(checkpoint.parent.parent)
+    if cfg.lr_schedule == "wsd" and branch is not None and checkpoint_step(branch) < step:
+        return (
+            f"{line}. To train as a run planned for {total_steps} steps from the start, branch off before the decay: "
+            f"--resume {branch} (the later checkpoints are moved into {PREVIOUS}<time>/)"
+        )
+    return (
+        f"{line}. No checkpoint from before a decay is kept to branch off from: a run meant to be extended trains "
+        "under wsd with --decay-fraction 0 and anneals in a resumed run"
     )
 
 
@@ -225,7 +263,12 @@ class Run:
         """Whether anything is logged, evaluated, sampled, saved or decided after optimizer step `step`."""
         cfg, last = self.cfg, self.is_last(step)
         intervals = (cfg.log_interval, cfg.eval_interval, cfg.sample_interval, cfg.checkpoint_interval)
-        return last or self.budget_due(step) or any(due(interval, step, last) for interval in intervals)
+        return last or self.budget_due(step) or self.before_decay(step) or any(due(i, step, last) for i in intervals)
+
+    def before_decay(self, step: int) -> bool:
+        """Whether a wsd decay starts after optimizer step `step` (with checkpoints on): the checkpoint saved there is
+        where a longer run of the schedule branches off, kept by the pruning."""
+        return bool(self.cfg.checkpoint_interval) and step == decay_start(self.cfg, self.total_steps)
 
     def budget_due(self, step: int) -> bool:
         """Whether the time budget's step count is (re)decided after optimizer step `step`: at the end of the
@@ -368,6 +411,7 @@ def _set_up_locked(
     if resume_from is not None:
         configured = schedule.configured()
         crossed = load_resume_state(accelerator, resume_from, model, optimizer, scheduler, registered)
+        saved_multiplier = schedule.next_multiplier()  # the checkpoint's schedule's, for the next step
         schedule.keep_configured(configured)
         accelerator.step = 0  # accumulate()'s micro-step count: a checkpoint is at a step, whatever its accumulation
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
@@ -433,6 +477,10 @@ def _set_up_locked(
     elif progress.total_steps:  # the budget turned off on resume: max_steps or max_tokens decide, as in a new run
         progress.total_steps = 0
         run.schedule.span(run.total_steps)
+    if resume_from is not None:
+        warning = rewarm_warning(cfg, resume_from, progress.step, run.total_steps, saved_multiplier, schedule)
+        if warning:
+            accelerator.print(warning)
     log_run_info(run, num_params, peak_source, optimizer_text)
     return run
 

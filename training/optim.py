@@ -35,6 +35,25 @@ def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+def decay_start(cfg: TrainConfig, total_steps: int) -> int | None:
+    """wsd: how many optimizer steps a run of total_steps takes before its decay lowers the lr. Any longer run of the
+    same schedule gives those steps the same lrs, so the checkpoint after them is where a longer run branches off
+    (from a later one it would go back up to the peak lr). None for cosine, whose lrs depend on the total from the
+    warmup on, and where no step is before the decay or none decays."""
+    if cfg.lr_schedule != "wsd":
+        return None
+    decay_steps = cfg.decay_steps or cfg.decay_fraction * total_steps
+    start = max(0, math.floor(total_steps - decay_steps))
+    while start > 0 and total_steps - (start - 1) < decay_steps:  # lr_multiplier's test, float for float
+        start -= 1
+    # the first step whose lr the decay lowers below the warmup's (a short run's decay may start inside the warmup)
+    while start < total_steps:
+        if lr_multiplier(start, cfg, total_steps) != min(1.0, (start + 1) / max(1, cfg.warmup_steps)):
+            break
+        start += 1
+    return start if 0 < start < total_steps else None
+
+
 def newton_schulz_dtype(mixed_precision: str) -> torch.dtype:
     """Muon's Newton-Schulz matmuls in bf16 where the run's matmuls are (its launch YAML says bf16: GPUs, AMX and
     Zen 4/5 CPUs, where bf16 is the fast dtype), else in fp32: on the CPUs that train in fp32 (AVX2-only, Xeons
@@ -241,6 +260,11 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._last_lr = lrs
+
+    def next_multiplier(self) -> float:
+        """The next step's lr as a fraction of its peak (every group has the same): after a resume's load and before
+        keep_configured, the saved schedule's."""
+        return self.get_last_lr()[0] / self.base_lrs[0]
 
     def lrs_of_step(self, step: int) -> list[float]:
         """Each group's lr in optimizer step `step` (counted from 1, as logged); get_last_lr() is the next step's."""

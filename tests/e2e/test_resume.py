@@ -44,8 +44,10 @@ from testkit import (
     train_cmd,
 )
 from training.checkpoint import checkpoint_damage, list_checkpoints
+from training.config import TrainConfig
 from training.hub import render_model_card
 from training.metrics import read_metrics
+from training.optim import decay_start
 from training.runlock import LOCK_NAME
 
 pytestmark = pytest.mark.slow
@@ -291,8 +293,29 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     again = run(tiny_cmd(None, killed, prepared_books, *budget, "--resume", "auto")).stdout
     assert f"at step {total} of {total}: nothing to train (to go on, --time-budget-minutes 0 and a higher" in again
     longer = [*common, "--max-steps", str(total + 2), "--time-budget-minutes", "0", "--resume", "auto"]
-    run(tiny_cmd(None, killed, prepared_books, *longer))
+    out = run(tiny_cmd(None, killed, prepared_books, *longer)).stdout
     assert max(losses_by_step(killed)) == total + 2
+    # the decayed weights go back up to the peak lr: said, with the checkpoint kept where the decay started
+    branch = killed / f"checkpoints/step-{decay_start(TrainConfig(lr_schedule='wsd'), total):08d}"
+    assert re.search(rf"^warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step {total + 1}"
+                     rf", .*: --resume {re.escape(str(branch))} ", out, re.M), out  # fmt: skip
+
+
+def test_a_wsd_run_extended_from_before_its_decay_trains_as_one_planned_that_long(
+    prepared_books, tmp_path, straight_runs
+):
+    """An 8-step run of the default recipe (Muon, wsd) keeps the checkpoint of step 7, after which its decay starts,
+    whatever --keep-checkpoints says; resumed from it with --max-steps 12, the run's losses are those of the run
+    planned for 12 steps from the start, step for step (fp32: bitwise), with no warning: steps 1-7 had the lrs of
+    any longer run. (A resume from the decayed step 8 warns, naming step 7: the time-budget test's last launch.)"""
+    straight, extended = straight_runs(None, MUON), tmp_path / "extended"
+    args = [*MUON, "--checkpoint-interval", "2", "--keep-checkpoints", "1"]
+    run(tiny_cmd(None, extended, prepared_books, *args, "--max-steps", "8"))
+    assert [p.name for p in list_checkpoints(extended)] == ["step-00000007", "step-00000008"]
+    branch = extended / "checkpoints/step-00000007"
+    out = run(tiny_cmd(None, extended, prepared_books, *args, "--max-steps", "12", "--resume", str(branch))).stdout
+    assert "resumed from" in out and "warning" not in out, out
+    assert losses_by_step(extended) == losses_by_step(straight)
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(prepared_books, tmp_path):
@@ -717,7 +740,7 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     each step once; launched once more it has nothing to train and says so; that damaged checkpoint given by path
     stops with one line; --resume never moves the whole run into previous-<time>/ and starts afresh."""
     run_dir = tmp_path / "run"
-    args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3"]
+    args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3", "--decay-fraction", "0"]  # no save before a decay
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "6", *args))
     step4, step6 = list_checkpoints(run_dir)[-2:]
     (step4 / "manifest.json").unlink()

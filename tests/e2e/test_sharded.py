@@ -48,7 +48,7 @@ TINY_PARAMS = 3_323_648  # GPT(get_preset("tiny-cpu")).num_params()
 COMMON = [
     "--micro-batch-size", "4", "--total-batch-tokens", "1024", "--max-steps", str(STEPS), "--lr", "3e-3",
     "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", str(HALF),
-    "--keep-checkpoints", "2",
+    "--keep-checkpoints", "3",  # step HALF, step 5 (before the wsd decay: saved too) and step STEPS
 ]  # fmt: skip
 SHARDED = ("cpu_fsdp2.yaml", "cpu_zero2.yaml", "cpu_zero3.yaml")
 # Different engines on the same batches: summation order differs (all-reduce vs reduce-scatter, flat buffers).

@@ -26,6 +26,7 @@ from training.loop import (
     due,
     memorization_warning,
     optimizer_for_engine,
+    rewarm_warning,
     setup,
     trainer_for,
     unused_settings_warning,
@@ -140,6 +141,29 @@ def test_a_warmup_as_long_as_the_run_is_warned():
         "give --warmup-steps below 20, or more steps"
     )
     assert "not below the run's 2 steps" in warmup_warning(TrainConfig(max_tokens=2, total_batch_tokens=1))
+
+
+def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
+    """A finished cosine run of 10 steps (its next lr 0.1x the peak) resumed with --max-steps 20: the schedule trains
+    step 11 at ~0.6x. Said, with the way to extend a run later (cosine keeps no point to branch off from); a resume
+    that keeps or lowers the lr, or one inside the warmup, says nothing."""
+    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=2, max_steps=20)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = build_scheduler(optimizer, cfg)
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    checkpoint = tmp_path / "run/checkpoints/step-00000010"
+    checkpoint.mkdir(parents=True)
+    now = lr_multiplier(10, cfg, 20)
+    assert rewarm_warning(cfg, checkpoint, 10, 20, 0.1, schedule) == (
+        f"warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step 11, and this launch's "
+        f"20-step schedule trains that step at {now:.2f}x: the annealed weights go back up. No checkpoint from before "
+        "a decay is kept to branch off from: a run meant to be extended trains under wsd with --decay-fraction 0 and "
+        "anneals in a resumed run"
+    )
+    assert rewarm_warning(cfg, checkpoint, 10, 20, now, schedule) is None  # the same schedule
+    assert rewarm_warning(cfg, checkpoint, 1, 20, 0.1, schedule) is None  # in the warmup: a warmup changed
 
 
 def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):

@@ -17,6 +17,7 @@ from training.optim import (
     Schedule,
     build_optimizer,
     build_scheduler,
+    decay_start,
     lr_multiplier,
     newton_schulz,
 )
@@ -107,6 +108,28 @@ def test_wsd_decay_steps_give_the_decay_in_steps_whatever_the_fraction():
     values = [lr_multiplier(s, anneal, 14) for s in range(14)]
     assert values[1:11] == [1.0] * 10
     assert values[10:] == pytest.approx([1.0, 0.1 + 0.9 * 3 / 4, 0.1 + 0.9 * 2 / 4, 0.1 + 0.9 / 4])
+
+
+@pytest.mark.parametrize("warmup", [0, 2, 20])
+@pytest.mark.parametrize("fraction, steps", [(0.2, 0), (1 / 3, 0), (0.1, 0), (1.0, 0), (0.2, 3), (0.0, 7)])
+def test_the_steps_before_a_wsd_decay_have_the_lrs_of_any_longer_run(warmup, fraction, steps):
+    """decay_start(total): the first step whose lr a run of `total` steps decays below a longer run's, for every total
+    up to 300, the float fractions included (0.2 x 12 is 2.4000000000000004), short runs whose decay starts inside
+    the warmup, and none where no step is before the decay (a decay over the whole run) or none decays."""
+    cfg = TrainConfig(**{**WSD, "warmup_steps": warmup, "decay_fraction": fraction, "decay_steps": steps})
+    found = 0
+    for total in range(1, 301):
+        start = decay_start(cfg, total)
+        for longer in (total + 1, 2 * total + 7):
+            same = [lr_multiplier(s, cfg, total) == lr_multiplier(s, cfg, longer) for s in range(total)]
+            first_other = same.index(False) if False in same else None
+            assert start == (first_other or None), (total, longer, start, first_other)
+        found += start is not None
+    assert found > (0 if fraction in (0.0, 1.0) else 250)  # a real decay start in nearly every run
+
+
+def test_a_cosine_schedule_has_no_step_before_its_decay():
+    assert {decay_start(TrainConfig(lr_schedule="cosine", warmup_steps=2), total) for total in range(1, 50)} == {None}
 
 
 def train(model: GPT, optimizers: list, schedulers: list, batches: torch.Generator, steps: int) -> None:

@@ -23,9 +23,11 @@ from modeling.runtime import report_error
 from training.checkpoint import (
     MANIFEST,
     CheckpointError,
+    before_decay_checkpoint,
     checkpoint_damage,
     checkpoint_dir,
     clear_partial,
+    is_before_decay,
     list_checkpoints,
     outputs_in_the_way,
     plan_resume,
@@ -417,6 +419,19 @@ def test_pruning_keeps_the_best_of_each_data_a_run_evaluated_on(tmp_path):
     kept = ["step-00000002", "step-00000004", "step-00000006", "step-00000010"]
     assert [p.name for p in prune_checkpoints(run_dir, 1)] == kept
     assert [p.name for p in list_checkpoints(run_dir)] == kept
+
+
+def test_pruning_keeps_the_newest_checkpoint_from_before_a_wsd_decay(tmp_path):
+    """Where a longer run of a wsd schedule branches off (training.optim.decay_start): the newest one kept, however
+    many newer ones the run saved since, and the others pruned as usual."""
+    run_dir = tmp_path / "run"
+    for step, before in ((3, True), (4, False), (7, True), (8, False), (10, False)):
+        meta = fake_checkpoint(run_dir, step) / "meta.json"
+        meta.write_text(json.dumps({"step": step, "val_loss": None, "before_decay": before}))
+    assert before_decay_checkpoint(run_dir) == checkpoint_dir(run_dir, 7)
+    assert [p.name for p in prune_checkpoints(run_dir, 1)] == ["step-00000007", "step-00000010"]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000007", "step-00000010"]
+    assert is_before_decay(checkpoint_dir(run_dir, 7)) and not is_before_decay(checkpoint_dir(run_dir, 10))
 
 
 @pytest.mark.slow  # forks the process that prunes, to kill it mid-delete
