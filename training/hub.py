@@ -467,14 +467,18 @@ def _started_from(init_from: str) -> tuple[str, bool]:
     return name or folder.resolve().name, True
 
 
+# what `default` names to a card's readers: data_prep's embedded corpus (data_prep.sources)
+DEFAULT_CORPUS_NOTE = ": Project Gutenberg's texts of Shakespeare and Milton"
+
+
 def _data_section(config: dict, manifest: dict | None) -> str:
     if manifest is None:
         return f"`{config['data_dir']}` (no manifest.json there: source and license unknown)"
     splits = manifest["splits"]
     sources = data_sources(manifest)
     rows = "".join(
-        f"| `{s['source']}` | "
-        + (f"[{s['dataset']}](https://huggingface.co/datasets/{s['dataset']})" if s["dataset"] else "")
+        f"| `{s['source']}`{DEFAULT_CORPUS_NOTE if s['source'].partition(':')[0] == 'default' else ''} | "
+        + (f"[{s['dataset']}](https://huggingface.co/datasets/{s['dataset']})" if s["dataset"] else "not on the Hub")
         + f" | {s['license']} |\n"
         for s in sources
     )

