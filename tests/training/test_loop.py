@@ -146,7 +146,7 @@ def test_a_warmup_as_long_as_the_run_is_warned():
 def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
     """A finished cosine run of 10 steps (its next lr 0.1x the peak) resumed with --max-steps 20: the schedule trains
     step 11 at ~0.6x. Said, with the way to extend a run later (cosine keeps no point to branch off from); a resume
-    that keeps or lowers the lr, or one inside the warmup, says nothing."""
+    that keeps or lowers the lr, one inside the warmup, or one with nothing left to train says nothing."""
     cfg = TrainConfig(lr_schedule="cosine", warmup_steps=2, max_steps=20)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     schedule = build_scheduler(optimizer, cfg)
@@ -164,6 +164,7 @@ def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
     )
     assert rewarm_warning(cfg, checkpoint, 10, 20, now, schedule) is None  # the same schedule
     assert rewarm_warning(cfg, checkpoint, 1, 20, 0.1, schedule) is None  # in the warmup: a warmup changed
+    assert rewarm_warning(cfg, checkpoint, 20, 20, 0.1, schedule) is None  # nothing left to train
 
 
 def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):
