@@ -165,10 +165,9 @@ def rewarm_warning(
     schedule), naming the checkpoint its run kept from before a wsd decay, where a run planned longer from the start
     branches off; None otherwise."""
     now = schedule.next_multiplier()
-    # the checkpoint from before a decay: its steps were not decayed, only the next one would have been
     if step < cfg.warmup_steps or step >= total_steps or saved >= 1.0 or now <= saved * 1.001:
         return None
-    if is_before_decay(checkpoint):
+    if is_before_decay(checkpoint):  # its steps were not decayed, only the next one would have been
         return None
     line = (
         f"warning: the checkpoint's schedule had decayed the lr to {saved:.2f}x its peak for step {step + 1}, and "
