@@ -175,9 +175,12 @@ def rewarm_warning(
     )
     branch = before_decay_checkpoint(checkpoint.parent.parent)
     if cfg.lr_schedule == "wsd" and branch is not None and checkpoint_step(branch) < step:
+        # in this run's folder, the checkpoints after it are set aside (training.checkpoint.set_aside)
+        here = checkpoint.parent.parent.resolve() == Path(cfg.out_dir).resolve()
+        aside = f" (the later checkpoints are moved into {PREVIOUS}<time>/)" if here else ""
         return (
             f"{line}. To train as a run planned for {total_steps} steps from the start, branch off before the decay: "
-            f"--resume {branch} (the later checkpoints are moved into {PREVIOUS}<time>/)"
+            f"--resume {branch}{aside}"
         )
     return (
         f"{line}. No checkpoint from before a decay is kept to branch off from: a run meant to be extended trains "

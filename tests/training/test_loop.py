@@ -167,6 +167,32 @@ def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
     assert rewarm_warning(cfg, checkpoint, 20, 20, 0.1, schedule) is None  # nothing left to train
 
 
+def test_the_rewarm_warning_names_the_checkpoint_from_before_the_decay(tmp_path):
+    """A wsd run of 10 steps, its checkpoint of step 9 saved before the decay, resumed from step 10 with 20 steps: the
+    line names step 9 to resume from; the later checkpoints are set aside only where the run goes on in that folder
+    (a --resume PATH into another --out-dir leaves them)."""
+    run_dir = tmp_path / "run"
+    for step, before in ((9, True), (10, False)):
+        folder = run_dir / f"checkpoints/step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(f'{{"step": {step}, "before_decay": {str(before).lower()}}}')
+    cfg = TrainConfig(warmup_steps=2, max_steps=20, out_dir=str(run_dir))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = build_scheduler(optimizer, cfg)
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    line = rewarm_warning(cfg, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, schedule)
+    assert line.startswith("warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step 11, and "
+                           "this launch's 20-step schedule trains that step at 1.00x"), line  # fmt: skip
+    assert line.endswith(f"branch off before the decay: --resume {run_dir}/checkpoints/step-00000009 (the later "
+                         "checkpoints are moved into previous-<time>/)"), line  # fmt: skip
+    elsewhere = cfg.replace(out_dir=str(tmp_path / "other"))
+    line = rewarm_warning(elsewhere, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, schedule)
+    assert line.endswith(f"--resume {run_dir}/checkpoints/step-00000009"), line
+    assert rewarm_warning(cfg, run_dir / "checkpoints/step-00000009", 9, 20, 0.55, schedule) is None  # the branch
+
+
 def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):
     """--muon-lr under --optimizer adamw, --decay-fraction under --lr-schedule cosine: the run trained as if they were
     not given, with no word. Only what the run config or flags set is named; the defaults never are."""
