@@ -460,7 +460,8 @@ def _set_up_locked(
         if moved:
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
-        warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints)
+        before_decay = bool(cfg.checkpoint_interval) and decay_start(cfg, total_steps) is not None  # kept besides
+        warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints, before_decay)
         if warning:
             print(warning, flush=True)
     accelerator.wait_for_everyone()

@@ -47,7 +47,8 @@ def test_metrics_rows_stay_whole_on_a_full_disk_and_go_on_after_room_is_made(tmp
 
 def test_the_start_up_warns_where_the_checkpoints_kept_and_the_one_being_written_do_not_fit(tmpfs):
     """A run keeps --keep-checkpoints and writes each new one before pruning the oldest: the warning counted two,
-    so a run keeping two (the default) on room for two trained on until its third save failed, unwarned."""
+    so a run keeping two (the default) on room for two trained on until its third save failed, unwarned. A wsd run
+    keeps one more, from before its decay."""
     run_dir = tmpfs("10m") / "run"
     run_dir.mkdir()
     four_mb = 4 * 2**20
@@ -61,6 +62,9 @@ def test_the_start_up_warns_where_the_checkpoints_kept_and_the_one_being_written
     checkpoint_dir(run_dir, 1).mkdir(parents=True)  # one is there: two more to come
     assert room_warning(run_dir, four_mb, keep=2) is None
     assert "less than 1 more checkpoint need (12 MB: --keep-checkpoints 1," in room_warning(run_dir, 12 * 2**20, keep=1)
+    # a wsd run also keeps its checkpoint from before the decay: one more at once (the room for two more fit above)
+    warned = room_warning(run_dir, four_mb, keep=2, before_decay=True) or ""
+    assert "less than 3 more checkpoints need (12 MB: --keep-checkpoints 2, the one from before the wsd" in warned
 
 
 def test_an_export_on_a_full_disk_says_so_leaves_nothing_and_completes_after_room_is_made(tmp_path, tmpfs):
