@@ -57,9 +57,11 @@ OPTIONAL_ARGUMENT = ("default", "pg19")
 # A `+` starts another source where what follows reads as one (a word and a colon, or a kind that needs no argument);
 # any other `+` is part of a path: files:~/C++/notes, files:~/Books+Letters
 SOURCE_START = re.compile(rf"\+(?=\s*(?:\w+:|(?:{'|'.join(OPTIONAL_ARGUMENT)})\s*(?:\+|$)))")
+# What the `default` kind is, for readers who never typed it (model cards)
+DEFAULT_CORPUS = "Project Gutenberg's texts of Shakespeare and Milton"
 # What each kind's books may be used under, as prepare records it in manifest.json (and model cards repeat it).
 LICENSES = {
-    "default": "public domain in the USA",  # Project Gutenberg's texts of Shakespeare and Milton
+    "default": "public domain in the USA",  # DEFAULT_CORPUS
     "gutenberg": "public domain in the USA",
     "pg19": "apache-2.0",  # the dataset's license (DeepMind's PG-19 card); its books are public domain in the USA
     "files": "unknown",

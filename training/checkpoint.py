@@ -594,11 +594,14 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1 (the newest checkpoint is the run's resumable state), got {keep}")
     found = list_checkpoints(run_dir)
     best: dict[str | None, tuple[float, Path]] = {}  # data digest (None: saved before it was kept) -> best
+    branch = None  # the newest from before a decay (found is oldest first)
     for path in found:
         meta = _meta(path)
         if meta.get("val_loss") is not None and meta["val_loss"] < best.get(meta.get("data"), (math.inf,))[0]:
             best[meta.get("data")] = (meta["val_loss"], path)
-    kept = {*found[-keep:], *(path for _, path in best.values()), before_decay_checkpoint(run_dir)}
+        if meta.get("before_decay"):
+            branch = path
+    kept = {*found[-keep:], *(path for _, path in best.values()), branch}
     for old in found:
         if old not in kept:
             # renamed out of the checkpoints first: a kill mid-delete leaves a step-N.tmp, which the next start clears,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from data_prep.sources import LICENSES, SOURCE_START
+from data_prep.sources import DEFAULT_CORPUS, LICENSES, SOURCE_START
 from modeling.disk import atomic_write_bytes
 from modeling.runs import (
     CONFIG_FILE,
@@ -467,17 +467,13 @@ def _started_from(init_from: str) -> tuple[str, bool]:
     return name or folder.resolve().name, True
 
 
-# what `default` names to a card's readers: data_prep's embedded corpus (data_prep.sources)
-DEFAULT_CORPUS_NOTE = ": Project Gutenberg's texts of Shakespeare and Milton"
-
-
 def _data_section(config: dict, manifest: dict | None) -> str:
     if manifest is None:
         return f"`{config['data_dir']}` (no manifest.json there: source and license unknown)"
     splits = manifest["splits"]
     sources = data_sources(manifest)
     rows = "".join(
-        f"| `{s['source']}`{DEFAULT_CORPUS_NOTE if s['source'].partition(':')[0] == 'default' else ''} | "
+        f"| `{s['source']}`{f': {DEFAULT_CORPUS}' if s['source'].partition(':')[0] == 'default' else ''} | "
         + (f"[{s['dataset']}](https://huggingface.co/datasets/{s['dataset']})" if s["dataset"] else "not on the Hub")
         + f" | {s['license']} |\n"
         for s in sources

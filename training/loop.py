@@ -188,6 +188,12 @@ def rewarm_warning(
     )
 
 
+def branch_step(cfg: TrainConfig, total_steps: int) -> int | None:
+    """The step after which a run of total_steps saves the checkpoint a longer run branches off from (a wsd run with
+    checkpoints on: its decay_start; the pruning keeps it); None where it saves none."""
+    return decay_start(cfg, total_steps) if cfg.checkpoint_interval else None
+
+
 def warmup_warning(cfg: TrainConfig) -> str | None:
     """One warning line when the lr warmup is as long as the run (at most its steps, for a time budget): its lr
     never reaches the peak the run config names, and a schedule's decay never starts. None otherwise."""
@@ -270,9 +276,8 @@ class Run:
         return last or self.budget_due(step) or self.before_decay(step) or any(due(i, step, last) for i in intervals)
 
     def before_decay(self, step: int) -> bool:
-        """Whether a wsd decay starts after optimizer step `step` (with checkpoints on): the checkpoint saved there is
-        where a longer run of the schedule branches off, kept by the pruning."""
-        return bool(self.cfg.checkpoint_interval) and step == decay_start(self.cfg, self.total_steps)
+        """Whether the checkpoint from before the decay is saved after optimizer step `step` (branch_step)."""
+        return step == branch_step(self.cfg, self.total_steps)
 
     def budget_due(self, step: int) -> bool:
         """Whether the time budget's step count is (re)decided after optimizer step `step`: at the end of the
@@ -460,7 +465,7 @@ def _set_up_locked(
         if moved:
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
-        before_decay = bool(cfg.checkpoint_interval) and decay_start(cfg, total_steps) is not None  # kept besides
+        before_decay = branch_step(cfg, total_steps) is not None  # one kept besides keep_checkpoints
         warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints, before_decay)
         if warning:
             print(warning, flush=True)
