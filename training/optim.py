@@ -123,7 +123,8 @@ def newton_schulz(
     """Keller Jordan's quintic Newton-Schulz iteration towards the nearest semi-orthogonal matrix, in dtype, as
     torch.optim.Muon runs it in bf16 (the wide orientation, each matrix's Frobenius norm scaled to at most 1), on
     same-shaped matrices stacked into one batch: (len(updates), rows, cols), each matrix's result equal bit for
-    bit to its own iteration's on the CPU. The stack is a copy: the caller's tensors are left as they were."""
+    bit to its own iteration's on the CPU at one thread (with more, the batched fp32 baddbmm sums in another order:
+    within fp32 rounding). The stack is a copy: the caller's tensors are left as they were."""
     a, b, c = coefficients
     x = torch.stack(updates).to(dtype)
     tall = x.size(-2) > x.size(-1)
