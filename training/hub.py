@@ -373,7 +373,7 @@ Accelerate, MIT-licensed).
 |---|---|
 | model | {model} (context {_context(run_dir, config)}) |
 | optimizer | {_optimizer_line(config)} |
-| lr schedule | {_schedule_line(config)} |
+| lr schedule | {_schedule_line(config)}{_rewarm_note(launches)} |
 | optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
@@ -614,6 +614,17 @@ def _schedule_line(config: dict) -> str:
         last = _plural(steps, "step") if steps else f"{config['decay_fraction']:g} of the steps"
         return f"wsd: {warmup}, constant, then linear decay over the last {last} to {floor:g}× the peak"
     return f"cosine: {warmup}, then cosine decay to {floor:g}× the peak"
+
+
+def _rewarm_note(launches: list[tuple[int, dict]]) -> str:
+    """Where a resume took the lr back up after its decay (a finished run trained longer: the schedule above is the
+    last launch's, not the path the lr took), one clause per such launch; '' where none did."""
+    return "".join(
+        f"; from step {first:,} the lr went back up from {launch['rewarmed'][0]:.2f}× to {launch['rewarmed'][1]:.2f}× "
+        "the peak (a resume trained the decayed run longer)"
+        for first, launch in launches
+        if "rewarmed" in launch
+    )
 
 
 def _plural(count: int, noun: str) -> str:

@@ -487,11 +487,13 @@ def _set_up_locked(
     elif progress.total_steps:  # the budget turned off on resume: max_steps or max_tokens decide, as in a new run
         progress.total_steps = 0
         run.schedule.span(run.total_steps)
+    rewarmed = None  # (the lr's fraction of its peak for the next step by the checkpoint's schedule, by this one's)
     if resume_from is not None:
         warning = rewarm_warning(cfg, resume_from, progress.step, run.total_steps, saved_multiplier, schedule)
         if warning:
             accelerator.print(warning)
-    log_run_info(run, num_params, peak_source, optimizer_text)
+            rewarmed = (round(saved_multiplier, 4), round(schedule.next_multiplier(), 4))
+    log_run_info(run, num_params, peak_source, optimizer_text, rewarmed)
     return run
 
 
@@ -627,8 +629,11 @@ def build_data(
     return manifest, train_loader, val_windows
 
 
-def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: str) -> None:
-    """The run's facts to every tracker and config.yaml to the run folder, and one summary line."""
+def log_run_info(
+    run: Run, num_params: int, peak_source: str, optimizer_text: str, rewarmed: tuple[float, float] | None = None
+) -> None:
+    """The run's facts to every tracker and config.yaml to the run folder, and one summary line. rewarmed: the lr
+    multipliers (before, now) where this launch took a decayed lr back up (rewarm_warning), for the model card."""
     cfg, accelerator = run.cfg, run.accelerator
     world_size, device = accelerator.num_processes, accelerator.device
     plugin = accelerator.state.dynamo_plugin
@@ -645,6 +650,9 @@ def log_run_info(run: Run, num_params: int, peak_source: str, optimizer_text: st
         "start_step": run.progress.step,  # a resumed launch's first step is the next
         "planned_steps": run.total_steps,  # the model card's "of N planned" (a time budget's: its decisions' rows)
         "new_data": new_data_note(run.train_loader),  # metrics.jsonl's launch row keeps where the data changed
+        # and where a resume took a decayed lr back up (two numbers: a tracker's config takes scalars)
+        "rewarmed_from": rewarmed and rewarmed[0],
+        "rewarmed_to": rewarmed and rewarmed[1],
         "mixed_precision": accelerator.mixed_precision,
         "dynamo_backend": dynamo,
         "dynamo_regional": per_block,

@@ -439,6 +439,8 @@ class JSONLTracker(GeneralTracker):
         launch = {k: values[k] for k in LAUNCH_KEYS} | {"data": data_for_the_card(values["data_path"])}
         if values.get("new_data"):  # a resume that went on from the start of other data (--on-new-data continue)
             launch["new_data"] = values["new_data"]
+        if values.get("rewarmed_from") is not None:  # a resume that took a decayed lr back up, as fractions of the peak
+            launch["rewarmed"] = [values["rewarmed_from"], values["rewarmed_to"]]
         self.log({"launch": launch}, step=values["start_step"])
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:

@@ -299,6 +299,11 @@ def test_a_time_budget_retimes_the_steps_until_the_decay_and_a_resumed_run_keeps
     branch = killed / f"checkpoints/step-{decay_start(TrainConfig(lr_schedule='wsd'), total):08d}"
     assert re.search(rf"^warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step {total + 1}"
                      rf", .*: --resume {re.escape(str(branch))} ", out, re.M), out  # fmt: skip
+    # and the model card says the lr's path, not only the last launch's schedule
+    now = re.search(r"trains that step at (\d\.\d\d)x", out)[1]
+    card = render_model_card(killed)
+    assert re.search(rf"\| lr schedule \| wsd: .*; from step {total + 1} the lr went back up from 0\.10× to {now}× the "
+                     r"peak \(a resume trained the decayed run longer\) \|", card), card  # fmt: skip
 
 
 def test_a_wsd_run_extended_from_before_its_decay_trains_as_one_planned_that_long(

@@ -274,6 +274,23 @@ def test_the_card_of_a_run_stopped_early_says_so(tmp_path, prepared_books, confi
     assert steps in render_model_card(tmp_path / "run")
 
 
+def test_the_card_says_where_a_resume_took_the_lr_back_up_after_its_decay(finished_run):
+    """A finished run trained longer from its decayed checkpoint (after rewarm_warning): its schedule row was the
+    last launch's plan, as if the lr had decayed once. The launch row keeps the jump; a launch without one adds
+    nothing."""
+    tracker = JSONLTracker(finished_run)
+    values = {k: CPU_LAUNCH.get(k, 4) for k in LAUNCH_KEYS} | {"data_path": str(finished_run), "start_step": 2}
+    tracker.store_init_configuration(values | {"rewarmed_from": 0.1, "rewarmed_to": 0.9876})
+    tracker.log({"train_loss": 8.0, "tokens_per_sec": 1000.0, "tokens_seen": 3072}, step=3)
+    tracker.store_init_configuration(values | {"start_step": 3})  # resumed again, on its new plan
+    tracker.log({"train_loss": 7.5, "tokens_per_sec": 1000.0, "tokens_seen": 4096}, step=4)
+    card = render_model_card(finished_run)
+    assert (
+        "to 0.1× the peak; from step 3 the lr went back up from 0.10× to 0.99× the peak (a resume trained the "
+        "decayed run longer) |\n| optimizer steps | 4 |"
+    ) in card, card
+
+
 def test_the_card_gives_the_throughput_of_each_span_of_hardware(finished_run):
     """A run resumed on 8 GPUs after 2 steps on a CPU: the card gave the median over both, 250,550 tokens/s, which no
     launch of the run trained at. A launch on the same hardware as the one before it is of its span."""
