@@ -630,7 +630,7 @@ def build_data(
 
 
 def log_run_info(
-    run: Run, num_params: int, peak_source: str, optimizer_text: str, rewarmed: tuple[float, float] | None = None
+    run: Run, num_params: int, peak_source: str, optimizer_text: str, rewarmed: tuple[float, float] | None
 ) -> None:
     """The run's facts to every tracker and config.yaml to the run folder, and one summary line. rewarmed: the lr
     multipliers (before, now) where this launch took a decayed lr back up (rewarm_warning), for the model card."""
