@@ -33,6 +33,7 @@ from modeling.gpt import GPT, Block
 from modeling.runtime import joined, set_up_compute
 from training.compile_cache import check_build_tools, set_up_compile_cache
 from training.config import ConfigError
+from training.signals import one_process_launcher
 
 T = TypeVar("T")
 
@@ -150,9 +151,8 @@ def _check_one_process_launcher() -> None:
     process(es)` (two machines: two runs, each alone, into one out_dir). torchrun's ranks have TORCHELASTIC_RUN_ID,
     mpirun's a world size. A MASTER_ADDR the launcher itself started with (a one-replica Kubernetes PyTorchJob, an
     sbatch script exporting it) is the job's, not accelerate's: such a one-process launch trains."""
-    one_process_launcher = "ACCELERATE_USE_CPU" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
     world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
-    if one_process_launcher and "MASTER_ADDR" in os.environ and world_size == 1:
+    if one_process_launcher() and "MASTER_ADDR" in os.environ and world_size == 1:
         launcher = _launcher_environment()
         if launcher is not None and all(launcher.get(k) == os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")):
             return  # accelerate set neither (it sets both, to the YAML's address and port or 127.0.0.1:29500)

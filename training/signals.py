@@ -144,9 +144,15 @@ def torchrun_reads_shutdown_timeout() -> bool:
     return "shutdown_timeout" in LaunchConfig.__dataclass_fields__
 
 
+def one_process_launcher() -> bool:
+    """Whether this process was started by `accelerate launch`'s one-process launcher: it sets ACCELERATE_USE_CPU,
+    and the ranks torchrun starts (accelerate's multi-process launcher) have TORCHELASTIC_RUN_ID."""
+    return "ACCELERATE_USE_CPU" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
 def _under_accelerates_one_process_launcher() -> bool:
-    """Started by `accelerate launch` (which sets ACCELERATE_USE_CPU) without torchrun, from accelerate 1.16 on."""
-    if "ACCELERATE_USE_CPU" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+    """Started by accelerate's one-process launcher, from accelerate 1.16 on."""
+    if not one_process_launcher():
         return False
     from accelerate.utils import compare_versions
 
