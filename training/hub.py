@@ -307,8 +307,8 @@ def _whoami(token: str, timeout: float) -> dict | HfHubHTTPError:
 
 
 def render_model_card(run_dir: str | Path) -> str:
-    """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs and schedule
-    as the config.yaml of the newest checkpoint (the export's weights) says the run used them, steps, tokens,
+    """A README.md for the export (huggingface_hub's ModelCard): data and its license, optimizer(s), lrs, schedule
+    and batch as each launch up to the newest checkpoint (the export's weights) trained with them, steps, tokens,
     losses, eval results, throughput and the loss plot."""
     from huggingface_hub import ModelCard
 
@@ -372,8 +372,8 @@ Accelerate, MIT-licensed).
 | | |
 |---|---|
 | model | {model} (context {_context(run_dir, config)}) |
-| optimizer | {_optimizer_line(config)} |
-| lr schedule | {_schedule_line(config)}{_rewarm_note(launches)} |
+| optimizer | {_recipe_line(config, launches, last["step"], _optimizer_line)} |
+| lr schedule | {_recipe_line(config, launches, last["step"], _schedule_line)}{_rewarm_note(launches)} |
 | optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
@@ -561,14 +561,34 @@ def _throughput(train: list[dict], launches: list[tuple[int, dict]], last_step: 
     return _joined(parts)
 
 
+def _recipe(config: dict, launch: dict) -> dict:
+    """The run config as `launch` trained with it: its recipe (a resume may change the lr, the schedule, the batch)
+    over config.yaml's (the last launch's: all there is for launch rows written before they held it)."""
+    return {**config, **launch.get("recipe", {})}
+
+
+def _recipe_line(config: dict, launches: list[tuple[int, dict]], last_step: int, line: Callable[[dict], str]) -> str:
+    """line(the run config) for the run's steps, with each span's steps where a resume changed what it says."""
+    if not launches:
+        return line(config)
+    return _per_span(launches, last_step, lambda launch: line(_recipe(config, launch)))
+
+
 def _batch_line(config: dict, launches: list[tuple[int, dict]], last_step: int) -> str:
-    """Tokens per step, and the micro-batch of each launch (a resume on other hardware may change it; launch rows
-    written before they held it: config.yaml's, the last launch's)."""
-    if launches and all("micro_batch_size" in launch for _, launch in launches):
-        micro = _per_span(launches, last_step, lambda launch: f"micro-batch {launch['micro_batch_size']}")
-    else:
-        micro = f"micro-batch {config['micro_batch_size']}"
-    return f"| batch | {config['total_batch_tokens']:,} tokens/step, {micro} |\n"
+    """Tokens per step and the micro-batch, per span of steps where a resume changed them (the batch, or on other
+    hardware the micro-batch; launch rows written before they held them: config.yaml's, the last launch's)."""
+
+    def tokens(launch: dict) -> str:
+        return f"{_recipe(config, launch)['total_batch_tokens']:,} tokens/step"
+
+    def micro(launch: dict) -> str:
+        return f"micro-batch {launch.get('micro_batch_size', config['micro_batch_size'])}"
+
+    if not launches:
+        return f"| batch | {tokens({})}, {micro({})} |\n"
+    if len(_spans(launches, last_step, tokens)) == 1:  # the batch held: the micro-batch of each span
+        return f"| batch | {tokens(launches[0][1])}, {_per_span(launches, last_step, micro)} |\n"
+    return f"| batch | {_per_span(launches, last_step, lambda launch: f'{tokens(launch)}, {micro(launch)}')} |\n"
 
 
 def _time_line(train: list[dict]) -> str:

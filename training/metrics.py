@@ -403,6 +403,12 @@ LAUNCH_KEYS = (
     "world_size", "device", "mixed_precision", "dynamo_backend", "micro_batch_size", "data_path", "val_windows",
     "val_tokens", "planned_steps",
 )  # fmt: skip
+# And what the launch trained with of the run config that a resume may change and the card describes (its optimizer,
+# lr schedule and batch rows): a resume that lowered the lr after a loss spike trained its steps at the new lr only
+RECIPE_KEYS = (
+    "optimizer", "lr", "beta1", "beta2", "weight_decay", "muon_lr", "muon_momentum", "lr_schedule", "warmup_steps",
+    "decay_fraction", "decay_steps", "min_lr_ratio", "total_batch_tokens",
+)  # fmt: skip
 # What the model card says of the data, from its manifest.json: the sources with their licenses, the splits' sizes
 CARD_DATA_KEYS = ("source", "sources", "splits")
 
@@ -437,6 +443,8 @@ class JSONLTracker(GeneralTracker):
         launch YAML, not the config, chose, and which a resume may change) go in a row at the step it starts from,
         for the model card."""
         launch = {k: values[k] for k in LAUNCH_KEYS} | {"data": data_for_the_card(values["data_path"])}
+        if "lr" in values:  # a training launch's run info (which leaves out None fields: decay_steps unset)
+            launch["recipe"] = {k: values.get(k) for k in RECIPE_KEYS}
         if values.get("new_data"):  # a resume that went on from the start of other data (--on-new-data continue)
             launch["new_data"] = values["new_data"]
         if values.get("rewarmed_from") is not None:  # a resume that took a decayed lr back up, as fractions of the peak

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -289,6 +290,33 @@ def test_the_card_says_where_a_resume_took_the_lr_back_up_after_its_decay(finish
         "to 0.1× the peak; from step 3 the lr went back up from 0.10× to 0.99× the peak (a resume trained the "
         "decayed run longer) |\n| optimizer steps | 4 |"
     ) in card, card
+
+
+def test_the_card_gives_the_recipe_of_each_span_of_steps_a_resume_changed(finished_run, prepared_books):
+    """A run resumed after a loss spike with half the lrs and twice the batch: its card gave the last launch's lrs and
+    batch (config.yaml's) as the whole run's. Each launch row keeps its recipe; what no resume changed (the schedule
+    here) stays one text."""
+    first = TrainConfig(preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2)
+    then = dataclasses.replace(first, lr=3e-4, muon_lr=0.01, total_batch_tokens=2048, max_steps=3)
+    (finished_run / "config.yaml").write_text(config_to_yaml(then))
+    (finished_run / "metrics.jsonl").write_text("")
+    tracker = JSONLTracker(finished_run)
+    for cfg, start, steps in ((first, 0, (1, 2)), (then, 2, (3,))):
+        run_info = {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}  # as init_trackers passes it
+        run_info |= {"data_path": str(prepared_books), "start_step": start, "planned_steps": 3}
+        tracker.store_init_configuration(run_info | {k: CPU_LAUNCH.get(k, 8) for k in LAUNCH_KEYS if k not in run_info})
+        for step in steps:
+            tracker.log({"train_loss": 9.0, "tokens_per_sec": 1000.0, "tokens_seen": 1024 * step}, step=step)
+    card = render_model_card(finished_run)
+    assert (
+        "| optimizer | steps 1-2: Muon lr 0.02 (momentum 0.95) on the blocks' matrices; AdamW lr 0.0006 (betas "
+        "0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and biases; steps 3-3: Muon lr 0.01 (momentum 0.95) on "
+        "the blocks' matrices; AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and "
+        "biases |\n| lr schedule | wsd: 20 warmup steps, constant, then linear decay over the last 0.2 of the steps to "
+        "0.1× the peak |"
+    ) in card, card
+    batch = "| batch | steps 1-2: 1,024 tokens/step, micro-batch 16; steps 3-3: 2,048 tokens/step, micro-batch 16 |"
+    assert batch in card and "| optimizer steps | 3 |" in card, card
 
 
 def test_the_card_gives_the_throughput_of_each_span_of_hardware(finished_run):
