@@ -158,13 +158,12 @@ def memorization_warning(
 
 
 def rewarm_warning(
-    cfg: TrainConfig, checkpoint: Path, step: int, total_steps: int, saved: float, schedule: Schedule
+    cfg: TrainConfig, checkpoint: Path, step: int, total_steps: int, saved: float, now: float
 ) -> str | None:
     """One warning line when a resume's schedule (more steps, a shorter decay) takes the lr back up from a decay the
-    checkpoint at `step` was trained into (`saved`: the next step's lr as a fraction of the peak by the checkpoint's
-    schedule), naming the checkpoint its run kept from before a wsd decay, where a run planned longer from the start
-    branches off; None otherwise."""
-    now = schedule.next_multiplier()
+    checkpoint at `step` was trained into (the next step's lr as a fraction of the peak: `saved` by the checkpoint's
+    schedule, `now` by this launch's), naming the checkpoint its run kept from before a wsd decay, where a run planned
+    longer from the start branches off; None otherwise."""
     if step < cfg.warmup_steps or step >= total_steps or saved >= 1.0 or now <= saved * 1.001:
         return None
     if is_before_decay(checkpoint):  # its steps were not decayed, only the next one would have been
@@ -489,10 +488,11 @@ def _set_up_locked(
         run.schedule.span(run.total_steps)
     rewarmed = None  # (the lr's fraction of its peak for the next step by the checkpoint's schedule, by this one's)
     if resume_from is not None:
-        warning = rewarm_warning(cfg, resume_from, progress.step, run.total_steps, saved_multiplier, schedule)
+        now = schedule.next_multiplier()
+        warning = rewarm_warning(cfg, resume_from, progress.step, run.total_steps, saved_multiplier, now)
         if warning:
             accelerator.print(warning)
-            rewarmed = (round(saved_multiplier, 4), round(schedule.next_multiplier(), 4))
+            rewarmed = (round(saved_multiplier, 4), round(now, 4))
     log_run_info(run, num_params, peak_source, optimizer_text, rewarmed)
     return run
 

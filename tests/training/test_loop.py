@@ -155,16 +155,16 @@ def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
         schedule.step()
     checkpoint = tmp_path / "run/checkpoints/step-00000010"
     checkpoint.mkdir(parents=True)
-    now = lr_multiplier(10, cfg, 20)
-    assert rewarm_warning(cfg, checkpoint, 10, 20, 0.1, schedule) == (
+    now, ours = lr_multiplier(10, cfg, 20), schedule.next_multiplier()  # step 11's, by this launch's schedule
+    assert rewarm_warning(cfg, checkpoint, 10, 20, 0.1, ours) == (
         f"warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step 11, and this launch's "
         f"20-step schedule trains that step at {now:.2f}x: the annealed weights go back up. No checkpoint from before "
         "a decay is kept to branch off from: a run meant to be extended trains under wsd with --decay-fraction 0 and "
         "anneals in a resumed run"
     )
-    assert rewarm_warning(cfg, checkpoint, 10, 20, now, schedule) is None  # the same schedule
-    assert rewarm_warning(cfg, checkpoint, 1, 20, 0.1, schedule) is None  # in the warmup: a warmup changed
-    assert rewarm_warning(cfg, checkpoint, 20, 20, 0.1, schedule) is None  # nothing left to train
+    assert rewarm_warning(cfg, checkpoint, 10, 20, now, ours) is None  # the same schedule
+    assert rewarm_warning(cfg, checkpoint, 1, 20, 0.1, ours) is None  # in the warmup: a warmup changed
+    assert rewarm_warning(cfg, checkpoint, 20, 20, 0.1, ours) is None  # nothing left to train
 
 
 def test_the_rewarm_warning_names_the_checkpoint_from_before_the_decay(tmp_path):
@@ -182,15 +182,16 @@ def test_the_rewarm_warning_names_the_checkpoint_from_before_the_decay(tmp_path)
     for _ in range(10):
         optimizer.step()
         schedule.step()
-    line = rewarm_warning(cfg, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, schedule)
+    ours = schedule.next_multiplier()  # step 11's, by this launch's schedule
+    line = rewarm_warning(cfg, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, ours)
     assert line.startswith("warning: the checkpoint's schedule had decayed the lr to 0.10x its peak for step 11, and "
                            "this launch's 20-step schedule trains that step at 1.00x"), line  # fmt: skip
     assert line.endswith(f"branch off before the decay: --resume {run_dir}/checkpoints/step-00000009 (the later "
                          "checkpoints are moved into previous-<time>/)"), line  # fmt: skip
     elsewhere = cfg.replace(out_dir=str(tmp_path / "other"))
-    line = rewarm_warning(elsewhere, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, schedule)
+    line = rewarm_warning(elsewhere, run_dir / "checkpoints/step-00000010", 10, 20, 0.1, ours)
     assert line.endswith(f"--resume {run_dir}/checkpoints/step-00000009"), line
-    assert rewarm_warning(cfg, run_dir / "checkpoints/step-00000009", 9, 20, 0.55, schedule) is None  # the branch
+    assert rewarm_warning(cfg, run_dir / "checkpoints/step-00000009", 9, 20, 0.55, ours) is None  # the branch
 
 
 def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):
