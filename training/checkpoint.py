@@ -501,15 +501,18 @@ def clear_partial(run_dir: str | Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def room_warning(run_dir: str | Path, one_checkpoint: int, keep: int, before_decay: bool = False) -> str | None:
-    """A start-up line when out_dir's filesystem cannot hold the checkpoints still to come: the run keeps `keep`, and
-    (`before_decay`: a wsd run with checkpoints on) the one from before its decay, and writes each new one before
-    pruning the oldest, so keep + 1 (+ 1) at once, less those there already (at least one)."""
-    more = max(1, keep + 1 + before_decay - len(list_checkpoints(run_dir)))
+def room_warning(
+    run_dir: str | Path, one_checkpoint: int, keep: int, before_decay: bool = False, best_val: bool = False
+) -> str | None:
+    """A start-up line when out_dir's filesystem cannot hold the checkpoints still to come: the run keeps `keep`,
+    (`best_val`: val evals on) the one with the best val loss, which is an extra one once the val loss stops falling,
+    and (`before_decay`: a wsd run with checkpoints on) the one from before its decay, and writes each new one before
+    pruning the oldest, so keep + 1 (+ 1 + 1) at once, less those there already (at least one)."""
+    more = max(1, keep + 1 + best_val + before_decay - len(list_checkpoints(run_dir)))
     free = shutil.disk_usage(run_dir).free
     if free >= more * one_checkpoint:
         return None
-    also = ", the one from before the wsd decay" if before_decay else ""
+    also = ", the best-val one" * best_val + ", the one from before the wsd decay" * before_decay
     return (
         f"warning: out_dir {run_dir} has {_mb(free)} free, less than {more} more checkpoint{'s' * (more > 1)} need "
         f"({_mb(more * one_checkpoint)}: --keep-checkpoints {keep}{also}, and one more while a save writes); a save "

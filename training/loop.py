@@ -465,7 +465,8 @@ def _set_up_locked(
             print(moved, flush=True)
         clear_partial(run_dir)  # a killed save's leftovers hold the space the next save needs
         before_decay = branch_step(cfg, total_steps) is not None  # one kept besides keep_checkpoints
-        warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints, before_decay)
+        best_val = cfg.eval_interval > 0  # the last step evaluates and saves: some checkpoint has a val loss
+        warning = room_warning(run_dir, one_checkpoint, cfg.keep_checkpoints, before_decay, best_val)
         if warning:
             print(warning, flush=True)
     accelerator.wait_for_everyone()

@@ -656,7 +656,7 @@ def test_a_full_disk_fails_the_save_with_one_line_and_keeps_earlier_checkpoints(
     run_dir = small_disk / "run"
     args = ["--max-steps", "6", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
     result = run(tiny_cmd(None, run_dir, prepared_books, *args), expect_rc=1)
-    warned = (  # the 6-step wsd run keeps its step 5 too, from before the decay
+    warned = (  # the 6-step wsd run keeps its step 5 too, from before the decay (and no best-val one: no val evals)
         r"less than 4 more checkpoints need \(152 MB: --keep-checkpoints 2, the one from before the wsd decay, and one "
         r"more while a save writes\)"
     )

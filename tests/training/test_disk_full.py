@@ -48,7 +48,7 @@ def test_metrics_rows_stay_whole_on_a_full_disk_and_go_on_after_room_is_made(tmp
 def test_the_start_up_warns_where_the_checkpoints_kept_and_the_one_being_written_do_not_fit(tmpfs):
     """A run keeps --keep-checkpoints and writes each new one before pruning the oldest: the warning counted two,
     so a run keeping two (the default) on room for two trained on until its third save failed, unwarned. A wsd run
-    keeps one more, from before its decay."""
+    keeps one more, from before its decay, and a run with val evals its best-val one."""
     run_dir = tmpfs("10m") / "run"
     run_dir.mkdir()
     four_mb = 4 * 2**20
@@ -65,6 +65,15 @@ def test_the_start_up_warns_where_the_checkpoints_kept_and_the_one_being_written
     # a wsd run also keeps its checkpoint from before the decay: one more at once (the room for two more fit above)
     warned = room_warning(run_dir, four_mb, keep=2, before_decay=True) or ""
     assert "less than 3 more checkpoints need (12 MB: --keep-checkpoints 2, the one from before the wsd" in warned
+    # a run with val evals keeps its best-val checkpoint, an extra one once the val loss stops falling (the room for
+    # two more fit without it); both with it
+    warned = room_warning(run_dir, four_mb, keep=2, best_val=True) or ""
+    assert "less than 3 more checkpoints need (12 MB: --keep-checkpoints 2, the best-val one, and one more" in warned
+    warned = room_warning(run_dir, 3 * 2**20, keep=2, best_val=True, before_decay=True) or ""
+    assert (
+        "less than 4 more checkpoints need (12 MB: --keep-checkpoints 2, the best-val one, the one from before"
+        in warned
+    )
 
 
 def test_an_export_on_a_full_disk_says_so_leaves_nothing_and_completes_after_room_is_made(tmp_path, tmpfs):
