@@ -41,8 +41,9 @@ from modeling.runs import (
     read_metrics,
     run_of_checkpoint,
 )
-from training.config import run_steps
+from training.config import TrainConfig, run_steps
 from training.metrics import data_for_the_card, precision_name
+from training.optim import highest_multiplier
 from training.runlock import run_in_progress
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ EVAL_METRICS = {
     ),
 }
 PUBLIC_DOMAIN = LICENSES["gutenberg"]  # what the manifest records for public-domain books
+# The run config's fields the lr schedule reads (training.optim.lr_multiplier)
+SCHEDULE_KEYS = ("lr_schedule", "warmup_steps", "decay_fraction", "decay_steps", "min_lr_ratio")
 
 
 def _manifest(config: dict, rows: Sequence[dict] = ()) -> dict | None:
@@ -356,6 +359,8 @@ def render_model_card(run_dir: str | Path) -> str:
     data = card_data(name, config, manifest, evals)
     launches = _launches(rows, last["step"])
     how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
+    schedule = _recipe_line(config, launches, last["step"], _schedule_line) + _warmup_note(config, rows)
+    schedule += _rewarm_note(launches)
     content = f"""---
 {data.to_yaml()}
 ---
@@ -373,7 +378,7 @@ Accelerate, MIT-licensed).
 |---|---|
 | model | {model} (context {_context(run_dir, config)}) |
 | optimizer | {_recipe_line(config, launches, last["step"], _optimizer_line)} |
-| lr schedule | {_recipe_line(config, launches, last["step"], _schedule_line)}{_rewarm_note(launches)} |
+| lr schedule | {schedule} |
 | optimizer steps | {_steps(config, rows, last["step"])} |
 | tokens seen | {last["tokens_seen"]:,} |
 {how}| final train loss | {last["train_loss"]:.4f} |
@@ -394,26 +399,37 @@ print(tok.decode(out[0]))
     return str(ModelCard(content))
 
 
+def _planned_steps(config: dict, rows: list[dict]) -> int | None:
+    """The steps the run planned last; None for a time budget that had not decided its count yet."""
+    if config.get("time_budget_minutes"):  # the count it decided last (max_steps is its cap)
+        decided = [r["total_steps"] for r in rows if "total_steps" in r]
+        return decided[-1] if decided else None
+    # also where a run went on with its budget off: its decisions are an earlier plan's. The last launch's plan (a
+    # resume with another batch moves a token budget's last step); runs from before launches kept it: the config's
+    plans = [r["launch"]["planned_steps"] for r in rows if "planned_steps" in r.get("launch", {})]
+    if plans:
+        return plans[-1]
+    return run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
+
+
 def _steps(config: dict, rows: list[dict], step: int) -> str:
     """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
     checkpoint): the lr schedule the card gives is the whole run's."""
-    if config.get("time_budget_minutes"):  # the count it decided last (max_steps is its cap)
-        decided = [r["total_steps"] for r in rows if "total_steps" in r]
-        if not decided:
-            return f"{step:,}"  # stopped before the budget decided: no count was planned yet
-        planned = decided[-1]
-    else:  # also where a run went on with its budget off: its decisions are an earlier plan's
-        # the last launch's plan (a resume with another batch moves a token budget's last step); runs from before
-        # launches kept it: the config's
-        plans = [r["launch"]["planned_steps"] for r in rows if "planned_steps" in r.get("launch", {})]
-        planned = (
-            plans[-1]
-            if plans
-            else run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
-        )
-    if step >= planned:
+    planned = _planned_steps(config, rows)
+    if planned is None or step >= planned:  # None: stopped before the budget decided, no count was planned yet
         return f"{step:,}"
     return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
+
+
+def _warmup_note(config: dict, rows: list[dict]) -> str:
+    """Where the warmup was as long as the run (its start-up warned): the highest lr the run trained at, which the
+    schedule row's peak is not."""
+    planned = _planned_steps(config, rows)
+    if planned is None or config["warmup_steps"] < planned:
+        return ""
+    schedule = TrainConfig(**{k: config[k] for k in SCHEDULE_KEYS if k in config})
+    highest = highest_multiplier(schedule, planned)
+    return f"; the run's {_plural(planned, 'step')} were all warmup: the lr reached {highest:.2f}× the peak at most"
 
 
 def _val_set_line(rows: list[dict], val_step: int) -> str:

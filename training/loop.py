@@ -91,6 +91,7 @@ from training.optim import (
     Schedule,
     build_scheduler,
     decay_start,
+    highest_multiplier,
     newton_schulz_dtype,
     optimizer_for,
 )
@@ -194,14 +195,15 @@ def branch_step(cfg: TrainConfig, total_steps: int) -> int | None:
 
 
 def warmup_warning(cfg: TrainConfig) -> str | None:
-    """One warning line when the lr warmup is as long as the run (at most its steps, for a time budget): its lr
-    never reaches the peak the run config names, and a schedule's decay never starts. None otherwise."""
+    """One warning line when the lr warmup is as long as the run (at most its steps, for a time budget): the run
+    is all warmup, its lr a fraction of the peak the run config names. None otherwise."""
     steps = cfg.total_steps()
     if cfg.warmup_steps < steps:
         return None
     return (
-        f"warning: warmup_steps {cfg.warmup_steps} is not below the run's {steps} steps: the lr never reaches its "
-        f"peak ({cfg.lr:g}) nor decays; give --warmup-steps below {steps}, or more steps"
+        f"warning: warmup_steps {cfg.warmup_steps} is not below the run's {steps} steps: the run is all warmup, its "
+        f"lr {highest_multiplier(cfg, steps):.2f}× its peak ({cfg.lr:g}) at most; give --warmup-steps below {steps}, "
+        "or more steps"
     )
 
 

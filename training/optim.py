@@ -35,6 +35,12 @@ def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+def highest_multiplier(cfg: TrainConfig, total_steps: int) -> float:
+    """The highest fraction of the peak lr a run of total_steps trains at: 1, but where its warmup is as long as the
+    run (lower still where a short wsd run's decay cuts into its warmup). Past the warmup the lr only falls."""
+    return max(lr_multiplier(step, cfg, total_steps) for step in range(min(total_steps, cfg.warmup_steps + 1)))
+
+
 def decay_start(cfg: TrainConfig, total_steps: int) -> int | None:
     """wsd: how many optimizer steps a run of total_steps takes before its decay lowers the lr. Any longer run of the
     same schedule gives those steps the same lrs, so the checkpoint after them is where a longer run branches off

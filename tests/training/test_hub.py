@@ -51,7 +51,9 @@ def finished_run(tmp_path, prepared_books):
     """A run folder as train_accel.py leaves it: config.yaml, metrics.jsonl, export/."""
     run = tmp_path / "run"
     run.mkdir()
-    cfg = TrainConfig(preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2)
+    cfg = TrainConfig(
+        preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2, warmup_steps=1
+    )
     (run / "config.yaml").write_text(config_to_yaml(cfg))
     rows = [
         {"step": 0, "launch": CPU_LAUNCH},
@@ -136,9 +138,25 @@ DEFAULT_ROW = (
 def test_model_card_says_the_optimizers_lrs_and_schedule_of_the_run(
     tmp_path, prepared_books, config, optimizer, schedule
 ):
-    write_run(tmp_path / "run", prepared_books, ROWS, **config)
+    write_run(tmp_path / "run", prepared_books, ROWS, **{"max_steps": 20, **config})  # past the warmup: no note
     card = render_model_card(tmp_path / "run")
     assert optimizer in card and schedule in card
+
+
+def test_the_card_says_where_the_warmup_was_as_long_as_the_run(tmp_path, prepared_books):
+    """A run whose warmup outlasted its steps (its start-up warned) got a card giving the schedule's peak and decay as
+    if they had come; the card now gives the highest lr it trained at. One stopped early inside a longer plan's warmup
+    is the steps row's "stopped early" instead."""
+    write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=3)
+    assert (
+        "| lr schedule | wsd: 3 warmup steps, constant, then linear decay over the last 0.2 of the steps to 0.1× the "
+        "peak; the run's 2 steps were all warmup: the lr reached 0.67× the peak at most |"
+    ) in render_model_card(tmp_path / "run")
+    write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=1)
+    assert "over the last 0.2 of the steps to 0.1× the peak |" in render_model_card(tmp_path / "run")
+    write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=5, max_steps=6)
+    card = render_model_card(tmp_path / "run")
+    assert "to 0.1× the peak |" in card and "| optimizer steps | 2 of 6 planned (stopped early:" in card, card
 
 
 def test_model_card_data_license_and_dataset_are_the_manifests(tmp_path, prepared_books, monkeypatch):
@@ -296,7 +314,9 @@ def test_the_card_gives_the_recipe_of_each_span_of_steps_a_resume_changed(finish
     """A run resumed after a loss spike with half the lrs and twice the batch: its card gave the last launch's lrs and
     batch (config.yaml's) as the whole run's. Each launch row keeps its recipe; what no resume changed (the schedule
     here) stays one text."""
-    first = TrainConfig(preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2)
+    first = TrainConfig(
+        preset="tiny-cpu", data_dir=str(prepared_books), total_batch_tokens=1024, max_steps=2, warmup_steps=1
+    )
     then = dataclasses.replace(first, lr=3e-4, muon_lr=0.01, total_batch_tokens=2048, max_steps=3)
     (finished_run / "config.yaml").write_text(config_to_yaml(then))
     (finished_run / "metrics.jsonl").write_text("")
@@ -312,7 +332,7 @@ def test_the_card_gives_the_recipe_of_each_span_of_steps_a_resume_changed(finish
         "| optimizer | steps 1-2: Muon lr 0.02 (momentum 0.95) on the blocks' matrices; AdamW lr 0.0006 (betas "
         "0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and biases; steps 3-3: Muon lr 0.01 (momentum 0.95) on "
         "the blocks' matrices; AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and "
-        "biases |\n| lr schedule | wsd: 20 warmup steps, constant, then linear decay over the last 0.2 of the steps to "
+        "biases |\n| lr schedule | wsd: 1 warmup step, constant, then linear decay over the last 0.2 of the steps to "
         "0.1× the peak |"
     ) in card, card
     batch = "| batch | steps 1-2: 1,024 tokens/step, micro-batch 16; steps 3-3: 2,048 tokens/step, micro-batch 16 |"
