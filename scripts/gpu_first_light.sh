@@ -150,7 +150,7 @@ if [[ $DRY == 1 ]]; then  # toy sizes on the CPU: the same commands end to end, 
     HELLASWAG=${HELLASWAG_LIMIT:-4}
     CPU_TESTS=(tests/modeling/test_fused_ce.py::test_all_targets_ignored_is_nan_with_zero_grads_like_cross_entropy)
     CPU_WORKERS=0
-    CPU_SPEED_ARGS=(--preset tiny-cpu --micro-batch-size 2 --warmup 1 --steps 1 --dynamo-backend eager)
+    CPU_SPEED_ARGS=(--preset tiny-cpu --micro-batch-size 1 --warmup 1 --steps 1 --dynamo-backend eager)
     BACKEND=gloo
 else
     PRESET=gpt2-124m DEVICE=cuda MB=16 TRAIN_YAML=accelerate_configs/1xgpu.yaml
