@@ -19,13 +19,17 @@ def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:
     cosine: a half cosine from 1 to min_lr_ratio at total_steps;
     wsd (warmup-stable-decay): 1 until the last ``decay_fraction`` of all steps, then a straight line to
     min_lr_ratio at total_steps (where a short run's decay would start inside the warmup, the lower of the two);
-    ``decay_steps``, where set, is the decay's length in steps instead."""
+    ``decay_steps``, where set, is the decay's length in steps instead. Past total_steps (the next step of a finished
+    run, which a resume with more steps trains): min_lr_ratio, where the lr ended its decay; a wsd run with no decay
+    (the stable part of a run, annealed in a resumed one) stays at its peak."""
     warmup_steps, min_lr_ratio = cfg.warmup_steps, cfg.min_lr_ratio
     warmup = (step + 1) / warmup_steps if step < warmup_steps else 1.0
+    decay_steps = cfg.decay_steps or cfg.decay_fraction * total_steps
+    if cfg.lr_schedule == "wsd" and not decay_steps:
+        return warmup
     if step >= total_steps:
         return min_lr_ratio
     if cfg.lr_schedule == "wsd":
-        decay_steps = cfg.decay_steps or cfg.decay_fraction * total_steps
         to_go = total_steps - step  # in [1, total_steps]
         decay = 1.0 if to_go >= decay_steps else min_lr_ratio + (1.0 - min_lr_ratio) * to_go / decay_steps
         return min(warmup, decay)

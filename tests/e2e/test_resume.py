@@ -452,8 +452,9 @@ def test_a_resume_on_a_grown_library_stops_unless_asked_and_then_trains_on_from_
 def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prepared_books, tmp_path):
     """The anneal of docs/configuration.md: a stable run (no decay) of 4 steps, then --max-steps 7 --decay-steps 3
     on another data set with --on-new-data continue: steps 1-5 at the peak (after the warmup), then the line of a
-    3-step decay, no jump; the changed config said in one line. The same command again (a requeued job) trains
-    nothing more."""
+    3-step decay, no jump; the changed config said in one line, and no warning that the lr goes back up (the stable
+    run's schedule gave its next step the floor lr, as if it had decayed, and the card said the lr went back up).
+    The same command again (a requeued job) trains nothing more."""
     curated, run_dir = tmp_path / "curated", tmp_path / "run"
     prepare("default:hamlet,macbeth", curated, shard_tokens=40_000, val_fraction=0.1)
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--decay-fraction", "0"))
@@ -461,8 +462,10 @@ def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prep
     out = run(anneal).stdout
     assert re.search(r"^resuming with a changed config \(checkpoint -> now\): data_dir .* max_steps 4 -> 7, "
                      r"decay_steps 0 -> 3$", out, re.M), out  # fmt: skip
-    assert "wsd over the last 3 steps to 0.1 x peak lr" in out, out
-    lrs = {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r}
+    assert "wsd over the last 3 steps to 0.1 x peak lr" in out and "the lr to 0.10x its peak" not in out, out
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert not any("rewarmed" in r.get("launch", {}) for r in rows)  # what the card's "went back up" reads
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
     peak = 3e-3
     assert [lrs[s] / peak for s in range(1, 8)] == pytest.approx([0.5, 1, 1, 1, 1, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3])
     again = run(anneal).stdout

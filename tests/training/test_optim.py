@@ -93,6 +93,9 @@ def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
 def test_wsd_edge_cases_stay_continuous_and_monotone():
     never = TrainConfig(**{**WSD, "decay_fraction": 0.0})
     assert {lr_multiplier(s, never, 100) for s in range(10, 100)} == {1.0}  # never decays
+    # nor past its end: the next step of the stable run, which its anneal trains, is at the peak (not the floor a
+    # decayed run ends at: a resume read it as decayed and warned the lr went back up)
+    assert lr_multiplier(100, never, 100) == lr_multiplier(150, never, 100) == 1.0
     # a decay longer than the run after warmup: the warmup ramp meets the line, never jumping back up
     short = TrainConfig(**{**WSD, "decay_fraction": 1.0})
     values = [lr_multiplier(s, short, 12) for s in range(13)]
