@@ -270,12 +270,14 @@ def plan_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     if cfg.resume != "auto":
         path = Path(cfg.resume)
         if not (path.is_dir() and is_checkpoint_dir(path)):
-            # the checkpoints of the run folder (or the checkpoints/ folder) given, else of out_dir
-            given = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
+            # the checkpoints of the run folder given, its checkpoints/ folder or one gone from it (pruned, or a
+            # step mistyped), else of out_dir
+            given = next((p for p in (path, path.parent, path.parent.parent) if (p / "checkpoints").is_dir()), None)
             lower = cfg.resume.lower()
             word = f" (the words are lowercase: {lower})" if lower in ("auto", "never") else ""
+            what = "not a checkpoint folder" if path.exists() else "no such folder"
             raise FileNotFoundError(
-                f"--resume {cfg.resume}: not a checkpoint folder (expected .../checkpoints/step-NNNNNNNN, or auto or "
+                f"--resume {cfg.resume}: {what} (expected .../checkpoints/step-NNNNNNNN, or auto or "
                 f"never){word}; complete ones in {given or run_dir}: "
                 f"{[str(p) for p in list_checkpoints(given or run_dir)] or 'none'}"
             )

@@ -72,19 +72,22 @@ DAMAGES = {
 
 @pytest.mark.parametrize(
     ("given", "listed"),
-    [("other", "other"), ("other/checkpoints", "other"), ("Auto", "run"), ("nowhere", "run")],
-)
+    [("other", "other"), ("other/checkpoints", "other"), ("other/checkpoints/step-00000009", "other"),
+     ("Auto", "run"), ("nowhere", "run")],
+)  # fmt: skip
 def test_a_resume_path_that_is_no_checkpoint_lists_the_checkpoints_of_the_folder_given(tmp_path, given, listed):
     """A run folder or its checkpoints/ given to --resume listed out_dir's checkpoints (often none) instead of the
-    folder's own; a capitalized word was taken for a path without a word about it."""
+    folder's own, and so did a checkpoint of that run gone from it (pruned: the run keeps its newest); a
+    capitalized word was taken for a path without a word about it."""
     other = [fake_checkpoint(tmp_path / "other", step) for step in (1, 2)]
     mine = fake_checkpoint(tmp_path / "run", 3)
     with pytest.raises(FileNotFoundError) as err:
         plan_resume(config(tmp_path / "run", resume=str(tmp_path / given) if given != "Auto" else given))
     word = " (the words are lowercase: auto)" if given == "Auto" else ""
     shown = [str(p) for p in (other if listed == "other" else [mine])]
+    what = "not a checkpoint folder" if (tmp_path / given).exists() else "no such folder"
     assert str(err.value) == (
-        f"--resume {tmp_path / given if given != 'Auto' else given}: not a checkpoint folder (expected "
+        f"--resume {tmp_path / given if given != 'Auto' else given}: {what} (expected "
         f".../checkpoints/step-NNNNNNNN, or auto or never){word}; complete ones in {tmp_path / listed}: {shown}"
     )
 
