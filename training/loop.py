@@ -202,7 +202,7 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
         return None
     return (
         f"warning: warmup_steps {cfg.warmup_steps} is not below the run's {steps} steps: the run is all warmup, its "
-        f"lr {highest_multiplier(cfg, steps):.2f}× its peak ({cfg.lr:g}) at most; give --warmup-steps below {steps}, "
+        f"lr {highest_multiplier(cfg, steps):.2f}x its peak ({cfg.lr:g}) at most; give --warmup-steps below {steps}, "
         "or more steps"
     )
 

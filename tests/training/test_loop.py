@@ -139,13 +139,13 @@ def test_a_warmup_as_long_as_the_run_is_warned():
     cosine warmup of all the steps reaches the peak at the last (it said "never reaches its peak")."""
     assert warmup_warning(TrainConfig(max_steps=20, warmup_steps=19)) is None
     assert warmup_warning(TrainConfig(max_steps=20, warmup_steps=20, lr=3e-3)) == (
-        "warning: warmup_steps 20 is not below the run's 20 steps: the run is all warmup, its lr 0.85× its peak "
+        "warning: warmup_steps 20 is not below the run's 20 steps: the run is all warmup, its lr 0.85x its peak "
         "(0.003) at most; give --warmup-steps below 20, or more steps"
     )  # step 16's, 17/20: from step 17 on, the decay over the last 4 steps (0.1 + 0.9 × 3/4) is below the warmup
     cosine = TrainConfig(max_steps=20, warmup_steps=20, lr_schedule="cosine")
-    assert "the run is all warmup, its lr 1.00× its peak (0.0006) at most;" in warmup_warning(cosine)
+    assert "the run is all warmup, its lr 1.00x its peak (0.0006) at most;" in warmup_warning(cosine)
     short = warmup_warning(TrainConfig(max_tokens=2, total_batch_tokens=1))  # 2 steps of the default 20 warmup
-    assert "not below the run's 2 steps: the run is all warmup, its lr 0.10× its peak" in short
+    assert "not below the run's 2 steps: the run is all warmup, its lr 0.10x its peak" in short
 
 
 def test_a_resume_that_takes_a_decayed_lr_back_up_is_warned(tmp_path):
