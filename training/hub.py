@@ -551,7 +551,12 @@ def _per_span(launches: list[tuple[int, dict]], last_step: int, what: Callable[[
 def _joined(parts: list[tuple[int, int, str]]) -> str:
     if len(parts) == 1:
         return parts[0][2]
-    return "; ".join(f"steps {a:,}-{b:,}: {text}" for a, b, text in parts)
+    return "; ".join(f"{_steps_from_to(a, b)}: {text}" for a, b, text in parts)
+
+
+def _steps_from_to(first: int, last: int) -> str:
+    """steps 1-20; step 21 (a launch that trained one step)."""
+    return f"step {first:,}" if first == last else f"steps {first:,}-{last:,}"
 
 
 def _where(launch: dict) -> str:

@@ -266,7 +266,7 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
     rows += [{"step": 4, "launch": {**gpu, "world_size": 4}}]  # the finished run launched again: nothing trained
     (finished_run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert (
-        "| hardware | steps 1-1: 1 × CPU: Xeon, bf16 mixed precision; steps 2-2: 4 × NVIDIA H100 80GB HBM3, bf16 "
+        "| hardware | step 1: 1 × CPU: Xeon, bf16 mixed precision; step 2: 4 × NVIDIA H100 80GB HBM3, bf16 "
         "mixed precision, torch.compile; steps 3-4: 8 × NVIDIA H100 80GB HBM3, bf16 mixed precision, torch.compile |"
     ) in render_model_card(finished_run)
 
@@ -330,12 +330,12 @@ def test_the_card_gives_the_recipe_of_each_span_of_steps_a_resume_changed(finish
     card = render_model_card(finished_run)
     assert (
         "| optimizer | steps 1-2: Muon lr 0.02 (momentum 0.95) on the blocks' matrices; AdamW lr 0.0006 (betas "
-        "0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and biases; steps 3-3: Muon lr 0.01 (momentum 0.95) on "
+        "0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and biases; step 3: Muon lr 0.01 (momentum 0.95) on "
         "the blocks' matrices; AdamW lr 0.0003 (betas 0.9/0.95, weight decay 0.1) on embeddings, LayerNorms and "
         "biases |\n| lr schedule | wsd: 1 warmup step, constant, then linear decay over the last 0.2 of the steps to "
         "0.1× the peak |"
     ) in card, card
-    batch = "| batch | steps 1-2: 1,024 tokens/step, micro-batch 16; steps 3-3: 2,048 tokens/step, micro-batch 16 |"
+    batch = "| batch | steps 1-2: 1,024 tokens/step, micro-batch 16; step 3: 2,048 tokens/step, micro-batch 16 |"
     assert batch in card and "| optimizer steps | 3 |" in card, card
 
 
