@@ -427,7 +427,7 @@ def _warmup_note(config: dict, rows: list[dict]) -> str:
     planned = _planned_steps(config, rows)
     if planned is None or config["warmup_steps"] < planned:
         return ""
-    schedule = TrainConfig(**{k: config[k] for k in SCHEDULE_KEYS if k in config})
+    schedule = TrainConfig(**{k: config[k] for k in SCHEDULE_KEYS if k in config}, max_steps=planned)
     highest = highest_multiplier(schedule, planned)
     return f"; the run's {_plural(planned, 'step')} were all warmup: the lr reached {highest:.2f}× the peak at most"
 

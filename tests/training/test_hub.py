@@ -154,6 +154,12 @@ def test_the_card_says_where_the_warmup_was_as_long_as_the_run(tmp_path, prepare
     ) in render_model_card(tmp_path / "run")
     write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=1)
     assert "over the last 0.2 of the steps to 0.1× the peak |" in render_model_card(tmp_path / "run")
+    # a decay given in steps, more of them than the default max_steps: the schedule is the run's own (the run config
+    # the card builds for it has its steps, not the default's, which a decay this long is refused against)
+    write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=300, max_steps=250, decay_steps=210)
+    assert "; the run's 250 steps were all warmup: the lr reached 0.51× the peak at most |" in render_model_card(
+        tmp_path / "run"
+    )
     write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=5, max_steps=6)
     card = render_model_card(tmp_path / "run")
     assert "to 0.1× the peak |" in card and "| optimizer steps | 2 of 6 planned (stopped early:" in card, card
