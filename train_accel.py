@@ -91,8 +91,8 @@ def fit(run: Run) -> bool:
         longer = "--time-budget-minutes 0 and a higher --max-steps" if progress.total_steps else "raise --max-steps"
         accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, "
                           f"{longer} or --max-tokens; to start afresh, --resume never)")  # fmt: skip
-    # a resumed run's checkpoint step: set_aside dropped its sample, which a kill after the save may have left out
-    if progress.step and due(cfg.sample_interval, progress.step, run.is_last(progress.step)):
+    # a resumed run's checkpoint step: its sample, where a kill after the save left it out
+    if run.resample and due(cfg.sample_interval, progress.step, run.is_last(progress.step)):
         write_sample(run, progress.step)
     if cfg.eval_interval and progress.step == 0:  # the starting point of the val curve
         accelerator.log(evaluate(run), step=0)

@@ -374,17 +374,17 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
 
 
 def _cut_samples(samples: Path, step: int, previous: Path | None) -> str | None:
-    """Keep samples.txt's samples of the steps before `step`, where a run resumed from its checkpoint of `step`
-    continues: fit() writes that step's sample again (a kill between the save and the sample left it out) and the
-    later ones come anew (a kill after them would repeat them). `previous`: where the file as it was goes."""
+    """Keep samples.txt's samples of the steps up to `step`, where a run resumed from its checkpoint of `step`
+    continues: the later ones come anew (a kill after them would repeat them), and fit() writes that step's own where
+    it is missing (a kill between the save and the sample: `sampled`). `previous`: where the file as it was goes."""
     if not samples.is_file():
         return None
     lines = samples.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
-    cut = next((i for i, line in enumerate(lines) if (s := _sample_step(line)) is not None and s >= step), None)
+    cut = next((i for i, line in enumerate(lines) if (s := _sample_step(line)) is not None and s > step), None)
     if cut is None:
         return None
-    said = f"dropped the {sum(_sample_step(line) is not None for line in lines[cut:])} samples of {samples} from step "
-    said += f"{step} on (written again now"
+    said = f"dropped the {sum(_sample_step(line) is not None for line in lines[cut:])} samples of {samples} after step "
+    said += f"{step} (written again as the run gets there"
     if previous is not None:
         shutil.copy2(samples, previous / SAMPLES_FILE)
         said += f"; the file as it was is in {previous}"
@@ -398,6 +398,14 @@ def sample_header(step: int) -> str:
 
 
 _SAMPLE_HEADER = re.compile(r"--- step (\d+) ---\n?")
+
+
+def sampled(run_dir: Path, step: int) -> bool:
+    """Whether the run folder's samples.txt holds a sample of `step`."""
+    samples = Path(run_dir) / SAMPLES_FILE
+    if not samples.is_file():
+        return False
+    return any(_sample_step(line) == step for line in samples.read_bytes().decode("utf-8", "replace").splitlines(True))
 
 
 def _sample_step(line: str) -> int | None:

@@ -55,6 +55,7 @@ from training.checkpoint import (
     plan_resume,
     room_warning,
     sample_header,
+    sampled,
     set_aside,
 )
 from training.config import AUTO, DEFAULT_DATA_DIR, ConfigError, TrainConfig, config_to_yaml, grad_accum_steps
@@ -266,6 +267,8 @@ class Run:
     checkpoint_bytes: int  # one checkpoint's size, estimated before any exists
     lock: FileLock | None  # the run folder's, held until this process exits (None on other ranks)
     startup: StartupClock  # the start-up's phases, timed until the end of the first step
+    # the resumed step's sample is missing from samples.txt (a kill between its save and its sample): fit writes it
+    resample: bool
 
     def is_last(self, step: int) -> bool:
         return step == self.total_steps
@@ -472,6 +475,8 @@ def _set_up_locked(
         if warning:
             print(warning, flush=True)
     accelerator.wait_for_everyone()
+    # every rank writes a sample (generate() gathers sharded weights collectively): one answer for all
+    resample = bool(progress.step) and decided_on_main(accelerator, lambda: not sampled(run_dir, progress.step))
     startup.mark()
 
     peak, peak_source = peak_tflops(device, accelerator.mixed_precision, cfg.peak_tflops)
@@ -482,7 +487,7 @@ def _set_up_locked(
     run = Run(
         cfg, run_dir, resume_from, model_config, accelerator, manifest, train_loader, val_windows, model,
         generation_model(accelerator, model), optimizer, scheduler, schedule, progress, grad_accum, total_steps,
-        flops_per_token, peak, one_checkpoint, lock, startup,
+        flops_per_token, peak, one_checkpoint, lock, startup, resample,
     )  # fmt: skip
     if progress.total_steps and cfg.time_budget_minutes:  # resumed after a time budget's decision: the same steps
         run.span(progress.total_steps)

@@ -457,8 +457,11 @@ def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prep
     The same command again (a requeued job) trains nothing more."""
     curated, run_dir = tmp_path / "curated", tmp_path / "run"
     prepare("default:hamlet,macbeth", curated, shard_tokens=40_000, val_fraction=0.1)
-    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--decay-fraction", "0"))
-    anneal = tiny_cmd(None, run_dir, curated, "--max-steps", "7", "--decay-steps", "3", "--on-new-data", "continue")
+    samples = ["--sample-interval", "3", "--sample-tokens", "4"]  # steps 3 and 4 (the last), then 6 and 7
+    run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "4", "--decay-fraction", "0", *samples))
+    anneal = tiny_cmd(
+        None, run_dir, curated, "--max-steps", "7", "--decay-steps", "3", "--on-new-data", "continue", *samples
+    )
     out = run(anneal).stdout
     assert re.search(r"^resuming with a changed config \(checkpoint -> now\): data_dir .* max_steps 4 -> 7, "
                      r"decay_steps 0 -> 3$", out, re.M), out  # fmt: skip
@@ -468,8 +471,11 @@ def test_an_anneal_on_curated_books_decays_from_the_peak_over_its_own_steps(prep
     lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
     peak = 3e-3
     assert [lrs[s] / peak for s in range(1, 8)] == pytest.approx([0.5, 1, 1, 1, 1, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3])
+    # the stable run's last sample stays (its step, no longer the last, is not due now: dropped at the resume, it was
+    # never written again), and the anneal's follow it
+    assert re.findall(r"^--- step (\d+) ---$", (run_dir / "samples.txt").read_text(), re.M) == ["3", "4", "6", "7"]
     again = run(anneal).stdout
-    assert "the run is at step 7 of 7: nothing to train" in again, again
+    assert "the run is at step 7 of 7: nothing to train" in again and "dropped" not in again, again
     assert {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r} == lrs
 
 

@@ -32,6 +32,8 @@ from training.checkpoint import (
     outputs_in_the_way,
     plan_resume,
     prune_checkpoints,
+    sample_header,
+    sampled,
     set_aside,
     write_manifest,
 )
@@ -321,6 +323,22 @@ def test_a_resume_sets_aside_later_checkpoints_and_drops_later_metrics_rows(tmp_
     assert (previous / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert checkpoint_damage(previous / "checkpoints" / "step-00000006") is None  # moved whole
+
+
+def test_a_resume_keeps_the_sample_of_its_step_and_drops_the_later_ones(tmp_path):
+    """samples.txt after a resume from step 4: the samples of steps 2 and 4 stay, 6's goes (the run writes it again).
+    Step 4's went too, and was written again only where due under the resuming launch: a finished run extended
+    (its last step no longer last) lost it, and a finished run launched again said it dropped a sample each time."""
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 4)
+    (run_dir / "samples.txt").write_text("".join(f"{sample_header(s)}text {s}\n" for s in (2, 4, 6)))
+    assert sampled(run_dir, 6) and not sampled(run_dir, 5)
+    assert set_aside(run_dir, 4, run_dir / "checkpoints" / "step-00000004") == (
+        f"dropped the 1 samples of {run_dir / 'samples.txt'} after step 4 (written again as the run gets there)"
+    )
+    assert (run_dir / "samples.txt").read_text() == f"{sample_header(2)}text 2\n{sample_header(4)}text 4\n"
+    assert sampled(run_dir, 4) and not sampled(run_dir, 6)
+    assert set_aside(run_dir, 4, run_dir / "checkpoints" / "step-00000004") is None  # launched again: nothing to say
 
 
 @pytest.mark.parametrize("garble", ["a row that is not JSON", "bytes that are not text"])
