@@ -331,7 +331,7 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     lines = []
     metrics, rows = run_dir / METRICS_FILE, []
     if step and metrics.is_file():  # its rows after `step` go: read where a run continues, not where it starts
-        rows = metrics.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+        rows = _lines(metrics)
     steps = [_row_step(row) for row in rows]
     # rows that are not JSON (a cut last row, a kill's, is simply dropped): the file as it was goes aside, kept
     garbled = any(s is None and row.endswith("\n") for row, s in zip(rows, steps))
@@ -373,13 +373,19 @@ def set_aside(run_dir: Path, step: int, resumed_from: Path | None, data_dir: Pat
     return "; ".join(line for line in lines if line) or None
 
 
+def _lines(path: Path) -> list[str]:
+    """A run file's lines, each with its newline (a cut last line has none); bytes that are not UTF-8 (a kill mid-way
+    through a character) read as U+FFFD, so the file's other lines still read."""
+    return path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+
+
 def _cut_samples(samples: Path, step: int, previous: Path | None) -> str | None:
     """Keep samples.txt's samples of the steps up to `step`, where a run resumed from its checkpoint of `step`
     continues: the later ones come anew (a kill after them would repeat them), and fit() writes that step's own where
     it is missing (a kill between the save and the sample: `sampled`). `previous`: where the file as it was goes."""
     if not samples.is_file():
         return None
-    lines = samples.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+    lines = _lines(samples)
     cut = next((i for i, line in enumerate(lines) if (s := _sample_step(line)) is not None and s > step), None)
     if cut is None:
         return None
@@ -405,7 +411,7 @@ def sampled(run_dir: Path, step: int) -> bool:
     samples = Path(run_dir) / SAMPLES_FILE
     if not samples.is_file():
         return False
-    return any(_sample_step(line) == step for line in samples.read_bytes().decode("utf-8", "replace").splitlines(True))
+    return any(_sample_step(line) == step for line in _lines(samples))
 
 
 def _sample_step(line: str) -> int | None:
@@ -420,7 +426,7 @@ def _carry_metrics(origin: Path, run_dir: Path, step: int) -> str | None:
     source = origin / METRICS_FILE
     if not source.is_file():
         return None
-    rows = source.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+    rows = _lines(source)
     kept = [row for row in rows if (s := _row_step(row)) is not None and s <= step]
     if not kept:
         return None
