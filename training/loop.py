@@ -754,7 +754,8 @@ class TrainMetrics:
             startup.lap("first_step")
             row = startup.row()
             self.run.accelerator.log(row, step=step)
-            self.run.accelerator.print(startup_line(row))
+            compiled = self.run.accelerator.state.dynamo_plugin.backend != "NO"
+            self.run.accelerator.print(startup_line(row, compiled))
             return
         self.window_s += self.last_step_s
         self.window_steps += 1

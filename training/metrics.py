@@ -234,7 +234,7 @@ STARTUP_PHASES = {
     "outputs_check": "outputs check",
     "probes": "probes",
     "step0_eval": "step-0 eval",
-    "first_step": "first step + compile",
+    "first_step": "first step",  # "+ compile" added where torch.compile runs (startup_line)
 }
 
 
@@ -269,9 +269,11 @@ class StartupClock:
         return row
 
 
-def startup_line(row: dict[str, float]) -> str:
-    """The start-up row on one line: `start-up: 12.3 s to the first step (python + imports 2.1, ..., other 0.1)`."""
-    timed = [(words, row.get(f"startup_{phase}_s")) for phase, words in STARTUP_PHASES.items()]
+def startup_line(row: dict[str, float], compiled: bool) -> str:
+    """The start-up row on one line: `start-up: 12.3 s to the first step (python + imports 2.1, ..., other 0.1)`;
+    `compiled`: torch.compile runs in the first step, which is then named "first step + compile"."""
+    words = STARTUP_PHASES | ({"first_step": "first step + compile"} if compiled else {})
+    timed = [(words, row.get(f"startup_{phase}_s")) for phase, words in words.items()]
     timed = [(words, seconds) for words, seconds in timed if seconds is not None] + [("other", row["startup_other_s"])]
     parts = ", ".join(f"{words} {seconds:.1f}" for words, seconds in timed)
     return f"start-up: {row['time_to_first_step_s']:.1f} s to the first step ({parts})"

@@ -5,6 +5,7 @@ val loss over the spread windows, the optimizer an engine can run, the warning o
 from __future__ import annotations
 
 import copy
+import re
 import time
 from pathlib import Path
 
@@ -387,7 +388,7 @@ def tiny_run(prepared_books, tmp_path_factory):
     return setup(cfg)
 
 
-def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
+def test_first_throughput_window_leaves_the_first_step_out(tiny_run, capsys):
     """The first step (compile, warm-up) only logs the start-up row; the window after it counts later steps."""
     run = tiny_run
     trainer = trainer_for(run, stop=False)
@@ -417,6 +418,8 @@ def test_first_throughput_window_leaves_the_first_step_out(tiny_run):
         "startup_prepare_s", "startup_outputs_check_s", "startup_probes_s", "startup_first_step_s",
     ]  # fmt: skip
     assert phases["startup_first_step_s"] >= 0.5 and min(phases.values()) >= 0
+    # this run is eager: its line names no compile (a compiling launch's: tests/e2e/test_first_light.py)
+    assert re.search(r", first step \d+\.\d, other", capsys.readouterr().out)
     assert sum(phases.values()) == pytest.approx(first[0]["time_to_first_step_s"])
     # a log whose window is empty (the first step is also a log step) has no throughput to report
     assert "tokens_per_sec" not in metrics.log(run.progress.step, out)
