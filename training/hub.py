@@ -380,7 +380,7 @@ Accelerate, MIT-licensed).
 | optimizer | {_recipe_line(config, launches, last["step"], _optimizer_line)} |
 | lr schedule | {schedule} |
 | optimizer steps | {_steps(config, rows, last["step"])} |
-| tokens seen | {last["tokens_seen"]:,} |
+| tokens seen | {_tokens_line(last["tokens_seen"], manifest, switches)} |
 {how}| final train loss | {last["train_loss"]:.4f} |
 {val_line}{score_lines}| throughput (median) | {_throughput(train, launches, last["step"])} |
 
@@ -523,6 +523,18 @@ def _new_data_line(steps: list[int]) -> str:
         f"\n\nFrom {at} the run went on from the start of other data (the sources above are all it trained on; "
         "the split sizes are the last data's)."
     )
+
+
+def _tokens_line(tokens: int, manifest: dict | None, switches: list[int]) -> str:
+    """The tokens the run's steps read, and how many passes over the train split they were: past a few a model
+    memorizes its books (the run's start-up warns), and a reader of the card learns that here. Only where the run
+    trained on one data folder (its manifest known): one that went on from other data read several."""
+    train = manifest["splits"]["train"]["num_tokens"] if manifest is not None and not switches else 0
+    if not train:
+        return f"{tokens:,}"
+    epochs = tokens / train
+    shown = f"{epochs:.1f}" if epochs >= 1 else f"{epochs:.2g}"  # 19.7, 0.018
+    return f"{tokens:,} ({shown} epochs of the train split)"
 
 
 def _launches(rows: list[dict], last_step: int) -> list[tuple[int, dict]]:

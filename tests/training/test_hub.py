@@ -74,7 +74,11 @@ def test_model_card_reports_the_run(finished_run, prepared_books):
     manifest = json.loads((prepared_books / "manifest.json").read_text())
     assert f"{manifest['splits']['train']['num_tokens']:,} tokens" in card
     assert f"3 train documents ({manifest['splits']['train']['num_tokens']:,} tokens), 1 val document (" in card
-    assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 |" in card
+    epochs = 2048 / manifest["splits"]["train"]["num_tokens"]  # the passes over the train split: past 4 it memorizes
+    assert (
+        "| optimizer steps | 2 |" in card
+        and f"| tokens seen | 2,048 ({epochs:.2g} epochs of the train split) |" in card
+    )
     assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card
     assert "| val loss (final / best) | 9.5000 / 9.5000 |" in card
@@ -466,6 +470,7 @@ def test_a_run_that_went_on_from_other_data_names_every_source_and_license(finis
     assert "license: unknown" in card and "| `files:library` | not on the Hub | unknown |" in card
     assert DEFAULT_ROW in card
     assert "From step 2 the run went on from the start of other data" in card
+    assert "| tokens seen | 2,048 |" in card  # read of two splits: no one count of epochs
     # the best val loss is the new val split's: the 3.0 was measured on the other data's
     assert "| val loss (final / best) | 4.2500 / 4.2500 |" in card
     # and the metadata names that split's data alone (it named files:library+default:..., the val split of neither)
@@ -537,7 +542,7 @@ def test_the_card_of_an_export_describes_the_steps_of_its_checkpoint_not_a_resum
         metrics.write("".join(json.dumps(r) + "\n" for r in killed))
     card = write_model_card(finished_run, "someone/tiny-books").read_text()
     # its checkpoint's config, which the export's steps trained under: the run's end, not 2 of the 4 planned since
-    assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 |" in card
+    assert "| optimizer steps | 2 |" in card and "| tokens seen | 2,048 (" in card
     assert "| hardware | 1 × CPU: Xeon, bf16 mixed precision |" in card
     assert "| final train loss | 9.2500 |" in card and "| val loss (final / best) | 9.5000 / 9.5000 |" in card
     assert "| throughput (median) | 1,000 tokens/s |" in card
