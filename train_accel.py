@@ -89,8 +89,11 @@ def fit(run: Run) -> bool:
     run.startup.mark()
     if progress.step >= run.total_steps:  # a finished run launched again
         longer = "--time-budget-minutes 0 and a higher --max-steps" if progress.total_steps else "raise --max-steps"
-        accelerator.print(f"the run is at step {progress.step} of {run.total_steps}: nothing to train (to go on, "
-                          f"{longer} or --max-tokens; to start afresh, --resume never)")  # fmt: skip
+        at = f"{progress.step} of {run.total_steps}"
+        if progress.step > run.total_steps:  # launched with fewer steps than it took
+            at = f"{progress.step}, past the {run.total_steps} this launch plans"
+        accelerator.print(f"the run is at step {at}: nothing to train (to go on, {longer} or --max-tokens; to start "
+                          "afresh, --resume never)")  # fmt: skip
     # a resumed run's checkpoint step: its sample, where a kill after the save left it out
     if run.resample and due(cfg.sample_interval, progress.step, run.is_last(progress.step)):
         write_sample(run, progress.step)

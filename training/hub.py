@@ -359,7 +359,7 @@ def render_model_card(run_dir: str | Path) -> str:
     data = card_data(name, config, manifest, evals)
     launches = _launches(rows, last["step"])
     how = _batch_line(config, launches, last["step"]) + _hardware_line(launches, last["step"]) + _time_line(train)
-    schedule = _recipe_line(config, launches, last["step"], _schedule_line) + _warmup_note(config, rows)
+    schedule = _recipe_line(config, launches, last["step"], _schedule_line) + _warmup_note(config, rows, last["step"])
     schedule += _rewarm_note(launches)
     content = f"""---
 {data.to_yaml()}
@@ -399,14 +399,16 @@ print(tok.decode(out[0]))
     return str(ModelCard(content))
 
 
-def _planned_steps(config: dict, rows: list[dict]) -> int | None:
-    """The steps the run planned last; None for a time budget that had not decided its count yet."""
+def _planned_steps(config: dict, rows: list[dict], last_step: int) -> int | None:
+    """The steps the run planned last, as of the launch that trained its step `last_step`; None for a time budget
+    that had not decided its count yet. A launch that trained none (a finished run launched again with another
+    --max-steps, one killed before its first step) planned nothing these weights took."""
     if config.get("time_budget_minutes"):  # the count it decided last (max_steps is its cap)
         decided = [r["total_steps"] for r in rows if "total_steps" in r]
         return decided[-1] if decided else None
     # also where a run went on with its budget off: its decisions are an earlier plan's. The last launch's plan (a
     # resume with another batch moves a token budget's last step); runs from before launches kept it: the config's
-    plans = [r["launch"]["planned_steps"] for r in rows if "planned_steps" in r.get("launch", {})]
+    plans = [launch["planned_steps"] for _, launch in _launches(rows, last_step) if "planned_steps" in launch]
     if plans:
         return plans[-1]
     return run_steps(config["max_steps"], config.get("max_tokens"), config["total_batch_tokens"])
@@ -415,16 +417,16 @@ def _planned_steps(config: dict, rows: list[dict]) -> int | None:
 def _steps(config: dict, rows: list[dict], step: int) -> str:
     """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
     checkpoint): the lr schedule the card gives is the whole run's."""
-    planned = _planned_steps(config, rows)
+    planned = _planned_steps(config, rows, step)
     if planned is None or step >= planned:  # None: stopped before the budget decided, no count was planned yet
         return f"{step:,}"
     return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
 
 
-def _warmup_note(config: dict, rows: list[dict]) -> str:
+def _warmup_note(config: dict, rows: list[dict], last_step: int) -> str:
     """Where the warmup was as long as the run (its start-up warned): the highest lr the run trained at, which the
     schedule row's peak is not."""
-    planned = _planned_steps(config, rows)
+    planned = _planned_steps(config, rows, last_step)
     if planned is None or config["warmup_steps"] < planned:
         return ""
     schedule = TrainConfig(**{k: config[k] for k in SCHEDULE_KEYS if k in config}, max_steps=planned)

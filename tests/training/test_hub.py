@@ -156,6 +156,12 @@ def test_the_card_says_where_the_warmup_was_as_long_as_the_run(tmp_path, prepare
         "| lr schedule | wsd: 3 warmup steps, constant, then linear decay over the last 0.2 of the steps to 0.1× the "
         "peak; the run's 2 steps were all warmup: the lr reached 0.67× the peak at most |"
     ) in render_model_card(tmp_path / "run")
+    # launched again with fewer steps (nothing to train), its launch row's plan is not the run's
+    again = [*ROWS, {"step": 2, "launch": CPU_LAUNCH | {"planned_steps": 1}}]
+    write_run(tmp_path / "run", prepared_books, again, warmup_steps=3)
+    assert "; the run's 2 steps were all warmup: the lr reached 0.67× the peak at most |" in render_model_card(
+        tmp_path / "run"
+    )
     write_run(tmp_path / "run", prepared_books, ROWS, warmup_steps=1)
     assert "over the last 0.2 of the steps to 0.1× the peak |" in render_model_card(tmp_path / "run")
     # a decay given in steps, more of them than the default max_steps: the schedule is the run's own (the run config
@@ -287,8 +293,13 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
         ({}, [], "| optimizer steps | 1 of 2 planned (stopped early: the lr schedule above did not run to its end) |"),
         ({"max_tokens": 4096}, [], "| optimizer steps | 1 of 4 planned (stopped early: the lr schedule above did not "),
         # resumed with half the batch after a step of 1,024 tokens: its launch planned 6 more (the config alone, 8)
-        ({"max_tokens": 4096, "total_batch_tokens": 512}, [{"step": 1, "launch": CPU_LAUNCH | {"planned_steps": 7}}],
-         "| optimizer steps | 1 of 7 planned (stopped early"),
+        ({"max_tokens": 4096, "total_batch_tokens": 512},
+         [{"step": 1, "launch": CPU_LAUNCH | {"planned_steps": 7}}, {"step": 2, "train_loss": 9, "tokens_seen": 1536}],
+         "| optimizer steps | 2 of 7 planned (stopped early"),
+        # a launch that trained no step planned none of them: the finished run launched again with more steps (killed
+        # before its first) or fewer (nothing to train)
+        ({"max_steps": 1}, [{"step": 1, "launch": CPU_LAUNCH | {"planned_steps": n}} for n in (5, 0)],
+         "| optimizer steps | 1 |"),
         # under a time budget, the count it decided (max_steps is its cap)
         ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
@@ -299,7 +310,7 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
 def test_the_card_of_a_run_stopped_early_says_so(tmp_path, prepared_books, config, rows, steps):
     """A run stopped by a signal at step 1 of 2 and exported (python -m training.export RUN --out RUN/export, as
     the push advises): its card gave the schedule of the whole run, with no word that it never ran to its end."""
-    write_run(tmp_path / "run", prepared_books, [*rows, {"step": 1, "train_loss": 9.25, "tokens_seen": 1024}], **config)
+    write_run(tmp_path / "run", prepared_books, [{"step": 1, "train_loss": 9.25, "tokens_seen": 1024}, *rows], **config)
     assert steps in render_model_card(tmp_path / "run")
 
 
