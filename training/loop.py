@@ -444,12 +444,14 @@ def _set_up_locked(
         total_steps = planned
         schedule.span(total_steps)
     # after the resume: the epochs of this data are those read of it (none, where the run went on from other data)
-    # and the steps still to train
+    # and the steps still to train; a finished run launched again trains none, and its plan warns of nothing
+    trains = progress.step < total_steps
     warnings = (
-        memorization_warning(
+        trains
+        and memorization_warning(
             cfg, manifest.num_tokens("train"), progress.step, progress.tokens_applied, train_loader.epochs_read
         ),
-        warmup_warning(cfg),
+        trains and warmup_warning(cfg),
         unused_settings_warning(cfg),
     )
     for warning in warnings:

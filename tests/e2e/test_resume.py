@@ -758,7 +758,8 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     each step once; launched once more it has nothing to train and says so; that damaged checkpoint given by path
     stops with one line; --resume never moves the whole run into previous-<time>/ and starts afresh."""
     run_dir = tmp_path / "run"
-    args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3", "--decay-fraction", "0"]  # no save before a decay
+    # no save before a decay; all warmup, which the start-up warns of where the launch trains
+    args = ["--checkpoint-interval", "2", "--keep-checkpoints", "3", "--decay-fraction", "0", "--warmup-steps", "8"]
     run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "6", *args))
     step4, step6 = list_checkpoints(run_dir)[-2:]
     (step4 / "manifest.json").unlink()
@@ -780,11 +781,13 @@ def test_the_same_command_again_continues_past_a_damaged_checkpoint_and_never_mi
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000004", "step-00000006", "step-00000008"]
     assert not list(run_dir.rglob("*.tmp"))  # the partial save cleared, not set aside with the damaged checkpoint
 
-    # once more, finished (a requeued job, here with fewer steps): it says so, trains nothing and draws no progress bar
+    # once more, finished (a requeued job, here with fewer steps): it says so, trains nothing and draws no progress
+    # bar; nor does it warn of the plan's warmup, which all its steps were (it trains none)
     done = run(tiny_cmd(None, run_dir, prepared_books, "--max-steps", "7", *args))
     assert "the run is at step 8, past the 7 this launch plans: nothing to train (to go on, raise --max-steps" in (
         done.stdout
     )
+    assert "warning: warmup_steps" in again.stdout and "warning: warmup" not in done.stdout, done.stdout
     assert done.stderr == "" and train_steps(run_dir) == list(range(1, 9)), done.stderr
 
     refused = run(tiny_cmd(None, run_dir, prepared_books, "--resume", str(damaged)), expect_rc=1)
