@@ -416,11 +416,15 @@ def _planned_steps(config: dict, rows: list[dict], last_step: int) -> int | None
 
 def _steps(config: dict, rows: list[dict], step: int) -> str:
     """The steps the run took, and of how many where it stopped before its end (a signal, then an export of that
-    checkpoint): the lr schedule the card gives is the whole run's."""
+    checkpoint): the lr schedule the card gives is the whole run's; where a time budget set the count, that it did."""
     planned = _planned_steps(config, rows, step)
-    if planned is None or step >= planned:  # None: stopped before the budget decided, no count was planned yet
+    if planned is None:  # stopped before the time budget decided: no count was planned yet
         return f"{step:,}"
-    return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
+    if step < planned:
+        return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
+    if budget := config.get("time_budget_minutes"):  # the count it decided: as many steps as fit, up to max_steps
+        return f"{step:,} (the count a {budget:g}-minute time budget set, {config['max_steps']:,} at most)"
+    return f"{step:,}"
 
 
 def _warmup_note(config: dict, rows: list[dict], last_step: int) -> str:

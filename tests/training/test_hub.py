@@ -302,6 +302,9 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
          "| optimizer steps | 1 |"),
         # under a time budget, the count it decided (max_steps is its cap)
         ({"max_steps": 100, "time_budget_minutes": 1.0}, [{"step": 1, "total_steps": 3}], "| 1 of 3 planned (stopped"),
+        # ... and one that ran to the count it decided says the budget set it (make train's: 5 minutes, 600 at most)
+        ({"max_steps": 600, "time_budget_minutes": 5.0}, [{"step": 1, "total_steps": 1}],
+         "| optimizer steps | 1 (the count a 5-minute time budget set, 600 at most) |"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
         # a time-budget run went on with the budget off (--time-budget-minutes 0 --max-steps 4): max_steps decides
         ({"max_steps": 4}, [{"step": 1, "total_steps": 1}], "| optimizer steps | 1 of 4 planned (stopped early"),
