@@ -298,7 +298,8 @@ class TrainConfig:
         positive = (*numbers, "total_batch_tokens", "max_steps", "log_interval", "eval_windows")
         for name in (*positive, "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                auto = " or auto" if name == "micro_batch_size" else ""  # the largest that fits: also an answer
+                raise ConfigError(f"{name} must be >= 1{auto}, got {getattr(self, name)}")
         for name in (
             "warmup_steps",
             "decay_steps",

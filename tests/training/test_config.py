@@ -299,7 +299,7 @@ BAD_VALUES = {
     "preset": ("gpt5", r"Unknown model preset 'gpt5'.* Valid presets: gpt2-124m"),
     "out_dir": ("", r"out_dir may not be empty: give a folder, e.g. --out-dir runs/mine"),
     "data_dir": (" ", r"data_dir may not be empty: give a folder, e.g. --data-dir data/mybooks"),
-    "micro_batch_size": (0, r"micro_batch_size must be >= 1, got 0"),
+    "micro_batch_size": (0, r"micro_batch_size must be >= 1 or auto, got 0"),
     "keep_checkpoints": (0, r"keep_checkpoints must be >= 1, got 0: the newest checkpoint is the run's resumable"),
     "warmup_steps": (-1, r"warmup_steps must be >= 0"),
     "block_size": (0, r"block_size must be >= 1 \(or null"),

@@ -27,7 +27,7 @@ def test_auto_parses_from_yaml_and_flags_and_anything_else_is_refused(tmp_path):
         load_yaml(path)
     with pytest.raises(ConfigError, match="micro_batch_size must be a whole number >= 1 or auto, got 'Auto'"):
         TrainConfig(micro_batch_size="Auto")
-    with pytest.raises(ConfigError, match="micro_batch_size must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="micro_batch_size must be >= 1 or auto, got 0"):
         TrainConfig(micro_batch_size=0)
 
 
