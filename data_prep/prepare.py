@@ -111,11 +111,14 @@ def prepare(
 
     Does nothing when `out_dir` already holds this exact preparation (same inputs and params).
     """
-    if shard_tokens < 1 or not 0 < val_fraction < 1 or num_proc < 1:
+    if not 0 < val_fraction < 1:
         raise DataPrepError(
-            f"need shard_tokens >= 1, 0 < val_fraction < 1 and num_proc >= 1; got {shard_tokens=}, "
-            f"{val_fraction=}, {num_proc=}"
+            f"--val-fraction {val_fraction:g} is not between 0 and 1: it is the share of the books that goes to val "
+            f"(default {DEFAULT_VAL_FRACTION:g})"
         )
+    for flag, value in (("--shard-tokens", shard_tokens), ("--num-proc", num_proc)):
+        if value < 1:
+            raise DataPrepError(f"{flag} must be >= 1, got {value}")
     parts = parse_spec(source)  # reject a malformed spec before touching anything
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if num_proc > cpus:  # a fork-started pool starts every worker at once: 100,000 of them stalled the machine

@@ -555,8 +555,10 @@ def test_failed_reprepare_leaves_previous_dataset_intact(tmp_path):
         prepare(f"files:{tmp_path}/gone", out)
     with pytest.raises(DataPrepError, match="unknown source kind 'file'"):
         prepare(f"file:{books}", out)
-    with pytest.raises(DataPrepError, match="need shard_tokens >= 1, 0 < val_fraction < 1"):
+    with pytest.raises(DataPrepError, match=r"^--val-fraction 1 is not between 0 and 1: it is the share of the books"):
         prepare(f"files:{books}", out, val_fraction=1.0)
+    with pytest.raises(DataPrepError, match=r"^--num-proc must be >= 1, got 0$"):
+        prepare(f"files:{books}", out, num_proc=0)
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "books", "data"]
 
