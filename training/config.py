@@ -366,6 +366,10 @@ class TrainConfig:
                 "times its steps during the warmup, whose lrs do not depend on how many steps follow"
             )
 
+    def scores_tasks(self) -> bool:
+        """Whether the run scores eval_tasks: at its val evals, so never with eval_interval 0."""
+        return bool(self.eval_tasks) and self.eval_interval > 0
+
     def total_steps(self, step: int = 0, tokens_applied: int = 0) -> int:
         """Optimizer steps to run: from the token budget when one is given, else max_steps. A run at `step` whose
         steps held `tokens_applied` tokens (a resume, perhaps with another total_batch_tokens than its steps so far

@@ -208,6 +208,8 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
     )
 
 
+# What the val evals alone read: with eval_interval 0 there are none.
+EVAL_SETTINGS = ("eval_windows", "eval_tasks", "eval_limit")
 # The settings that one optimizer or schedule reads alone -> (the field that chooses it, its value).
 READ_ONLY_UNDER = {
     "muon_lr": ("optimizer", "muon"),
@@ -219,22 +221,26 @@ READ_ONLY_UNDER = {
 
 
 def unused_settings_warning(cfg: TrainConfig) -> str | None:
-    """One warning line naming what the run config or flags set that this run's optimizer or schedule never reads
-    (--muon-lr under adamw, --decay-fraction under cosine or beside --decay-steps): such a run trained as if they
-    were not given, with no word. None otherwise."""
-    unused = [
-        f"{name} ({key} {value} only)"
+    """One warning line naming what the run config or flags set that this run never reads (--muon-lr under adamw,
+    --decay-fraction under cosine or beside --decay-steps, --eval-tasks with --eval-interval 0): such a run trained
+    as if they were not given, with no word. None otherwise."""
+    unused = [  # (the setting, the setting of this run that leaves it unread, what that would have to be)
+        (name, key, f"{key} {value} only")
         for name, (key, value) in READ_ONLY_UNDER.items()
         if name in cfg.explicit and getattr(cfg, key) != value
     ]
     if "decay_fraction" in cfg.explicit and cfg.decay_steps and cfg.lr_schedule == "wsd":  # decay_steps decides
-        unused.append("decay_fraction (decay_steps 0 only)")
+        unused.append(("decay_fraction", "decay_steps", "decay_steps 0 only"))
+    if not cfg.eval_interval:  # no val evals: nothing is scored nor measured over windows
+        unused += [
+            (name, "eval_interval", "eval_interval above 0 only") for name in EVAL_SETTINGS if name in cfg.explicit
+        ]
     if not unused:
         return None
-    return (
-        f"warning: set but never read by this run's optimizer {cfg.optimizer} and lr_schedule {cfg.lr_schedule}: "
-        f"{', '.join(unused)}; they change nothing"
-    )
+    keys = dict.fromkeys(key for _, key, _ in unused)  # in order, once each
+    this_run = ", ".join(f"{key} {getattr(cfg, key)}" for key in keys)
+    named = ", ".join(f"{name} ({only})" for name, _, only in unused)
+    return f"warning: set but never read by this run ({this_run}): {named}; they change nothing"
 
 
 def due(interval: int, step: int, last: bool) -> bool:
@@ -558,7 +564,7 @@ def check_outputs(
     # fail now, not after days of training
     files = [CONFIG_FILE, METRICS_FILE, LOSS_PLOT]
     files += [SAMPLES_FILE] if cfg.sample_interval else []
-    files += [EVALS_PLOT] if cfg.eval_tasks else []
+    files += [EVALS_PLOT] if cfg.scores_tasks() else []
     in_the_way = outputs_in_the_way(
         Path(cfg.out_dir), step, resumed_from, Path(cfg.data_dir), files, [EXPORT_DIR] if cfg.export_hf else []
     )
@@ -615,7 +621,7 @@ def build_data(
             if accelerator.is_local_main_process:
                 ensure_default_corpus(cfg.data_dir, log=accelerator.print)
     manifest = read_same_data(accelerator, cfg.data_dir)
-    if cfg.eval_tasks:
+    if cfg.scores_tasks():
         with accelerator.local_main_process_first():
             for task in parse_tasks(cfg.eval_tasks):
                 load_examples(task, cfg.eval_limit)
@@ -901,7 +907,7 @@ def write_outputs(run: Run) -> None:
     final = checkpoints[-1] if checkpoints else run.resumed_from
     kept = f"the final checkpoint {final} and metrics.jsonl are complete"
     if accelerator.is_main_process:
-        for plot, png in [(plot_losses, LOSS_PLOT)] + ([(plot_evals, EVALS_PLOT)] if cfg.eval_tasks else []):
+        for plot, png in [(plot_losses, LOSS_PLOT)] + ([(plot_evals, EVALS_PLOT)] if cfg.scores_tasks() else []):
             with disk_full_reported(run_dir / png, kept):
                 plot(run_dir / METRICS_FILE, run_dir / png)
     if cfg.export_hf:
@@ -910,7 +916,7 @@ def write_outputs(run: Run) -> None:
             with disk_full_reported(run_dir / EXPORT_DIR, kept):
                 export_final(run_dir, export_model, run.progress.step)
                 write_model_card(run_dir, cfg.push_to_hub or None)
-    written = [LOSS_PLOT, *([EVALS_PLOT] if cfg.eval_tasks else []), *([f"{EXPORT_DIR}/"] if cfg.export_hf else [])]
+    written = [LOSS_PLOT, *([EVALS_PLOT] if cfg.scores_tasks() else []), *([f"{EXPORT_DIR}/"] if cfg.export_hf else [])]
     accelerator.print(f"run folder: {run_dir} (checkpoints: {len(checkpoints)}, {', '.join(written)})")
     if cfg.push_to_hub and accelerator.is_main_process:
         accelerator.print(f"pushed to {push(run_dir, cfg.push_to_hub, private=cfg.hub_private_repo)}")

@@ -200,16 +200,17 @@ def test_the_rewarm_warning_names_the_checkpoint_from_before_the_decay(tmp_path)
     assert rewarm_warning(cfg, run_dir / "checkpoints/step-00000009", 9, 20, 0.55, ours) is None  # the branch
 
 
-def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path):
-    """--muon-lr under --optimizer adamw, --decay-fraction under --lr-schedule cosine: the run trained as if they were
-    not given, with no word. Only what the run config or flags set is named; the defaults never are."""
+def test_settings_the_run_never_reads_are_warned(tmp_path):
+    """--muon-lr under --optimizer adamw, --decay-fraction under --lr-schedule cosine, --eval-tasks with --eval-interval
+    0: the run trained as if they were not given, with no word. Only what the run config or flags set is named; the
+    defaults never are."""
     assert unused_settings_warning(parse_config(["--optimizer", "adamw", "--lr-schedule", "cosine"])[0]) is None
     assert unused_settings_warning(parse_config(["--muon-lr", "0.01", "--decay-fraction", "0.3"])[0]) is None
     cfg, _ = parse_config(
         ["--optimizer", "adamw", "--lr-schedule", "cosine", "--muon-lr", "0.01", "--decay-fraction", "0.3"]
     )
     assert unused_settings_warning(cfg) == (
-        "warning: set but never read by this run's optimizer adamw and lr_schedule cosine: muon_lr (optimizer muon "
+        "warning: set but never read by this run (optimizer adamw, lr_schedule cosine): muon_lr (optimizer muon "
         "only), decay_fraction (lr_schedule wsd only); they change nothing"
     )
     run_config = tmp_path / "run.yaml"
@@ -222,8 +223,15 @@ def test_settings_the_runs_optimizer_or_schedule_never_reads_are_warned(tmp_path
     # --decay-steps decides the decay's length: a --decay-fraction beside it is not read either
     both, _ = parse_config(["--max-steps", "14", "--decay-steps", "4", "--decay-fraction", "0.3"])
     assert unused_settings_warning(both) == (
-        "warning: set but never read by this run's optimizer muon and lr_schedule wsd: decay_fraction (decay_steps 0 "
-        "only); they change nothing"
+        "warning: set but never read by this run (decay_steps 4): decay_fraction (decay_steps 0 only); they change "
+        "nothing"
+    )
+    # with --eval-interval 0 there are no val evals: the tasks they would score were never scored, with no word
+    evals = ["--eval-tasks", "hellaswag", "--eval-limit", "8"]
+    assert unused_settings_warning(parse_config(["--eval-interval", "5", *evals])[0]) is None
+    assert unused_settings_warning(parse_config(["--eval-interval", "0", *evals])[0]) == (
+        "warning: set but never read by this run (eval_interval 0): eval_tasks (eval_interval above 0 only), "
+        "eval_limit (eval_interval above 0 only); they change nothing"
     )
 
 

@@ -200,3 +200,20 @@ def test_a_swap_killed_while_removing_the_old_copy_does_not_block_the_next(tmp_p
     swap_in(tmp_path / "export.tmp", tmp_path / "export")
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
     assert (tmp_path / "export" / "config.json").read_text() == "the new export"
+
+
+def test_a_run_that_scores_no_task_writes_no_evals_plot(prepared_books, tmp_path, capsys, fresh_accelerate_state):
+    """--eval-tasks with --eval-interval 0 (no val evals, so no scores; the start-up warns: test_loop.py): the run's
+    end wrote an empty evals.png and listed it among its outputs."""
+    cfg = dataclasses.replace(tiny_config(prepared_books, tmp_path / "run"), eval_tasks="hellaswag", export_hf=False)
+    run = setup(cfg)
+    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
+    while run.progress.step < run.total_steps:
+        metrics.step_started()
+        out = trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(run.progress.step)
+        metrics.log(run.progress.step, out)
+    write_outputs(run)
+    assert (run.run_dir / "loss.png").is_file() and not (run.run_dir / "evals.png").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == f"run folder: {run.run_dir} (checkpoints: 0, loss.png)"
