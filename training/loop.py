@@ -208,8 +208,11 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
     )
 
 
-# What the val evals alone read: with eval_interval 0 there are none.
-EVAL_SETTINGS = ("eval_windows", "eval_tasks", "eval_limit")
+# What the val evals alone read (eval_interval 0: none) and the samples (sample_interval 0: none), that a user gives
+# expecting scores or samples; eval_windows and sample_tokens, which recipe YAMLs set, are left unnamed (a benchmark
+# that turns the run's evals off measures its own over eval_windows).
+EVAL_SETTINGS = ("eval_tasks", "eval_limit")
+SAMPLE_SETTINGS = ("sample_prompt",)
 # The settings that one optimizer or schedule reads alone -> (the field that chooses it, its value).
 READ_ONLY_UNDER = {
     "muon_lr": ("optimizer", "muon"),
@@ -222,8 +225,8 @@ READ_ONLY_UNDER = {
 
 def unused_settings_warning(cfg: TrainConfig) -> str | None:
     """One warning line naming what the run config or flags set that this run never reads (--muon-lr under adamw,
-    --decay-fraction under cosine or beside --decay-steps, --eval-tasks with --eval-interval 0): such a run trained
-    as if they were not given, with no word. None otherwise."""
+    --decay-fraction under cosine or beside --decay-steps, --eval-tasks with --eval-interval 0, --sample-prompt with
+    --sample-interval 0): such a run trained as if they were not given, with no word. None otherwise."""
     unused = [  # (the setting, the setting of this run that leaves it unread, what that would have to be)
         (name, key, f"{key} {value} only")
         for name, (key, value) in READ_ONLY_UNDER.items()
@@ -231,14 +234,17 @@ def unused_settings_warning(cfg: TrainConfig) -> str | None:
     ]
     if "decay_fraction" in cfg.explicit and cfg.decay_steps and cfg.lr_schedule == "wsd":  # decay_steps decides
         unused.append(("decay_fraction", "decay_steps", "decay_steps 0 only"))
-    if not cfg.eval_interval:  # no val evals: nothing is scored nor measured over windows
-        unused += [
-            (name, "eval_interval", "eval_interval above 0 only") for name in EVAL_SETTINGS if name in cfg.explicit
-        ]
+    off = [("eval_interval", EVAL_SETTINGS), ("sample_interval", SAMPLE_SETTINGS)]  # no val evals, no samples
+    for key, names in off:
+        if not getattr(cfg, key):
+            given = [name for name in names if name in cfg.explicit and getattr(cfg, name) not in ("", None)]
+            unused += [(name, key, f"{key} above 0 only") for name in given]
+    if cfg.eval_interval and cfg.eval_limit is not None and not cfg.eval_tasks:  # the val loss alone: no examples
+        unused.append(("eval_limit", "eval_tasks", "eval_tasks set only"))
     if not unused:
         return None
     keys = dict.fromkeys(key for _, key, _ in unused)  # in order, once each
-    this_run = ", ".join(f"{key} {getattr(cfg, key)}" for key in keys)
+    this_run = ", ".join(f"{key} {getattr(cfg, key) if getattr(cfg, key) != '' else 'none'}" for key in keys)
     named = ", ".join(f"{name} ({only})" for name, _, only in unused)
     return f"warning: set but never read by this run ({this_run}): {named}; they change nothing"
 

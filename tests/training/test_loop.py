@@ -229,9 +229,21 @@ def test_settings_the_run_never_reads_are_warned(tmp_path):
     # with --eval-interval 0 there are no val evals: the tasks they would score were never scored, with no word
     evals = ["--eval-tasks", "hellaswag", "--eval-limit", "8"]
     assert unused_settings_warning(parse_config(["--eval-interval", "5", *evals])[0]) is None
+    # no tasks, said so (bench.time_to_loss's runs), and a recipe's eval_windows, which a benchmark reads itself
+    assert (
+        unused_settings_warning(parse_config(["--eval-interval", "0", "--eval-tasks", "", "--eval-windows", "8"])[0])
+        is None
+    )
     assert unused_settings_warning(parse_config(["--eval-interval", "0", *evals])[0]) == (
         "warning: set but never read by this run (eval_interval 0): eval_tasks (eval_interval above 0 only), "
         "eval_limit (eval_interval above 0 only); they change nothing"
+    )
+    # a limit on no task's examples, and a prompt for samples never drawn
+    assert unused_settings_warning(
+        parse_config(["--eval-limit", "8", "--sample-interval", "0", "--sample-prompt", "Hi"])[0]
+    ) == (
+        "warning: set but never read by this run (sample_interval 0, eval_tasks none): sample_prompt (sample_interval "
+        "above 0 only), eval_limit (eval_tasks set only); they change nothing"
     )
 
 
