@@ -422,8 +422,9 @@ def _steps(config: dict, rows: list[dict], step: int) -> str:
         return f"{step:,}"
     if step < planned:
         return f"{step:,} of {planned:,} planned (stopped early: the lr schedule above did not run to its end)"
-    if budget := config.get("time_budget_minutes"):  # the count it decided: as many steps as fit, up to max_steps
-        return f"{step:,} (the count a {budget:g}-minute time budget set, {config['max_steps']:,} at most)"
+    if budget := config.get("time_budget_minutes"):  # the count it decided: as many steps as fit, up to its cap
+        cap = f"{config['max_tokens']:,} tokens" if config.get("max_tokens") else f"{config['max_steps']:,}"
+        return f"{step:,} (the count a {budget:g}-minute time budget set, {cap} at most)"
     return f"{step:,}"
 
 

@@ -239,6 +239,8 @@ def unused_settings_warning(cfg: TrainConfig) -> str | None:
         if not getattr(cfg, key):
             given = [name for name in names if name in cfg.explicit and getattr(cfg, name) not in ("", None)]
             unused += [(name, key, f"{key} above 0 only") for name in given]
+    if {"max_steps", "max_tokens"} <= cfg.explicit and cfg.max_tokens is not None:  # the token budget decides
+        unused.append(("max_steps", "max_tokens", "max_tokens unset only"))
     if cfg.eval_interval and cfg.eval_limit is not None and not cfg.eval_tasks:  # the val loss alone: no examples
         unused.append(("eval_limit", "eval_tasks", "eval_tasks set only"))
     if not unused:

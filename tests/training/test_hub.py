@@ -305,6 +305,8 @@ def test_the_card_says_where_each_launch_of_a_resumed_run_trained(finished_run):
         # ... and one that ran to the count it decided says the budget set it (make train's: 5 minutes, 600 at most)
         ({"max_steps": 600, "time_budget_minutes": 5.0}, [{"step": 1, "total_steps": 1}],
          "| optimizer steps | 1 (the count a 5-minute time budget set, 600 at most) |"),
+        ({"max_tokens": 4096, "time_budget_minutes": 5.0}, [{"step": 1, "total_steps": 1}],
+         "| optimizer steps | 1 (the count a 5-minute time budget set, 4,096 tokens at most) |"),
         ({"max_steps": 1}, [], "| optimizer steps | 1 |"),  # a finished run
         # a time-budget run went on with the budget off (--time-budget-minutes 0 --max-steps 4): max_steps decides
         ({"max_steps": 4}, [{"step": 1, "total_steps": 1}], "| optimizer steps | 1 of 4 planned (stopped early"),

@@ -238,6 +238,11 @@ def test_settings_the_run_never_reads_are_warned(tmp_path):
         "warning: set but never read by this run (eval_interval 0): eval_tasks (eval_interval above 0 only), "
         "eval_limit (eval_interval above 0 only); they change nothing"
     )
+    # the token budget decides the run's length: a --max-steps beside it is not read
+    assert unused_settings_warning(parse_config(["--max-steps", "50", "--max-tokens", "4096"])[0]) == (
+        "warning: set but never read by this run (max_tokens 4096): max_steps (max_tokens unset only); they change "
+        "nothing"
+    )
     # a limit on no task's examples, and a prompt for samples never drawn
     assert unused_settings_warning(
         parse_config(["--eval-limit", "8", "--sample-interval", "0", "--sample-prompt", "Hi"])[0]
