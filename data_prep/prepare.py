@@ -7,7 +7,8 @@ go to `num_proc` worker processes that read, clean and tokenize them, while this
 their tokens, in order, to the split's shard files and one line per book to `documents.jsonl`.
 Memory is bounded by the batches in flight, not by the corpus.
 
-Documents go to train or val by a hash of their id (adding books never moves the others), or as
+Documents go to train or val by a hash of their id (adding books never moves the others, except in a
+library so small that no id hashes into val: its lowest hash goes there, until a new book's is lower), or as
 their source splits them (PG-19: its validation and test books are val). A book whose tokens equal an
 earlier book's is left out, with a `skipping` line naming both. The
 dataset is built in `.NAME.build/` next to `--out` and swapped in by renames at the end, so an
