@@ -28,7 +28,7 @@ from training.export import ExportError
 from training.export import main as export_main
 from training.export_check import ExportCheck
 from training.hub import HubError
-from training.loop import TrainMetrics, check_outputs, setup, trainer_for, write_outputs
+from training.loop import Run, TrainMetrics, check_outputs, setup, trainer_for, write_outputs
 
 
 def tiny_config(data_dir, out_dir) -> TrainConfig:
@@ -42,6 +42,17 @@ def python_path_with(monkeypatch, folder: Path, module: str, code: str) -> None:
     """PYTHONPATH leads with `folder`, where `module` is `code`: what the processes this test starts import."""
     (folder / f"{module}.py").write_text(code)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+
+
+def train_logged(run: Run) -> None:
+    """Train the run to its end, each step logged: metrics.jsonl's train rows, which the card and loss.png read."""
+    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
+    while run.progress.step < run.total_steps:
+        metrics.step_started()
+        out = trainer.train_step(batches)
+        trainer.settle()
+        metrics.step_finished(run.progress.step)
+        metrics.log(run.progress.step, out)
 
 
 EXPORT_FAILS = r"^the export at the end of this run would fail \({}\); fix that, or train without it: --export-hf false"
@@ -144,13 +155,7 @@ def test_a_failed_export_keeps_the_checkpoints_and_names_the_command_that_export
 ):
     monkeypatch.setitem(sys.modules, "blobfile", None)  # as an image without blobfile: checked, then exported
     run = setup(tiny_config(prepared_books, tmp_path / "run"))
-    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
-    while run.progress.step < run.total_steps:
-        metrics.step_started()
-        out = trainer.train_step(batches)
-        trainer.settle()
-        metrics.step_finished(run.progress.step)
-        metrics.log(run.progress.step, out)  # metrics.jsonl's train rows, which the model card reports
+    train_logged(run)
     save_checkpoint(run.accelerator, run.run_dir, 2, 2, {"step": 2}, run.checkpoint_bytes)
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
 
@@ -207,13 +212,7 @@ def test_a_run_that_scores_no_task_writes_no_evals_plot(prepared_books, tmp_path
     end wrote an empty evals.png and listed it among its outputs."""
     cfg = dataclasses.replace(tiny_config(prepared_books, tmp_path / "run"), eval_tasks="hellaswag", export_hf=False)
     run = setup(cfg)
-    trainer, batches, metrics = trainer_for(run, stop=False), iter(run.train_loader), TrainMetrics(run)
-    while run.progress.step < run.total_steps:
-        metrics.step_started()
-        out = trainer.train_step(batches)
-        trainer.settle()
-        metrics.step_finished(run.progress.step)
-        metrics.log(run.progress.step, out)
+    train_logged(run)
     write_outputs(run)
     assert (run.run_dir / "loss.png").is_file() and not (run.run_dir / "evals.png").exists()
     assert capsys.readouterr().out.splitlines()[-1] == f"run folder: {run.run_dir} (checkpoints: 0, loss.png)"
